@@ -1,0 +1,19 @@
+//! Llama, Mistral and OPT causal language models in Burn, with LoRA adapters, loaded from
+//! Hugging Face folders or llama2.c checkpoints.
+
+pub mod config;
+pub mod error;
+pub mod llama;
+pub mod llama2c;
+pub mod lora;
+pub mod model;
+pub mod norm;
+pub mod opt;
+pub mod rope;
+pub mod tokenizer;
+pub mod weights;
+
+pub use config::ModelConfig;
+pub use error::{Error, Result};
+pub use lora::LoraConfig;
+pub use model::{CausalLm, KvCache};

@@ -1,0 +1,171 @@
+//! Llama-2/3, TinyLlama and Mistral, as in Hugging Face's `modeling_llama.py`/`modeling_mistral.py`:
+//!
+//! ```text
+//! h_0 = embed(tokens)
+//! a_l = h_l + o_proj(attention(rope(q_proj(rms(h_l))), rope(k_proj(rms(h_l))), v_proj(rms(h_l))))
+//! h_{l+1} = a_l + down_proj(silu(gate_proj(rms(a_l))) * up_proj(rms(a_l)))
+//! logits = lm_head(rms(h_L))            (lm_head = embed when tied)
+//! ```
+//! Attention is causal, grouped-query (each K/V head serves `heads / kv_heads` query heads), and
+//! for Mistral limited to a sliding window.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::silu;
+use burn::tensor::{Int, Tensor, backend::Backend};
+use lemo_kernels::{AttentionOptions, LemoBackend, attention::attention};
+
+use crate::config::LlamaConfig;
+use crate::lora::Linear;
+use crate::model::{KvCache, LayerCache, append_to_cache, embed};
+use crate::norm::RmsNorm;
+use crate::rope::RotaryEmbedding;
+use crate::weights::Loader;
+use crate::Result;
+
+#[derive(Module, Debug)]
+pub struct LlamaAttention<B: Backend> {
+    pub q_proj: Linear<B>,
+    pub k_proj: Linear<B>,
+    pub v_proj: Linear<B>,
+    pub o_proj: Linear<B>,
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub sliding_window: Option<usize>,
+}
+
+impl<B: LemoBackend> LlamaAttention<B> {
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        cos_sin: &(Tensor<B, 2>, Tensor<B, 2>),
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Tensor<B, 3> {
+        let [batch, len, _] = x.dims();
+        let heads = |t: Tensor<B, 3>, n: usize| t.reshape([batch, len, n, self.head_dim]).swap_dims(1, 2);
+        let (cos, sin) = cos_sin;
+        let q = RotaryEmbedding::apply(heads(self.q_proj.forward(x.clone()), self.num_heads), cos, sin);
+        let k = RotaryEmbedding::apply(heads(self.k_proj.forward(x.clone()), self.num_kv_heads), cos, sin);
+        let v = heads(self.v_proj.forward(x), self.num_kv_heads);
+        let (k, v) = append_to_cache(cache, k, v);
+        let options = AttentionOptions { sliding_window: self.sliding_window, ..AttentionOptions::causal(self.head_dim) };
+        let out = attention(q, k, v, options).swap_dims(1, 2).reshape([batch, len, self.num_heads * self.head_dim]);
+        self.o_proj.forward(out)
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct LlamaMlp<B: Backend> {
+    pub gate_proj: Linear<B>,
+    pub up_proj: Linear<B>,
+    pub down_proj: Linear<B>,
+}
+
+impl<B: Backend> LlamaMlp<B> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.down_proj.forward(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct LlamaLayer<B: Backend> {
+    pub input_layernorm: RmsNorm<B>,
+    pub self_attn: LlamaAttention<B>,
+    pub post_attention_layernorm: RmsNorm<B>,
+    pub mlp: LlamaMlp<B>,
+}
+
+impl<B: LemoBackend> LlamaLayer<B> {
+    fn forward(
+        &self,
+        h: Tensor<B, 3>,
+        cos_sin: &(Tensor<B, 2>, Tensor<B, 2>),
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Tensor<B, 3> {
+        let a = h.clone() + self.self_attn.forward(self.input_layernorm.forward(h), cos_sin, cache);
+        a.clone() + self.mlp.forward(self.post_attention_layernorm.forward(a))
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Llama<B: Backend> {
+    /// `[vocab, hidden]`
+    pub embed_tokens: Param<Tensor<B, 2>>,
+    pub layers: Vec<LlamaLayer<B>>,
+    pub norm: RmsNorm<B>,
+    /// `[vocab, hidden]`; `None` when tied to `embed_tokens`.
+    pub lm_head: Option<Param<Tensor<B, 2>>>,
+    pub rotary: RotaryEmbedding<B>,
+}
+
+impl<B: LemoBackend> Llama<B> {
+    /// Builds the model from Hugging Face tensor names (`model.layers.{i}.self_attn.q_proj.weight`, ...).
+    pub fn load(config: &LlamaConfig, loader: &mut Loader<B>) -> Result<Self> {
+        let (hidden, head_dim) = (config.hidden_size, config.head_dim);
+        let q_width = config.num_attention_heads * head_dim;
+        let kv_width = config.num_key_value_heads * head_dim;
+        let mut linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<B>> {
+            let weight = loader.required(&format!("{name}.weight"), [out, inp])?;
+            let bias = if bias { Some(loader.required(&format!("{name}.bias"), [out])?) } else { None };
+            Ok(Linear::new(weight, bias))
+        };
+        let mut layers = Vec::with_capacity(config.num_hidden_layers);
+        for i in 0..config.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let (ab, mb) = (config.attention_bias, config.mlp_bias);
+            let self_attn = LlamaAttention {
+                q_proj: linear(&format!("{p}.self_attn.q_proj"), q_width, hidden, ab)?,
+                k_proj: linear(&format!("{p}.self_attn.k_proj"), kv_width, hidden, ab)?,
+                v_proj: linear(&format!("{p}.self_attn.v_proj"), kv_width, hidden, ab)?,
+                o_proj: linear(&format!("{p}.self_attn.o_proj"), hidden, q_width, ab)?,
+                num_heads: config.num_attention_heads,
+                num_kv_heads: config.num_key_value_heads,
+                head_dim,
+                sliding_window: config.sliding_window,
+            };
+            let mlp = LlamaMlp {
+                gate_proj: linear(&format!("{p}.mlp.gate_proj"), config.intermediate_size, hidden, mb)?,
+                up_proj: linear(&format!("{p}.mlp.up_proj"), config.intermediate_size, hidden, mb)?,
+                down_proj: linear(&format!("{p}.mlp.down_proj"), hidden, config.intermediate_size, mb)?,
+            };
+            let input_layernorm = RmsNorm::new(loader.required(&format!("{p}.input_layernorm.weight"), [hidden])?, config.rms_norm_eps);
+            let post_attention_layernorm =
+                RmsNorm::new(loader.required(&format!("{p}.post_attention_layernorm.weight"), [hidden])?, config.rms_norm_eps);
+            layers.push(LlamaLayer { input_layernorm, self_attn, post_attention_layernorm, mlp });
+        }
+        let embed_tokens = loader.required("model.embed_tokens.weight", [config.vocab_size, hidden])?;
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(loader.required("lm_head.weight", [config.vocab_size, hidden])?)
+        };
+        Ok(Self {
+            embed_tokens: Param::from_tensor(embed_tokens).set_require_grad(false),
+            layers,
+            norm: RmsNorm::new(loader.required("model.norm.weight", [hidden])?, config.rms_norm_eps),
+            lm_head: lm_head.map(|w| Param::from_tensor(w).set_require_grad(false)),
+            rotary: RotaryEmbedding::new(&config.rope, head_dim, &loader.device),
+        })
+    }
+
+    /// Final normalized hidden states `[batch, len, hidden]` of `tokens: [batch, len]` at
+    /// `positions: [len]`; with a cache, the tokens continue the cached sequence.
+    pub fn hidden_states(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        positions: Tensor<B, 1, Int>,
+        mut cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
+        let cos_sin = self.rotary.cos_sin(positions);
+        let mut h = embed(&self.embed_tokens.val(), tokens);
+        for (i, layer) in self.layers.iter().enumerate() {
+            h = layer.forward(h, &cos_sin, cache.as_deref_mut().map(|c| &mut c.layers[i]));
+        }
+        self.norm.forward(h)
+    }
+
+    /// `[vocab, hidden]`: the output projection (the embedding when tied).
+    pub fn lm_head_weight(&self) -> Tensor<B, 2> {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens).val()
+    }
+}

@@ -1,0 +1,133 @@
+//! Linear layers with frozen base weights and an optional low-rank adapter:
+//! `y = x W^T + b + (alpha / r) * dropout(x) A^T B^T`, with `A: [r, in]` and `B: [out, r]`
+//! named and shaped as in Hugging Face PEFT (`lora_A`, `lora_B`).
+
+use burn::module::{Module, Param};
+use burn::nn::{Dropout, DropoutConfig};
+use burn::tensor::{Distribution, Tensor, backend::Backend};
+
+/// Where adapters go, how large they are, and what else trains with them.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LoraConfig {
+    pub rank: usize,
+    pub alpha: f64,
+    pub dropout: f64,
+    /// Projection names, as in PEFT's `target_modules`: q_proj, k_proj, v_proj, o_proj,
+    /// gate_proj, up_proj, down_proj (OPT: q_proj, k_proj, v_proj, out_proj, fc1, fc2).
+    pub target_modules: Vec<String>,
+    /// LongLoRA's setting: token embeddings train too.
+    pub train_embeddings: bool,
+    /// LongLoRA's setting: normalization weights train too.
+    pub train_norms: bool,
+}
+
+impl Default for LoraConfig {
+    fn default() -> Self {
+        Self {
+            rank: 8,
+            alpha: 16.0,
+            dropout: 0.0,
+            target_modules: ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec(),
+            train_embeddings: false,
+            train_norms: false,
+        }
+    }
+}
+
+impl LoraConfig {
+    pub fn scaling(&self) -> f64 {
+        self.alpha / self.rank as f64
+    }
+
+    pub fn targets(&self, projection: &str) -> bool {
+        self.target_modules.iter().any(|m| m == projection)
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Lora<B: Backend> {
+    /// `lora_A`: `[rank, in]`, Kaiming-uniform initialized as PEFT does.
+    pub a: Param<Tensor<B, 2>>,
+    /// `lora_B`: `[out, rank]`, zero at initialization so training starts from the base model.
+    pub b: Param<Tensor<B, 2>>,
+    pub scaling: f64,
+    pub dropout: Dropout,
+}
+
+/// A linear projection stored as `[out, in]` (the checkpoint's layout), base weights frozen.
+#[derive(Module, Debug)]
+pub struct Linear<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    pub lora: Option<Lora<B>>,
+}
+
+impl<B: Backend> Linear<B> {
+    pub fn new(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
+        Self {
+            weight: Param::from_tensor(weight).set_require_grad(false),
+            bias: bias.map(|b| Param::from_tensor(b).set_require_grad(false)),
+            lora: None,
+        }
+    }
+
+    pub fn in_features(&self) -> usize {
+        self.weight.dims()[1]
+    }
+
+    pub fn out_features(&self) -> usize {
+        self.weight.dims()[0]
+    }
+
+    /// Adds a fresh adapter (A random, B zero).
+    pub fn with_new_lora(self, config: &LoraConfig) -> Self {
+        let device = self.weight.device();
+        // PEFT: kaiming_uniform_(a=sqrt(5)) on [r, in], i.e. U(-1/sqrt(in), 1/sqrt(in)).
+        let bound = 1.0 / (self.in_features() as f64).sqrt();
+        let a = Tensor::random(
+            [config.rank, self.in_features()],
+            Distribution::Uniform(-bound, bound),
+            &device,
+        );
+        let b = Tensor::zeros([self.out_features(), config.rank], &device);
+        self.with_lora(a, b, config)
+    }
+
+    /// Attaches an adapter with the given `lora_A` and `lora_B` weights.
+    pub fn with_lora(mut self, a: Tensor<B, 2>, b: Tensor<B, 2>, config: &LoraConfig) -> Self {
+        self.lora = Some(Lora {
+            a: Param::from_tensor(a),
+            b: Param::from_tensor(b),
+            scaling: config.scaling(),
+            dropout: DropoutConfig::new(config.dropout).init(),
+        });
+        self
+    }
+
+    /// Folds the adapter into the base weight: `W + scaling * B A`.
+    pub fn merge_lora(mut self) -> Self {
+        if let Some(lora) = self.lora.take() {
+            let delta = lora.b.val().matmul(lora.a.val()).mul_scalar(lora.scaling);
+            let merged = self.weight.val() + delta;
+            self.weight = Param::from_tensor(merged.detach()).set_require_grad(false);
+        }
+        self
+    }
+
+    /// `x: [..., in] -> [..., out]`.
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let mut out_dims = x.dims();
+        out_dims[D - 1] = self.out_features();
+        let rows: usize = x.dims()[..D - 1].iter().product();
+        let x2 = x.reshape([rows, self.in_features()]);
+        let mut y = x2.clone().matmul(self.weight.val().transpose());
+        if let Some(bias) = &self.bias {
+            y = y + bias.val().unsqueeze_dim(0);
+        }
+        if let Some(lora) = &self.lora {
+            let low_rank = lora.dropout.forward(x2).matmul(lora.a.val().transpose());
+            y = y + low_rank.matmul(lora.b.val().transpose()).mul_scalar(lora.scaling);
+        }
+        y.reshape(out_dims)
+    }
+}

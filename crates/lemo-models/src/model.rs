@@ -1,0 +1,262 @@
+//! The architecture-independent face of a causal LM: loading from a path, the KV cache, LoRA
+//! wiring and next-token cross-entropy.
+
+use std::path::Path;
+
+use burn::module::Module;
+use burn::tensor::{Int, Tensor, backend::Backend};
+use lemo_kernels::LemoBackend;
+
+use crate::config::ModelConfig;
+use crate::llama::Llama;
+use crate::llama2c::Llama2cCheckpoint;
+use crate::lora::{Linear, LoraConfig};
+use crate::opt::Opt;
+use crate::weights::{Loader, SafetensorsWeights, WeightSource};
+use crate::{Error, Result};
+
+#[derive(Module, Debug)]
+pub enum CausalLm<B: Backend> {
+    Llama(Llama<B>),
+    Opt(Opt<B>),
+}
+
+/// Keys and values of one layer, `[batch, kv_heads, cached_len, head_dim]` each.
+pub type LayerCache<B> = Option<(Tensor<B, 4>, Tensor<B, 4>)>;
+
+/// Keys and values of every layer for incremental decoding.
+pub struct KvCache<B: Backend> {
+    pub layers: Vec<LayerCache<B>>,
+    /// Tokens already processed.
+    pub len: usize,
+}
+
+impl<B: Backend> KvCache<B> {
+    pub fn new(num_layers: usize) -> Self {
+        Self { layers: vec![None; num_layers], len: 0 }
+    }
+}
+
+/// Appends this step's keys and values to the layer's cache (if any) and returns the full ones.
+pub(crate) fn append_to_cache<B: Backend>(
+    cache: Option<&mut LayerCache<B>>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let Some(slot) = cache else { return (k, v) };
+    let (k, v) = match slot.take() {
+        Some((past_k, past_v)) => (Tensor::cat(vec![past_k, k], 2), Tensor::cat(vec![past_v, v], 2)),
+        None => (k, v),
+    };
+    *slot = Some((k.clone(), v.clone()));
+    (k, v)
+}
+
+/// Embedding lookup: rows of `table: [vocab, dim]` for `tokens: [batch, len]`.
+pub(crate) fn embed<B: Backend>(table: &Tensor<B, 2>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+    let [batch, len] = tokens.dims();
+    let [_, dim] = table.dims();
+    table.clone().select(0, tokens.reshape([batch * len])).reshape([batch, len, dim])
+}
+
+/// A model folder or checkpoint file, recognized by its shape on disk.
+pub enum ModelFormat {
+    /// A Hugging Face folder: `config.json` plus `*.safetensors`.
+    HuggingFace,
+    /// A llama2.c v0 checkpoint `.bin`.
+    Llama2c,
+}
+
+impl ModelFormat {
+    pub fn detect(path: &Path) -> Result<Self> {
+        if path.is_dir() {
+            if !path.join("config.json").exists() {
+                return Err(Error::format(path, "model folder has no config.json"));
+            }
+            Ok(ModelFormat::HuggingFace)
+        } else if path.is_file() {
+            if path.extension().is_some_and(|e| e == "bin") {
+                Ok(ModelFormat::Llama2c)
+            } else {
+                Err(Error::format(path, "expected a Hugging Face model folder or a llama2.c .bin checkpoint"))
+            }
+        } else {
+            Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder")))
+        }
+    }
+}
+
+impl<B: LemoBackend> CausalLm<B> {
+    /// Loads a Hugging Face folder or a llama2.c checkpoint onto `device`.
+    pub fn from_path(path: &Path, device: &B::Device) -> Result<(Self, ModelConfig)> {
+        match ModelFormat::detect(path)? {
+            ModelFormat::HuggingFace => {
+                let config = ModelConfig::from_file(path)?;
+                let mut weights = SafetensorsWeights::open(path)?;
+                let model = Self::build(&config, &mut weights, device).map_err(|e| match e {
+                    Error::Shape(message) => Error::format(path, message),
+                    other => other,
+                })?;
+                Ok((model, config))
+            }
+            ModelFormat::Llama2c => {
+                let mut checkpoint = Llama2cCheckpoint::open(path)?;
+                let config = ModelConfig::Llama(checkpoint.config().clone());
+                let model = Self::build(&config, &mut checkpoint, device)?;
+                Ok((model, config))
+            }
+        }
+    }
+
+    /// Builds a model of `config` from any weight source (a checkpoint, or random weights).
+    pub fn build(config: &ModelConfig, source: &mut dyn WeightSource, device: &B::Device) -> Result<Self> {
+        let mut loader = Loader { source, device: device.clone() };
+        Ok(match config {
+            ModelConfig::Llama(c) => CausalLm::Llama(Llama::load(c, &mut loader)?),
+            ModelConfig::Opt(c) => CausalLm::Opt(Opt::load(c, &mut loader)?),
+        })
+    }
+
+    pub fn num_layers(&self) -> usize {
+        match self {
+            CausalLm::Llama(m) => m.layers.len(),
+            CausalLm::Opt(m) => m.layers.len(),
+        }
+    }
+
+    /// Final hidden states `[batch, len, dim]`; positions continue the cache when there is one,
+    /// and the cache grows by `len`.
+    pub fn hidden_states(&self, tokens: Tensor<B, 2, Int>, mut cache: Option<&mut KvCache<B>>) -> Tensor<B, 3> {
+        let [_, len] = tokens.dims();
+        let start = cache.as_ref().map_or(0, |c| c.len) as i64;
+        let positions = Tensor::arange(start..start + len as i64, &tokens.device());
+        let out = match self {
+            CausalLm::Llama(m) => m.hidden_states(tokens, positions, cache.as_deref_mut()),
+            CausalLm::Opt(m) => m.hidden_states(tokens, positions, cache.as_deref_mut()),
+        };
+        if let Some(cache) = cache {
+            cache.len += len;
+        }
+        out
+    }
+
+    /// `[vocab, dim]`: the output projection.
+    pub fn lm_head_weight(&self) -> Tensor<B, 2> {
+        match self {
+            CausalLm::Llama(m) => m.lm_head_weight(),
+            CausalLm::Opt(m) => m.lm_head_weight(),
+        }
+    }
+
+    /// Logits `[batch, len, vocab]`.
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>, cache: Option<&mut KvCache<B>>) -> Tensor<B, 3> {
+        let hidden = self.hidden_states(tokens, cache);
+        let [batch, len, dim] = hidden.dims();
+        let weight = self.lm_head_weight();
+        let [vocab, _] = weight.dims();
+        hidden.reshape([batch * len, dim]).matmul(weight.transpose()).reshape([batch, len, vocab])
+    }
+
+    /// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])`, and the
+    /// number of terms. The vocabulary projection runs `chunk_rows` positions at a time, so the
+    /// full `[len, vocab]` logits never exist at once.
+    pub fn next_token_loss_sum(&self, tokens: Tensor<B, 2, Int>, chunk_rows: usize) -> (Tensor<B, 1>, usize) {
+        let [batch, len] = tokens.dims();
+        let hidden = self.hidden_states(tokens.clone(), None);
+        let [_, _, dim] = hidden.dims();
+        let inputs = hidden.slice([0..batch, 0..len - 1]).reshape([batch * (len - 1), dim]);
+        let targets = tokens.slice([0..batch, 1..len]).reshape([batch * (len - 1)]);
+        (cross_entropy_sum(inputs, self.lm_head_weight(), targets, chunk_rows), batch * (len - 1))
+    }
+
+    /// Every linear projection with its Hugging Face module path (`model.layers.3.self_attn.q_proj`).
+    pub fn projections_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
+        match self {
+            CausalLm::Llama(m) => m
+                .layers
+                .iter_mut()
+                .enumerate()
+                .flat_map(|(i, l)| {
+                    let a = &mut l.self_attn;
+                    let f = &mut l.mlp;
+                    [
+                        ("self_attn.q_proj", &mut a.q_proj),
+                        ("self_attn.k_proj", &mut a.k_proj),
+                        ("self_attn.v_proj", &mut a.v_proj),
+                        ("self_attn.o_proj", &mut a.o_proj),
+                        ("mlp.gate_proj", &mut f.gate_proj),
+                        ("mlp.up_proj", &mut f.up_proj),
+                        ("mlp.down_proj", &mut f.down_proj),
+                    ]
+                    .map(|(n, lin)| (format!("model.layers.{i}.{n}"), lin))
+                })
+                .collect(),
+            CausalLm::Opt(m) => m
+                .layers
+                .iter_mut()
+                .enumerate()
+                .flat_map(|(i, l)| {
+                    let a = &mut l.self_attn;
+                    [
+                        ("self_attn.q_proj", &mut a.q_proj),
+                        ("self_attn.k_proj", &mut a.k_proj),
+                        ("self_attn.v_proj", &mut a.v_proj),
+                        ("self_attn.out_proj", &mut a.out_proj),
+                        ("fc1", &mut l.fc1),
+                        ("fc2", &mut l.fc2),
+                    ]
+                    .map(|(n, lin)| (format!("model.decoder.layers.{i}.{n}"), lin))
+                })
+                .collect(),
+        }
+    }
+
+    /// Adds fresh LoRA adapters to the projections `config` targets.
+    pub fn with_new_lora(mut self, config: &LoraConfig) -> Result<Self> {
+        let mut matched = 0;
+        for (name, linear) in self.projections_mut() {
+            if config.targets(name.rsplit('.').next().unwrap_or(&name)) {
+                *linear = linear.clone().with_new_lora(config);
+                matched += 1;
+            }
+        }
+        if matched == 0 {
+            return Err(Error::Config(format!(
+                "LoRA target modules {:?} match no projection of this model",
+                config.target_modules
+            )));
+        }
+        Ok(self)
+    }
+
+    /// Folds every adapter into its base weight.
+    pub fn merge_lora(mut self) -> Self {
+        for (_, linear) in self.projections_mut() {
+            *linear = linear.clone().merge_lora();
+        }
+        self
+    }
+}
+
+/// `sum_i logsumexp(x_i W^T) - (x_i W^T)[target_i]` over rows `x: [n, dim]`, `W: [vocab, dim]`,
+/// computed `chunk_rows` rows at a time.
+pub fn cross_entropy_sum<B: Backend>(
+    inputs: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    targets: Tensor<B, 1, Int>,
+    chunk_rows: usize,
+) -> Tensor<B, 1> {
+    let [rows, dim] = inputs.dims();
+    let weight_t = weight.transpose();
+    let mut total = Tensor::zeros([1], &inputs.device());
+    for start in (0..rows).step_by(chunk_rows.max(1)) {
+        let end = (start + chunk_rows).min(rows);
+        let logits = inputs.clone().slice([start..end, 0..dim]).matmul(weight_t.clone());
+        let max = logits.clone().max_dim(1).detach();
+        let log_sum_exp = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
+        let target_logit = logits.gather(1, targets.clone().slice([start..end]).reshape([end - start, 1]));
+        total = total + (log_sum_exp - target_logit).sum();
+    }
+    total
+}
+

@@ -1,0 +1,52 @@
+//! Normalizations, computed in the input's precision with f32 statistics on f32 backends.
+
+use burn::module::{Module, Param};
+use burn::tensor::{Tensor, backend::Backend};
+
+/// `x / sqrt(mean(x^2) + eps) * weight` (Llama).
+#[derive(Module, Debug)]
+pub struct RmsNorm<B: Backend> {
+    pub weight: Param<Tensor<B, 1>>,
+    pub eps: f64,
+}
+
+impl<B: Backend> RmsNorm<B> {
+    pub fn new(weight: Tensor<B, 1>, eps: f64) -> Self {
+        Self { weight: Param::from_tensor(weight).set_require_grad(false), eps }
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let mean_square = x.clone().square().mean_dim(D - 1);
+        x.div(mean_square.add_scalar(self.eps).sqrt()) * self.weight.val().unsqueeze()
+    }
+}
+
+/// `(x - mean) / sqrt(var + eps) * weight + bias` (OPT), weight and bias optional as in
+/// `layer_norm_elementwise_affine = false`.
+#[derive(Module, Debug)]
+pub struct LayerNorm<B: Backend> {
+    pub weight: Option<Param<Tensor<B, 1>>>,
+    pub bias: Option<Param<Tensor<B, 1>>>,
+    pub eps: f64,
+}
+
+impl<B: Backend> LayerNorm<B> {
+    pub fn new(weight: Option<Tensor<B, 1>>, bias: Option<Tensor<B, 1>>, eps: f64) -> Self {
+        let frozen = |t| Param::from_tensor(t).set_require_grad(false);
+        Self { weight: weight.map(frozen), bias: bias.map(frozen), eps }
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let mean = x.clone().mean_dim(D - 1);
+        let centered = x - mean;
+        let variance = centered.clone().square().mean_dim(D - 1);
+        let mut y = centered.div(variance.add_scalar(self.eps).sqrt());
+        if let Some(weight) = &self.weight {
+            y = y * weight.val().unsqueeze();
+        }
+        if let Some(bias) = &self.bias {
+            y = y + bias.val().unsqueeze();
+        }
+        y
+    }
+}

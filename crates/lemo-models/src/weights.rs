@@ -1,0 +1,194 @@
+//! Where a model's tensors come from. Models are built tensor by tensor from a [`WeightSource`]
+//! addressed by Hugging Face names, so a checkpoint is converted one tensor at a time and never
+//! held twice in memory: safetensors files are memory-mapped, and each tensor is decoded only
+//! when the model asks for it.
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::{Path, PathBuf};
+
+use burn::tensor::{Distribution, Tensor, TensorData, backend::Backend};
+use half::{bf16, f16};
+use memmap2::Mmap;
+use safetensors::{Dtype, SafeTensors, tensor::Metadata};
+
+use crate::{Error, Result};
+
+/// A source of f32 tensors by name. `shape` is what the model expects; a source must check it.
+pub trait WeightSource {
+    /// The named tensor's values in row-major order, or `None` if the source does not have it.
+    fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>>;
+}
+
+/// Builds Burn tensors on `device` from a [`WeightSource`].
+pub struct Loader<'a, B: Backend> {
+    pub source: &'a mut dyn WeightSource,
+    pub device: B::Device,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    pub fn optional<const D: usize>(&mut self, name: &str, shape: [usize; D]) -> Result<Option<Tensor<B, D>>> {
+        Ok(self
+            .source
+            .fetch(name, &shape)?
+            .map(|values| Tensor::from_data(TensorData::new(values, shape), &self.device)))
+    }
+
+    pub fn required<const D: usize>(&mut self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
+        self.optional(name, shape)?
+            .ok_or_else(|| Error::Shape(format!("checkpoint has no tensor {name:?} (expected shape {shape:?})")))
+    }
+}
+
+fn shape_mismatch(name: &str, found: &[usize], expected: &[usize]) -> Error {
+    Error::Shape(format!(
+        "config/weights mismatch: {name} has shape {found:?} in the checkpoint but the config implies {expected:?}"
+    ))
+}
+
+/// Hugging Face `*.safetensors` weights: one file, or shards listed in
+/// `model.safetensors.index.json`. Files are memory-mapped; nothing is read until fetched.
+pub struct SafetensorsWeights {
+    files: Vec<MappedFile>,
+    /// Tensor name -> index into `files`.
+    location: HashMap<String, usize>,
+}
+
+struct MappedFile {
+    path: PathBuf,
+    map: Mmap,
+    header_len: usize,
+    metadata: Metadata,
+}
+
+impl SafetensorsWeights {
+    /// Opens the weights of a model folder (or a single `.safetensors` file).
+    pub fn open(path: &Path) -> Result<Self> {
+        let files = if path.is_file() {
+            vec![path.to_path_buf()]
+        } else {
+            Self::shard_files(path)?
+        };
+        let mut weights = Self { files: Vec::new(), location: HashMap::new() };
+        for file in files {
+            let mapped = MappedFile::open(&file)?;
+            let index = weights.files.len();
+            for name in mapped.metadata.tensors().keys() {
+                weights.location.insert(name.clone(), index);
+            }
+            weights.files.push(mapped);
+        }
+        Ok(weights)
+    }
+
+    fn shard_files(dir: &Path) -> Result<Vec<PathBuf>> {
+        let index = dir.join("model.safetensors.index.json");
+        if index.exists() {
+            let text = std::fs::read_to_string(&index).map_err(|e| Error::io(&index, e))?;
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::format(&index, format!("invalid JSON: {e}")))?;
+            let map = json
+                .get("weight_map")
+                .and_then(|m| m.as_object())
+                .ok_or_else(|| Error::format(&index, "no \"weight_map\" object"))?;
+            let shards: BTreeSet<&str> = map.values().filter_map(|v| v.as_str()).collect();
+            return Ok(shards.into_iter().map(|s| dir.join(s)).collect());
+        }
+        let single = dir.join("model.safetensors");
+        if single.exists() {
+            return Ok(vec![single]);
+        }
+        let entries = std::fs::read_dir(dir).map_err(|e| Error::io(dir, e))?;
+        let mut found: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        found.sort();
+        if found.is_empty() {
+            return Err(Error::format(dir, "no *.safetensors weights in this folder"));
+        }
+        Ok(found)
+    }
+
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.location.keys().map(String::as_str)
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.location.contains_key(name)
+    }
+
+    /// The checkpoint's name for `name`: exact, or with/without a leading `model.` (OPT
+    /// checkpoints exist in both spellings).
+    fn resolve(&self, name: &str) -> Option<String> {
+        let candidates = [name.to_string(), name.strip_prefix("model.").unwrap_or(name).to_string(), format!("model.{name}")];
+        candidates.into_iter().find(|c| self.location.contains_key(c))
+    }
+}
+
+impl MappedFile {
+    fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: the file is opened read-only; lemo never writes checkpoints it has mapped.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let (header_len, metadata) = SafeTensors::read_metadata(&map)
+            .map_err(|e| Error::format(path, format!("truncated or corrupt safetensors file ({e})")))?;
+        Ok(Self { path: path.to_path_buf(), map, header_len, metadata })
+    }
+
+    fn decode(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
+        let info = self.metadata.info(name).expect("name resolved from this file's metadata");
+        let start = 8 + self.header_len + info.data_offsets.0;
+        let end = 8 + self.header_len + info.data_offsets.1;
+        let bytes = &self.map[start..end];
+        let values = match info.dtype {
+            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::BF16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            other => {
+                return Err(Error::format(&self.path, format!("tensor {name} has unsupported dtype {other:?}")));
+            }
+        };
+        Ok((info.shape.clone(), values))
+    }
+}
+
+impl WeightSource for SafetensorsWeights {
+    fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
+        let Some(resolved) = self.resolve(name) else { return Ok(None) };
+        let (found, values) = self.files[self.location[&resolved]].decode(&resolved)?;
+        if found != shape {
+            return Err(shape_mismatch(name, &found, shape));
+        }
+        Ok(Some(values))
+    }
+}
+
+/// Random weights for benchmarks and from-scratch training: N(0, std) for matrices and
+/// embeddings, ones for norm weights, zeros for biases (the Hugging Face initialization).
+pub struct RandomWeights {
+    pub std: f64,
+    pub seed: u64,
+}
+
+impl WeightSource for RandomWeights {
+    fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
+        let count: usize = shape.iter().product();
+        let is_norm = name.contains("norm") && name.ends_with(".weight");
+        let values = if name.ends_with(".bias") {
+            vec![0.0; count]
+        } else if is_norm {
+            vec![1.0; count]
+        } else {
+            // A different stream per tensor so adding a tensor doesn't shift the others.
+            let seed = name.bytes().fold(self.seed, |h, b| h.wrapping_mul(0x100000001b3).wrapping_add(b as u64));
+            let data = TensorData::random::<f32, _, _>(shape.to_vec(), Distribution::Normal(0.0, self.std), &mut seeded_rng(seed));
+            data.into_vec::<f32>().expect("f32 data")
+        };
+        Ok(Some(values))
+    }
+}
+
+fn seeded_rng(seed: u64) -> impl rand::Rng {
+    use rand::SeedableRng;
+    rand::rngs::StdRng::seed_from_u64(seed)
+}
