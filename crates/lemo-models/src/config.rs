@@ -30,15 +30,24 @@ impl ModelConfig {
     }
 
     pub fn from_json(json: Value) -> Result<Self> {
-        let model_type = json.get("model_type").and_then(Value::as_str).unwrap_or("");
+        let model_type = json.get("model_type").and_then(Value::as_str).unwrap_or("").to_string();
         let architecture = json
             .get("architectures")
             .and_then(|a| a.get(0))
             .and_then(Value::as_str)
-            .unwrap_or("");
+            .unwrap_or("")
+            .to_string();
         let parse = |what: &str| format!("invalid {what} config: ");
-        match (model_type, architecture) {
+        match (model_type.as_str(), architecture.as_str()) {
             ("llama" | "mistral", _) | ("", "LlamaForCausalLM" | "MistralForCausalLM") => {
+                let mut json = json;
+                if model_type == "mistral" {
+                    // transformers' MistralConfig defaults: an absent key is a 4096-token window
+                    // (null means none) and 8 KV heads.
+                    let object = json.as_object_mut().expect("config.json is an object");
+                    object.entry("sliding_window").or_insert(Value::from(4096));
+                    object.entry("num_key_value_heads").or_insert(Value::from(8));
+                }
                 let raw: RawLlamaConfig = serde_json::from_value(json)
                     .map_err(|e| Error::Config(parse("llama") + &e.to_string()))?;
                 Ok(ModelConfig::Llama(raw.resolve(model_type == "mistral")?))
@@ -112,7 +121,7 @@ pub struct RopeConfig {
 impl RopeConfig {
     /// Reads a transformers 5 `rope_parameters` object, or an older `rope_scaling` one
     /// (with `rope_theta` given separately).
-    fn from_json(params: Option<&Value>, theta: Option<f64>) -> Result<Self> {
+    fn from_json(params: Option<&Value>, theta: Option<f64>, max_position_embeddings: usize) -> Result<Self> {
         let field = |name: &str| params.and_then(|p| p.get(name)).and_then(Value::as_f64);
         let theta = field("rope_theta").or(theta).unwrap_or(10000.0);
         let rope_type = params
@@ -130,8 +139,8 @@ impl RopeConfig {
                 factor: required("factor")?,
                 low_freq_factor: required("low_freq_factor")?,
                 high_freq_factor: required("high_freq_factor")?,
-                original_max_position_embeddings: required("original_max_position_embeddings")?
-                    as usize,
+                original_max_position_embeddings: field("original_max_position_embeddings")
+                    .map_or(max_position_embeddings, |v| v as usize),
             },
             other => {
                 return Err(Error::Config(format!(
@@ -212,6 +221,7 @@ fn default_hidden_act() -> String {
 
 impl RawLlamaConfig {
     fn resolve(self, is_mistral: bool) -> Result<LlamaConfig> {
+
         if self.hidden_act != "silu" {
             return Err(Error::Config(format!(
                 "unsupported hidden_act {:?}: Llama-family models use silu",
@@ -240,7 +250,7 @@ impl RawLlamaConfig {
             head_dim,
             rms_norm_eps: self.rms_norm_eps,
             max_position_embeddings: self.max_position_embeddings,
-            rope: RopeConfig::from_json(rope_params, self.rope_theta)?,
+            rope: RopeConfig::from_json(rope_params, self.rope_theta, self.max_position_embeddings)?,
             tie_word_embeddings: self.tie_word_embeddings,
             attention_bias: self.attention_bias,
             mlp_bias: self.mlp_bias,

@@ -1,6 +1,7 @@
 //! Llama, Mistral and OPT causal language models in Burn, with LoRA adapters, loaded from
 //! Hugging Face folders or llama2.c checkpoints.
 
+pub mod adapter;
 pub mod config;
 pub mod error;
 pub mod llama;

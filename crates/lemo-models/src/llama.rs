@@ -104,29 +104,24 @@ impl<B: LemoBackend> Llama<B> {
         let (hidden, head_dim) = (config.hidden_size, config.head_dim);
         let q_width = config.num_attention_heads * head_dim;
         let kv_width = config.num_key_value_heads * head_dim;
-        let mut linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<B>> {
-            let weight = loader.required(&format!("{name}.weight"), [out, inp])?;
-            let bias = if bias { Some(loader.required(&format!("{name}.bias"), [out])?) } else { None };
-            Ok(Linear::new(weight, bias))
-        };
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
             let p = format!("model.layers.{i}");
             let (ab, mb) = (config.attention_bias, config.mlp_bias);
             let self_attn = LlamaAttention {
-                q_proj: linear(&format!("{p}.self_attn.q_proj"), q_width, hidden, ab)?,
-                k_proj: linear(&format!("{p}.self_attn.k_proj"), kv_width, hidden, ab)?,
-                v_proj: linear(&format!("{p}.self_attn.v_proj"), kv_width, hidden, ab)?,
-                o_proj: linear(&format!("{p}.self_attn.o_proj"), hidden, q_width, ab)?,
+                q_proj: loader.linear(&format!("{p}.self_attn.q_proj"), q_width, hidden, ab)?,
+                k_proj: loader.linear(&format!("{p}.self_attn.k_proj"), kv_width, hidden, ab)?,
+                v_proj: loader.linear(&format!("{p}.self_attn.v_proj"), kv_width, hidden, ab)?,
+                o_proj: loader.linear(&format!("{p}.self_attn.o_proj"), hidden, q_width, ab)?,
                 num_heads: config.num_attention_heads,
                 num_kv_heads: config.num_key_value_heads,
                 head_dim,
                 sliding_window: config.sliding_window,
             };
             let mlp = LlamaMlp {
-                gate_proj: linear(&format!("{p}.mlp.gate_proj"), config.intermediate_size, hidden, mb)?,
-                up_proj: linear(&format!("{p}.mlp.up_proj"), config.intermediate_size, hidden, mb)?,
-                down_proj: linear(&format!("{p}.mlp.down_proj"), hidden, config.intermediate_size, mb)?,
+                gate_proj: loader.linear(&format!("{p}.mlp.gate_proj"), config.intermediate_size, hidden, mb)?,
+                up_proj: loader.linear(&format!("{p}.mlp.up_proj"), config.intermediate_size, hidden, mb)?,
+                down_proj: loader.linear(&format!("{p}.mlp.down_proj"), hidden, config.intermediate_size, mb)?,
             };
             let input_layernorm = RmsNorm::new(loader.required(&format!("{p}.input_layernorm.weight"), [hidden])?, config.rms_norm_eps);
             let post_attention_layernorm =

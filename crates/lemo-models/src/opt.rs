@@ -84,24 +84,19 @@ impl<B: LemoBackend> Opt<B> {
         let hidden = config.hidden_size;
         let word_dim = config.word_embed_proj_dim();
         let bias = config.enable_bias;
-        let mut linear = |name: &str, out: usize, inp: usize, bias: bool| -> Result<Linear<B>> {
-            let weight = loader.required(&format!("{name}.weight"), [out, inp])?;
-            let bias = if bias { Some(loader.required(&format!("{name}.bias"), [out])?) } else { None };
-            Ok(Linear::new(weight, bias))
-        };
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for i in 0..config.num_hidden_layers {
             let p = format!("model.decoder.layers.{i}");
             let self_attn = OptAttention {
-                q_proj: linear(&format!("{p}.self_attn.q_proj"), hidden, hidden, bias)?,
-                k_proj: linear(&format!("{p}.self_attn.k_proj"), hidden, hidden, bias)?,
-                v_proj: linear(&format!("{p}.self_attn.v_proj"), hidden, hidden, bias)?,
-                out_proj: linear(&format!("{p}.self_attn.out_proj"), hidden, hidden, bias)?,
+                q_proj: loader.linear(&format!("{p}.self_attn.q_proj"), hidden, hidden, bias)?,
+                k_proj: loader.linear(&format!("{p}.self_attn.k_proj"), hidden, hidden, bias)?,
+                v_proj: loader.linear(&format!("{p}.self_attn.v_proj"), hidden, hidden, bias)?,
+                out_proj: loader.linear(&format!("{p}.self_attn.out_proj"), hidden, hidden, bias)?,
                 num_heads: config.num_attention_heads,
                 head_dim: hidden / config.num_attention_heads,
             };
-            let fc1 = linear(&format!("{p}.fc1"), config.ffn_dim, hidden, bias)?;
-            let fc2 = linear(&format!("{p}.fc2"), hidden, config.ffn_dim, bias)?;
+            let fc1 = loader.linear(&format!("{p}.fc1"), config.ffn_dim, hidden, bias)?;
+            let fc2 = loader.linear(&format!("{p}.fc2"), hidden, config.ffn_dim, bias)?;
             layers.push(OptLayer {
                 self_attn_layer_norm: layer_norm(loader, config, &format!("{p}.self_attn_layer_norm"))?,
                 self_attn,

@@ -11,6 +11,7 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors, tensor::Metadata};
 
+use crate::lora::Linear;
 use crate::{Error, Result};
 
 /// A source of f32 tensors by name. `shape` is what the model expects; a source must check it.
@@ -31,6 +32,13 @@ impl<B: Backend> Loader<'_, B> {
             .source
             .fetch(name, &shape)?
             .map(|values| Tensor::from_data(TensorData::new(values, shape), &self.device)))
+    }
+
+    /// A projection `{name}.weight: [out, inp]` with an optional `{name}.bias: [out]`.
+    pub fn linear(&mut self, name: &str, out: usize, inp: usize, bias: bool) -> Result<Linear<B>> {
+        let weight = self.required(&format!("{name}.weight"), [out, inp])?;
+        let bias = if bias { Some(self.required(&format!("{name}.bias"), [out])?) } else { None };
+        Ok(Linear::new(weight, bias))
     }
 
     pub fn required<const D: usize>(&mut self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {

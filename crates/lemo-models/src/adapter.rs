@@ -1,0 +1,154 @@
+//! LoRA adapters in Hugging Face PEFT's folder layout: `adapter_config.json` plus
+//! `adapter_model.safetensors` with keys `base_model.model.{module}.lora_A.weight` (`[r, in]`)
+//! and `...lora_B.weight` (`[out, r]`), so PEFT loads what lemo writes and the reverse.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use burn::tensor::{Tensor, TensorData};
+use lemo_kernels::LemoBackend;
+use safetensors::{Dtype, tensor::TensorView};
+use serde_json::{Value, json};
+
+use crate::lora::LoraConfig;
+use crate::model::CausalLm;
+use crate::weights::{SafetensorsWeights, WeightSource};
+use crate::{Error, Result};
+
+pub const CONFIG_FILE: &str = "adapter_config.json";
+pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
+const PREFIX: &str = "base_model.model";
+
+/// Writes `bytes` to `path` through a temporary file and a rename, so a crash never leaves a
+/// half-written file where a good one was.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let temporary = path.with_extension(format!(
+        "{}.partial",
+        path.extension().and_then(|e| e.to_str()).unwrap_or("")
+    ));
+    std::fs::write(&temporary, bytes).map_err(|e| Error::io(&temporary, e))?;
+    std::fs::rename(&temporary, path).map_err(|e| Error::io(path, e))
+}
+
+/// The `adapter_config.json` PEFT expects for `config`.
+pub fn peft_config_json(config: &LoraConfig, base_model: &str) -> Value {
+    json!({
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model,
+        "r": config.rank,
+        "lora_alpha": config.alpha,
+        "lora_dropout": config.dropout,
+        "target_modules": config.target_modules,
+        "bias": "none",
+        "fan_in_fan_out": false,
+        "inference_mode": true,
+        "init_lora_weights": true,
+        "use_rslora": false,
+        "use_dora": false,
+        "modules_to_save": null,
+        "layers_to_transform": null,
+        "layers_pattern": null,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    })
+}
+
+/// Reads the LoRA settings of a PEFT `adapter_config.json`.
+pub fn read_peft_config(dir: &Path) -> Result<LoraConfig> {
+    let path = dir.join(CONFIG_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
+    let json: Value =
+        serde_json::from_str(&text).map_err(|e| Error::format(&path, format!("invalid JSON: {e}")))?;
+    let bad = |message: String| Error::format(&path, message);
+    if json.get("peft_type").and_then(Value::as_str) != Some("LORA") {
+        return Err(bad("not a LoRA adapter (peft_type must be \"LORA\")".into()));
+    }
+    for unsupported in ["use_rslora", "use_dora"] {
+        if json.get(unsupported).and_then(Value::as_bool) == Some(true) {
+            return Err(bad(format!("{unsupported} adapters are not supported")));
+        }
+    }
+    for pattern in ["rank_pattern", "alpha_pattern"] {
+        if json.get(pattern).and_then(Value::as_object).is_some_and(|o| !o.is_empty()) {
+            return Err(bad(format!("per-module {pattern} is not supported")));
+        }
+    }
+    let rank = json.get("r").and_then(Value::as_u64).ok_or_else(|| bad("missing \"r\"".into()))? as usize;
+    let target_modules = match json.get("target_modules") {
+        Some(Value::Array(names)) => names.iter().filter_map(Value::as_str).map(String::from).collect(),
+        Some(Value::String(name)) => vec![name.clone()],
+        _ => return Err(bad("missing \"target_modules\"".into())),
+    };
+    Ok(LoraConfig {
+        rank,
+        alpha: json.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0),
+        dropout: json.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0),
+        target_modules,
+        ..LoraConfig::default()
+    })
+}
+
+impl<B: LemoBackend> CausalLm<B> {
+    /// Writes this model's adapters as a PEFT folder (created if needed).
+    pub fn save_adapter(&self, dir: &Path, config: &LoraConfig, base_model: &str) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+        let mut model = self.clone();
+        for (name, linear) in model.projections_mut() {
+            if let Some(lora) = &linear.lora {
+                for (part, param) in [("lora_A", &lora.a), ("lora_B", &lora.b)] {
+                    let value = param.val();
+                    let shape = value.dims().to_vec();
+                    let values: Vec<f32> = value.into_data().convert::<f32>().into_vec().expect("f32 data");
+                    let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+                    tensors.push((format!("{PREFIX}.{name}.{part}.weight"), shape, bytes));
+                }
+            }
+        }
+        if tensors.is_empty() {
+            return Err(Error::Config("the model has no LoRA adapters to save".into()));
+        }
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .map(|(name, shape, bytes)| {
+                (name.clone(), TensorView::new(Dtype::F32, shape.clone(), bytes).expect("consistent view"))
+            })
+            .collect();
+        let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let bytes = safetensors::serialize(views, Some(metadata))
+            .map_err(|e| Error::format(&dir.join(WEIGHTS_FILE), e.to_string()))?;
+        write_atomically(&dir.join(WEIGHTS_FILE), &bytes)?;
+        let config_json = serde_json::to_string_pretty(&peft_config_json(config, base_model)).expect("valid JSON");
+        write_atomically(&dir.join(CONFIG_FILE), config_json.as_bytes())
+    }
+
+    /// Attaches the adapters of a PEFT folder; returns the adapter's LoRA settings.
+    pub fn load_adapter(mut self, dir: &Path) -> Result<(Self, LoraConfig)> {
+        let config = read_peft_config(dir)?;
+        let weights_path = dir.join(WEIGHTS_FILE);
+        let mut weights = SafetensorsWeights::open(&weights_path)?;
+        let mut attached = 0;
+        for (name, linear) in self.projections_mut() {
+            let key = |part: &str| format!("{PREFIX}.{name}.{part}.weight");
+            let (a_shape, b_shape) = ([config.rank, linear.in_features()], [linear.out_features(), config.rank]);
+            let a = weights.fetch(&key("lora_A"), &a_shape)?;
+            let b = weights.fetch(&key("lora_B"), &b_shape)?;
+            match (a, b) {
+                (Some(a), Some(b)) => {
+                    let device = linear.weight.device();
+                    let a = Tensor::from_data(TensorData::new(a, a_shape), &device);
+                    let b = Tensor::from_data(TensorData::new(b, b_shape), &device);
+                    *linear = linear.clone().with_lora(a, b, &config);
+                    attached += 1;
+                }
+                (None, None) => {}
+                _ => return Err(Error::format(&weights_path, format!("{name} has only one of lora_A/lora_B"))),
+            }
+        }
+        if attached == 0 {
+            return Err(Error::format(&weights_path, "no LoRA weights match this model's projections"));
+        }
+        Ok((self, config))
+    }
+}

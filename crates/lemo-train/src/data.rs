@@ -1,0 +1,131 @@
+//! Reading token documents: plain text, JSONL with `text` or `input_ids`, and raw token files.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use lemo_models::tokenizer::Tokenizer;
+
+/// Byte width of each token id in a raw `.bin` token file (little-endian).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenWidth {
+    U16,
+    U32,
+}
+
+impl TokenWidth {
+    pub fn from_bytes(bytes: u8) -> Result<Self> {
+        match bytes {
+            2 => Ok(TokenWidth::U16),
+            4 => Ok(TokenWidth::U32),
+            other => bail!("--token-width must be 2 or 4, not {other}"),
+        }
+    }
+}
+
+/// A tokenizer loaded on first use, so data that is already tokens needs none.
+pub struct LazyTokenizer {
+    path: Option<PathBuf>,
+    loaded: Option<Tokenizer>,
+}
+
+impl LazyTokenizer {
+    pub fn new(path: Option<PathBuf>) -> Self {
+        Self { path, loaded: None }
+    }
+
+    pub fn get(&mut self) -> Result<&Tokenizer> {
+        if self.loaded.is_none() {
+            let path = self.path.as_ref().context(
+                "this data is text and needs a tokenizer: pass --tokenizer (none was found beside the model)",
+            )?;
+            self.loaded = Some(Tokenizer::from_file(path)?);
+        }
+        Ok(self.loaded.as_ref().expect("loaded above"))
+    }
+}
+
+/// Token documents from a file or a folder of files (read in name order). Text files are one
+/// document each; JSONL files one document per line; `.bin` token files one document each.
+pub fn read_documents(path: &Path, width: TokenWidth, tokenizer: &mut LazyTokenizer) -> Result<Vec<Vec<u32>>> {
+    let mut files = Vec::new();
+    if path.is_dir() {
+        let entries = std::fs::read_dir(path).with_context(|| format!("cannot read {}", path.display()))?;
+        files = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect();
+        files.sort();
+    } else {
+        files.push(path.to_path_buf());
+    }
+    let mut documents = Vec::new();
+    for file in &files {
+        let extension = file.extension().and_then(|e| e.to_str()).unwrap_or("");
+        match extension {
+            "jsonl" | "json" => documents.extend(read_jsonl(file, tokenizer)?),
+            "bin" => documents.push(read_token_file(file, width)?),
+            _ => {
+                let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+                documents.push(tokenizer.get()?.encode(&text)?);
+            }
+        }
+    }
+    documents.retain(|d| !d.is_empty());
+    if documents.is_empty() {
+        bail!("{}: no tokens in this data", path.display());
+    }
+    Ok(documents)
+}
+
+fn read_jsonl(path: &Path, tokenizer: &mut LazyTokenizer) -> Result<Vec<Vec<u32>>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let mut documents = Vec::new();
+    for (index, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let at = || format!("{} line {}", path.display(), index + 1);
+        let record: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{}: invalid JSON", at()))?;
+        if let Some(ids) = record.get("input_ids") {
+            let ids: Vec<u32> =
+                serde_json::from_value(ids.clone()).with_context(|| format!("{}: input_ids must be token ids", at()))?;
+            documents.push(ids);
+        } else if let Some(text) = record.get("text").and_then(|t| t.as_str()) {
+            documents.push(tokenizer.get()?.encode(text)?);
+        } else {
+            bail!("{}: expected a \"text\" or \"input_ids\" field", at());
+        }
+    }
+    Ok(documents)
+}
+
+fn read_token_file(path: &Path, width: TokenWidth) -> Result<Vec<u32>> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let size = match width {
+        TokenWidth::U16 => 2,
+        TokenWidth::U32 => 4,
+    };
+    if bytes.len() % size != 0 {
+        bail!("{}: {} bytes is not a whole number of {size}-byte tokens (see --token-width)", path.display(), bytes.len());
+    }
+    Ok(match width {
+        TokenWidth::U16 => bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]) as u32).collect(),
+        TokenWidth::U32 => bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+    })
+}
+
+/// Where a model's tokenizer lives when `--tokenizer` is not given: `tokenizer.json` in a
+/// Hugging Face folder; `tokenizer.bin` or a single `tok*.bin` beside a llama2.c checkpoint.
+pub fn find_tokenizer(model: &Path) -> Option<PathBuf> {
+    if model.is_dir() {
+        return Some(model.join("tokenizer.json")).filter(|p| p.exists());
+    }
+    let dir = model.parent()?;
+    let beside = dir.join("tokenizer.bin");
+    if beside.exists() {
+        return Some(beside);
+    }
+    let mut candidates: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
+            name.starts_with("tok") && name.ends_with(".bin") && p.as_path() != model
+        })
+        .collect();
+    if candidates.len() == 1 { candidates.pop() } else { None }
+}

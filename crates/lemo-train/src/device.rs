@@ -1,0 +1,66 @@
+//! `--device auto|cuda|wgpu|cpu`: choosing a Burn backend at run time and running a job on it.
+
+use anyhow::{Result, bail};
+use clap::ValueEnum;
+use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DeviceKind {
+    /// CUDA when an NVIDIA GPU is present, else the CPU.
+    Auto,
+    /// CubeCL on CUDA (NVIDIA GPUs).
+    Cuda,
+    /// CubeCL on wgpu (Vulkan/Metal; Mesa's software Vulkan on CPU-only machines).
+    Wgpu,
+    /// Pure-CPU backend (ndarray).
+    Cpu,
+}
+
+/// Work that runs on whichever backend the user picked.
+pub trait BackendJob {
+    type Output;
+    fn run<B: LemoBackend>(self, device: B::Device) -> Result<Self::Output>;
+}
+
+fn cuda_driver_present() -> bool {
+    // SAFETY: loading the driver library runs its initializers, which is what using CUDA does anyway.
+    unsafe { libloading::Library::new("libcuda.so.1") }.is_ok()
+}
+
+impl DeviceKind {
+    /// `auto` resolved to a concrete device (and said so on stderr).
+    pub fn resolve(self) -> Self {
+        if self != DeviceKind::Auto {
+            return self;
+        }
+        let picked = if cfg!(feature = "cuda") && cuda_driver_present() { DeviceKind::Cuda } else { DeviceKind::Cpu };
+        eprintln!("device: auto picked {}", picked.name());
+        picked
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DeviceKind::Auto => "auto",
+            DeviceKind::Cuda => "cuda",
+            DeviceKind::Wgpu => "wgpu",
+            DeviceKind::Cpu => "cpu",
+        }
+    }
+
+    pub fn run<J: BackendJob>(self, job: J) -> Result<J::Output> {
+        match self.resolve() {
+            DeviceKind::Cpu => job.run::<CpuBackend>(Default::default()),
+            DeviceKind::Wgpu => job.run::<WgpuBackend>(Default::default()),
+            #[cfg(feature = "cuda")]
+            DeviceKind::Cuda => {
+                if !cuda_driver_present() {
+                    bail!("--device cuda: no CUDA driver (libcuda.so.1) on this machine");
+                }
+                job.run::<lemo_kernels::CudaBackend>(Default::default())
+            }
+            #[cfg(not(feature = "cuda"))]
+            DeviceKind::Cuda => bail!("--device cuda: this build has no CUDA support (feature `cuda`)"),
+            DeviceKind::Auto => unreachable!("resolved above"),
+        }
+    }
+}
