@@ -27,6 +27,13 @@ impl BackendJob for GenerateJob {
 
     fn run<B: LemoBackend>(self, device: B::Device) -> Result<()> {
         let (model, config) = CausalLm::<B>::from_path(&self.model, &device)?;
+        if self.tokenizer.vocab_size() > config.vocab_size() {
+            bail!(
+                "the tokenizer has {} tokens but the model's vocabulary has only {}: wrong --tokenizer?",
+                self.tokenizer.vocab_size(),
+                config.vocab_size()
+            );
+        }
         let prompt = self.tokenizer.encode(&self.prompt)?;
         if prompt.is_empty() {
             bail!("the prompt encodes to no tokens and this tokenizer adds no BOS: give a non-empty --prompt");
