@@ -46,12 +46,25 @@ pub fn peft_config_json(config: &LoraConfig, base_model: &str) -> Value {
         "init_lora_weights": true,
         "use_rslora": false,
         "use_dora": false,
-        "modules_to_save": null,
+        "modules_to_save": modules_to_save(config),
         "layers_to_transform": null,
         "layers_pattern": null,
         "rank_pattern": {},
         "alpha_pattern": {},
     })
+}
+
+/// PEFT's `modules_to_save` for the non-LoRA weights `config` trains (LongLoRA), or null. The
+/// order matters to PEFT, which matches these names as substrings of the saved keys.
+fn modules_to_save(config: &LoraConfig) -> Value {
+    let mut names = Vec::new();
+    if config.train_embeddings {
+        names.push("embed_tokens");
+    }
+    if config.train_norms {
+        names.extend(["input_layernorm", "post_attention_layernorm", "norm"]);
+    }
+    if names.is_empty() { Value::Null } else { json!(names) }
 }
 
 /// Reads the LoRA settings of a PEFT `adapter_config.json`.
@@ -80,7 +93,14 @@ pub fn read_peft_config(dir: &Path) -> Result<LoraConfig> {
         Some(Value::String(name)) => vec![name.clone()],
         _ => return Err(bad("missing \"target_modules\"".into())),
     };
+    let saved: Vec<&str> = json
+        .get("modules_to_save")
+        .and_then(Value::as_array)
+        .map(|a| a.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default();
     Ok(LoraConfig {
+        train_embeddings: saved.contains(&"embed_tokens"),
+        train_norms: saved.iter().any(|m| m.ends_with("norm")),
         rank,
         alpha: json.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0),
         dropout: json.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0),
@@ -108,6 +128,10 @@ impl<B: LemoBackend> CausalLm<B> {
         }
         if tensors.is_empty() {
             return Err(Error::Config("the model has no LoRA adapters to save".into()));
+        }
+        for (name, shape, values) in self.extra_trainable_weights(config) {
+            let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+            tensors.push((format!("{PREFIX}.{name}"), shape, bytes));
         }
         let views: Vec<(String, TensorView)> = tensors
             .iter()
@@ -148,6 +172,16 @@ impl<B: LemoBackend> CausalLm<B> {
         }
         if attached == 0 {
             return Err(Error::format(&weights_path, "no LoRA weights match this model's projections"));
+        }
+        if config.train_embeddings || config.train_norms {
+            struct Prefixed<'a>(&'a mut SafetensorsWeights);
+            impl WeightSource for Prefixed<'_> {
+                fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
+                    let key = format!("{PREFIX}.{name}");
+                    if self.0.contains(&key) { self.0.fetch(&key, shape) } else { Ok(None) }
+                }
+            }
+            self.set_extra_weights(&mut Prefixed(&mut weights))?;
         }
         Ok((self, config))
     }

@@ -32,6 +32,9 @@ pub struct LlamaAttention<B: Backend> {
     pub num_kv_heads: usize,
     pub head_dim: usize,
     pub sliding_window: Option<usize>,
+    /// LongLoRA's shifted sparse attention (S2) with this group size, for training; `None` is
+    /// dense attention.
+    pub shifted_group: Option<usize>,
 }
 
 impl<B: LemoBackend> LlamaAttention<B> {
@@ -48,7 +51,11 @@ impl<B: LemoBackend> LlamaAttention<B> {
         let k = RotaryEmbedding::apply(heads(self.k_proj.forward(x.clone()), self.num_kv_heads), cos, sin);
         let v = heads(self.v_proj.forward(x), self.num_kv_heads);
         let (k, v) = append_to_cache(cache, k, v);
-        let options = AttentionOptions { sliding_window: self.sliding_window, ..AttentionOptions::causal(self.head_dim) };
+        let options = AttentionOptions {
+            sliding_window: self.sliding_window,
+            shifted_group: self.shifted_group,
+            ..AttentionOptions::causal(self.head_dim)
+        };
         let out = attention(q, k, v, options).swap_dims(1, 2).reshape([batch, len, self.num_heads * self.head_dim]);
         self.o_proj.forward(out)
     }
@@ -117,6 +124,7 @@ impl<B: LemoBackend> Llama<B> {
                 num_kv_heads: config.num_key_value_heads,
                 head_dim,
                 sliding_window: config.sliding_window,
+                shifted_group: None,
             };
             let mlp = LlamaMlp {
                 gate_proj: loader.linear(&format!("{p}.mlp.gate_proj"), config.intermediate_size, hidden, mb)?,

@@ -7,11 +7,12 @@ use burn::module::Module;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use lemo_kernels::LemoBackend;
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, RopeConfig};
 use crate::llama::Llama;
 use crate::llama2c::Llama2cCheckpoint;
 use crate::lora::{Linear, LoraConfig};
 use crate::opt::Opt;
+use crate::rope::RotaryEmbedding;
 use crate::weights::{Loader, SafetensorsWeights, WeightSource};
 use crate::{Error, Result};
 
@@ -235,6 +236,111 @@ impl<B: LemoBackend> CausalLm<B> {
             *linear = linear.clone().merge_lora();
         }
         self
+    }
+}
+
+impl<B: LemoBackend> CausalLm<B> {
+    /// Replaces the rotary position frequencies (position interpolation: a `Linear` scaling set
+    /// from the context one trains for). OPT has learned positions and no rotary embedding.
+    pub fn with_rope(mut self, rope: &RopeConfig) -> Result<Self> {
+        match &mut self {
+            CausalLm::Llama(m) => {
+                let head_dim = m.layers.first().map_or(0, |l| l.self_attn.head_dim);
+                let device = m.rotary.inverse_frequencies.device();
+                m.rotary = RotaryEmbedding::new(rope, head_dim, &device);
+            }
+            CausalLm::Opt(_) => {
+                return Err(Error::Config(
+                    "OPT has learned absolute positions: its RoPE scaling cannot be changed".into(),
+                ));
+            }
+        }
+        Ok(self)
+    }
+
+    /// Shifted sparse attention (LongLoRA's S2) with groups of `group_size` tokens in every
+    /// layer, or dense attention with `None`.
+    pub fn set_shifted_group(&mut self, group_size: Option<usize>) {
+        match self {
+            CausalLm::Llama(m) => m.layers.iter_mut().for_each(|l| l.self_attn.shifted_group = group_size),
+            CausalLm::Opt(m) => m.layers.iter_mut().for_each(|l| l.self_attn.shifted_group = group_size),
+        }
+    }
+
+    /// Marks the token embedding and/or the normalization weights trainable (LongLoRA), as
+    /// `config.train_embeddings` and `config.train_norms` say.
+    pub fn set_extra_trainable(mut self, config: &LoraConfig) -> Result<Self> {
+        if !(config.train_embeddings || config.train_norms) {
+            return Ok(self);
+        }
+        let CausalLm::Llama(m) = &mut self else {
+            return Err(Error::Config("trainable embeddings and norms are supported for Llama-family models only".into()));
+        };
+        if config.train_embeddings {
+            m.embed_tokens = m.embed_tokens.clone().set_require_grad(true);
+        }
+        if config.train_norms {
+            for layer in &mut m.layers {
+                layer.input_layernorm.weight = layer.input_layernorm.weight.clone().set_require_grad(true);
+                layer.post_attention_layernorm.weight =
+                    layer.post_attention_layernorm.weight.clone().set_require_grad(true);
+            }
+            m.norm.weight = m.norm.weight.clone().set_require_grad(true);
+        }
+        Ok(self)
+    }
+
+    /// The non-LoRA weights `config` trains, as `(Hugging Face name, shape, values)`: what PEFT
+    /// calls `modules_to_save`.
+    pub fn extra_trainable_weights(&self, config: &LoraConfig) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        let CausalLm::Llama(m) = self else { return Vec::new() };
+        fn values<B: Backend, const D: usize>(name: String, t: Tensor<B, D>) -> (String, Vec<usize>, Vec<f32>) {
+            let shape = t.dims().to_vec();
+            (name, shape, t.into_data().convert::<f32>().into_vec().expect("f32 data"))
+        }
+        let mut out = Vec::new();
+        if config.train_embeddings {
+            out.push(values("model.embed_tokens.weight".into(), m.embed_tokens.val()));
+        }
+        if config.train_norms {
+            for (i, layer) in m.layers.iter().enumerate() {
+                out.push(values(format!("model.layers.{i}.input_layernorm.weight"), layer.input_layernorm.weight.val()));
+                out.push(values(
+                    format!("model.layers.{i}.post_attention_layernorm.weight"),
+                    layer.post_attention_layernorm.weight.val(),
+                ));
+            }
+            out.push(values("model.norm.weight".into(), m.norm.weight.val()));
+        }
+        out
+    }
+
+    /// Replaces the named non-LoRA weights (see [`Self::extra_trainable_weights`]); returns how
+    /// many names matched.
+    pub fn set_extra_weights(&mut self, weights: &mut dyn WeightSource) -> Result<usize> {
+        let CausalLm::Llama(m) = self else { return Ok(0) };
+        let mut found = 0;
+        let mut replace1 = |name: &str, param: &mut burn::module::Param<Tensor<B, 1>>| -> Result<()> {
+            let shape = param.dims();
+            if let Some(v) = weights.fetch(name, &shape)? {
+                let t = Tensor::from_data(burn::tensor::TensorData::new(v, shape), &param.device());
+                *param = burn::module::Param::from_tensor(t).set_require_grad(false);
+                found += 1;
+            }
+            Ok(())
+        };
+        for (i, layer) in m.layers.iter_mut().enumerate() {
+            replace1(&format!("model.layers.{i}.input_layernorm.weight"), &mut layer.input_layernorm.weight)?;
+            replace1(&format!("model.layers.{i}.post_attention_layernorm.weight"), &mut layer.post_attention_layernorm.weight)?;
+        }
+        replace1("model.norm.weight", &mut m.norm.weight)?;
+        let shape = m.embed_tokens.dims();
+        if let Some(v) = weights.fetch("model.embed_tokens.weight", &shape)? {
+            let t = Tensor::from_data(burn::tensor::TensorData::new(v, shape), &m.embed_tokens.device());
+            m.embed_tokens = burn::module::Param::from_tensor(t).set_require_grad(false);
+            found += 1;
+        }
+        Ok(found)
     }
 }
 

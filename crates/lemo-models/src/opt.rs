@@ -30,6 +30,8 @@ pub struct OptAttention<B: Backend> {
     pub out_proj: Linear<B>,
     pub num_heads: usize,
     pub head_dim: usize,
+    /// Shifted sparse attention (S2) group size for training; `None` is dense attention.
+    pub shifted_group: Option<usize>,
 }
 
 impl<B: LemoBackend> OptAttention<B> {
@@ -38,7 +40,8 @@ impl<B: LemoBackend> OptAttention<B> {
         let heads = |t: Tensor<B, 3>| t.reshape([batch, len, self.num_heads, self.head_dim]).swap_dims(1, 2);
         let q = heads(self.q_proj.forward(x.clone()));
         let (k, v) = append_to_cache(cache, heads(self.k_proj.forward(x.clone())), heads(self.v_proj.forward(x)));
-        let out = attention(q, k, v, AttentionOptions::causal(self.head_dim));
+        let options = AttentionOptions { shifted_group: self.shifted_group, ..AttentionOptions::causal(self.head_dim) };
+        let out = attention(q, k, v, options);
         self.out_proj.forward(out.swap_dims(1, 2).reshape([batch, len, hidden]))
     }
 }
@@ -94,6 +97,7 @@ impl<B: LemoBackend> Opt<B> {
                 out_proj: loader.linear(&format!("{p}.self_attn.out_proj"), hidden, hidden, bias)?,
                 num_heads: config.num_attention_heads,
                 head_dim: hidden / config.num_attention_heads,
+                shifted_group: None,
             };
             let fc1 = loader.linear(&format!("{p}.fc1"), config.ffn_dim, hidden, bias)?;
             let fc2 = loader.linear(&format!("{p}.fc2"), hidden, config.ffn_dim, bias)?;

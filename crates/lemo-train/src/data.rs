@@ -74,15 +74,16 @@ pub fn read_documents(path: &Path, width: TokenWidth, tokenizer: &mut LazyTokeni
     Ok(documents)
 }
 
-fn read_jsonl(path: &Path, tokenizer: &mut LazyTokenizer) -> Result<Vec<Vec<u32>>> {
+pub fn read_jsonl(path: &Path, tokenizer: &mut LazyTokenizer) -> Result<Vec<Vec<u32>>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut documents = Vec::new();
     for (index, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let at = || format!("{} line {}", path.display(), index + 1);
-        let record: serde_json::Value = serde_json::from_str(line).with_context(|| format!("{}: invalid JSON", at()))?;
+        let record: serde_json::Value =
+            serde_json::from_str(line).with_context(|| format!("{}: invalid JSON", at()))?;
         if let Some(ids) = record.get("input_ids") {
-            let ids: Vec<u32> =
-                serde_json::from_value(ids.clone()).with_context(|| format!("{}: input_ids must be token ids", at()))?;
+            let ids: Vec<u32> = serde_json::from_value(ids.clone())
+                .with_context(|| format!("{}: input_ids must be token ids", at()))?;
             documents.push(ids);
         } else if let Some(text) = record.get("text").and_then(|t| t.as_str()) {
             documents.push(tokenizer.get()?.encode(text)?);
@@ -93,14 +94,18 @@ fn read_jsonl(path: &Path, tokenizer: &mut LazyTokenizer) -> Result<Vec<Vec<u32>
     Ok(documents)
 }
 
-fn read_token_file(path: &Path, width: TokenWidth) -> Result<Vec<u32>> {
+pub fn read_token_file(path: &Path, width: TokenWidth) -> Result<Vec<u32>> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
     let size = match width {
         TokenWidth::U16 => 2,
         TokenWidth::U32 => 4,
     };
     if bytes.len() % size != 0 {
-        bail!("{}: {} bytes is not a whole number of {size}-byte tokens (see --token-width)", path.display(), bytes.len());
+        bail!(
+            "{}: {} bytes is not a whole number of {size}-byte tokens (see --token-width)",
+            path.display(),
+            bytes.len()
+        );
     }
     Ok(match width {
         TokenWidth::U16 => bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]) as u32).collect(),

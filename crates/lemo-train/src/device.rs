@@ -4,7 +4,8 @@ use anyhow::{Result, bail};
 use clap::ValueEnum;
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DeviceKind {
     /// CUDA when an NVIDIA GPU is present, else the CPU.
     Auto,
@@ -50,12 +51,16 @@ impl DeviceKind {
     pub fn run<J: BackendJob>(self, job: J) -> Result<J::Output> {
         match self.resolve() {
             DeviceKind::Cpu => job.run::<CpuBackend>(Default::default()),
-            DeviceKind::Wgpu => job.run::<WgpuBackend>(Default::default()),
+            DeviceKind::Wgpu => {
+                crate::memory::set_probe(crate::memory::cubecl_probe::<cubecl::wgpu::WgpuRuntime>(Default::default()));
+                job.run::<WgpuBackend>(Default::default())
+            }
             #[cfg(feature = "cuda")]
             DeviceKind::Cuda => {
                 if !cuda_driver_present() {
                     bail!("--device cuda: no CUDA driver (libcuda.so.1) on this machine");
                 }
+                crate::memory::set_probe(crate::memory::cubecl_probe::<cubecl::cuda::CudaRuntime>(Default::default()));
                 job.run::<lemo_kernels::CudaBackend>(Default::default())
             }
             #[cfg(not(feature = "cuda"))]

@@ -10,7 +10,6 @@ use std::time::Instant;
 use anyhow::{Result, bail};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use lemo_kernels::LemoBackend;
-use lemo_models::CausalLm;
 
 use crate::device::BackendJob;
 
@@ -30,6 +29,7 @@ pub struct EvalJob {
     pub documents: Vec<Vec<u32>>,
     pub seq_len: Option<usize>,
     pub stride: usize,
+    pub setup: crate::modelio::ModelSetup,
 }
 
 /// `(start, end)` of each scored window of a document of `len` tokens.
@@ -44,7 +44,7 @@ impl BackendJob for EvalJob {
     type Output = EvalReport;
 
     fn run<B: LemoBackend>(self, device: B::Device) -> Result<EvalReport> {
-        let (model, config) = CausalLm::<B>::from_path(&self.model, &device)?;
+        let (model, config) = crate::modelio::load::<B>(&self.model, &self.setup, &device)?;
         let seq_len = self.seq_len.unwrap_or(config.max_position_embeddings());
         if seq_len < 2 {
             bail!("--seq-len must be at least 2");

@@ -39,7 +39,10 @@ impl BackendJob for GenerateJob {
             bail!("the prompt encodes to no tokens and this tokenizer adds no BOS: give a non-empty --prompt");
         }
         if let Some(limit) = config.max_sequence_length().filter(|&l| prompt.len() + self.max_new_tokens > l) {
-            bail!("prompt plus --max-new-tokens is {} tokens; this model supports {limit}", prompt.len() + self.max_new_tokens);
+            bail!(
+                "prompt plus --max-new-tokens is {} tokens; this model supports {limit}",
+                prompt.len() + self.max_new_tokens
+            );
         }
         // llama2.c models end a story by starting the next one, so BOS stops them as run.c does.
         let mut stop = config.eos_token_ids();
@@ -68,7 +71,8 @@ impl BackendJob for GenerateJob {
             let next = if self.temperature <= 0.0 {
                 last.argmax(0).into_scalar().elem::<i64>() as u32
             } else {
-                let probs: Vec<f32> = softmax(last.div_scalar(self.temperature), 0).into_data().convert::<f32>().into_vec()?;
+                let probs: Vec<f32> =
+                    softmax(last.div_scalar(self.temperature), 0).into_data().convert::<f32>().into_vec()?;
                 sample(&probs, rng.random::<f32>())
             };
             if stop.contains(&next) {

@@ -1,9 +1,14 @@
 //! `lemo-train`: long-context LoRA fine-tuning of Llama, Mistral and OPT models.
 
+mod corpus;
 mod data;
 mod device;
 mod eval;
 mod generate;
+mod memory;
+mod modelio;
+mod preset;
+mod train;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -16,7 +21,11 @@ use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer, read_documents};
 use crate::device::DeviceKind;
 
 #[derive(Parser)]
-#[command(name = "lemo-train", version, about = "Long-context LoRA fine-tuning that spends memory only on the tokens that matter")]
+#[command(
+    name = "lemo-train",
+    version,
+    about = "Long-context LoRA fine-tuning that spends memory only on the tokens that matter"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -24,6 +33,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// LoRA fine-tuning for long context. Start with `train --preset tiny`.
+    Train(Box<train::config::TrainArgs>),
     /// Mean next-token cross-entropy and perplexity of a model over a dataset.
     Eval {
         /// Hugging Face model folder (config.json + *.safetensors) or llama2.c .bin checkpoint.
@@ -47,6 +58,12 @@ enum Command {
         /// Print only `{"loss": .., "ppl": .., "tokens": ..}` on stdout.
         #[arg(long)]
         json: bool,
+        /// Apply this PEFT adapter folder, with the RoPE scaling it was trained with.
+        #[arg(long)]
+        adapter: Option<PathBuf>,
+        /// Linear RoPE position interpolation for this context (overrides the adapter's).
+        #[arg(long)]
+        target_context: Option<usize>,
         #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
         device: DeviceKind,
     },
@@ -89,14 +106,33 @@ enum Command {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Eval { model, data, seq_len, stride, token_width, tokenizer, json, device } => {
+        Command::Train(args) => {
+            let summary = run_train(*args)?;
+            print_train_summary(&summary);
+        }
+        Command::Eval {
+            model,
+            data,
+            seq_len,
+            stride,
+            token_width,
+            tokenizer,
+            json,
+            adapter,
+            target_context,
+            device,
+        } => {
             let mut tokenizer = LazyTokenizer::new(tokenizer.or_else(|| find_tokenizer(&model)));
             let documents = read_documents(&data, TokenWidth::from_bytes(token_width)?, &mut tokenizer)?;
-            let report = device.run(eval::EvalJob { model, documents, seq_len, stride })?;
+            let setup = modelio::ModelSetup { adapter, target_context };
+            let report = device.run(eval::EvalJob { model, documents, seq_len, stride, setup })?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
-                println!("loss {:.6}  perplexity {:.4}  over {} predicted tokens", report.loss, report.ppl, report.tokens);
+                println!(
+                    "loss {:.6}  perplexity {:.4}  over {} predicted tokens",
+                    report.loss, report.ppl, report.tokens
+                );
             }
         }
         Command::Generate { model, tokenizer, prompt, max_new_tokens, temperature, seed, device } => {
@@ -126,6 +162,56 @@ fn run(cli: Cli) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Resolves the configuration (defaults < preset < --config file < flags, or the resumed run's
+/// saved configuration < flags) and trains.
+fn run_train(args: train::config::TrainArgs) -> Result<train::TrainSummary> {
+    use train::config::TrainConfig;
+    let overrides = args.overrides()?;
+    let (config, resume) = if let Some(path) = &args.resume {
+        let checkpoint = train::checkpoint::resolve(path)?;
+        let run_dir = train::checkpoint::run_dir_of(&checkpoint).unwrap_or_else(|| path.clone());
+        let saved = run_dir.join("config.toml");
+        let mut base = TrainConfig::default().merged(&TrainConfig::from_toml_file(&saved)?)?;
+        base.out = run_dir;
+        (base.merged(&overrides)?, Some(checkpoint))
+    } else {
+        let mut config = args.preset.map(TrainConfig::preset).unwrap_or_default();
+        if let Some(file) = &args.config {
+            config = config.merged(&TrainConfig::from_toml_file(file)?)?;
+        }
+        (config.merged(&overrides)?, None)
+    };
+    let device = config.device;
+    device.run(train::TrainJob { config, resume })
+}
+
+fn print_train_summary(summary: &train::TrainSummary) {
+    let loss = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+    println!(
+        "trained {} steps: loss {} -> {}, validation loss {}",
+        summary.steps_done,
+        loss(summary.first_loss),
+        loss(summary.last_loss),
+        loss(summary.val_loss)
+    );
+    println!("outputs in {}:", summary.out.display());
+    if let Some(adapter) = &summary.adapter {
+        println!("  adapter (PEFT)   {}", adapter.display());
+    } else {
+        println!(
+            "  adapter          not written: the run stopped early; continue with --resume {}",
+            summary.out.display()
+        );
+    }
+    if let Some(checkpoint) = &summary.last_checkpoint {
+        println!("  last checkpoint  {}", checkpoint.display());
+    }
+    println!("  metrics          {}", summary.metrics.display());
+    for plot in &summary.plots {
+        println!("  plot             {}", plot.display());
+    }
 }
 
 fn main() -> ExitCode {

@@ -1,0 +1,83 @@
+//! Memory accounting: device memory in use where the backend can say (CubeCL's memory pools on
+//! CUDA and wgpu), else the process's resident set (the CPU backend keeps tensors in host memory).
+//!
+//! CubeCL reports the bytes in use by the calling thread's stream and keeps no peak, so the peak
+//! here is the maximum over the samples taken (after the forward pass, after the backward pass,
+//! after the optimizer step); on the CPU the kernel's own high-water mark (`VmHWM`) is exact.
+
+use std::sync::Mutex;
+
+/// One reading, in bytes.
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct MemorySample {
+    /// Bytes in use now.
+    pub in_use: u64,
+    /// Bytes reserved from the device (pools included), when known.
+    pub reserved: u64,
+    /// Process peak resident set on the CPU; 0 where unknown.
+    pub os_peak: u64,
+}
+
+type Probe = Box<dyn Fn() -> MemorySample + Send>;
+
+static PROBE: Mutex<Option<Probe>> = Mutex::new(None);
+
+/// Installs the probe for the backend the job runs on.
+pub fn set_probe(probe: Probe) {
+    *PROBE.lock().expect("memory probe lock") = Some(probe);
+}
+
+/// Reads the installed probe, or the process's resident set when none is installed.
+pub fn sample() -> MemorySample {
+    match PROBE.lock().expect("memory probe lock").as_ref() {
+        Some(probe) => probe(),
+        None => process_memory(),
+    }
+}
+
+/// What this sampling point's memory is called in reports: device bytes or host RSS.
+pub fn source() -> &'static str {
+    if PROBE.lock().expect("memory probe lock").is_some() { "device" } else { "host-rss" }
+}
+
+/// Resident set size and its high-water mark from `/proc/self/status` (Linux); zeros elsewhere.
+pub fn process_memory() -> MemorySample {
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return MemorySample::default() };
+    let field = |name: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .and_then(|v| v.parse::<u64>().ok())
+            .map_or(0, |kib| kib * 1024)
+    };
+    let rss = field("VmRSS:");
+    MemorySample { in_use: rss, reserved: rss, os_peak: field("VmHWM:") }
+}
+
+/// A probe over a CubeCL runtime's memory pools.
+pub fn cubecl_probe<R: cubecl::Runtime>(device: R::Device) -> Probe {
+    let client = R::client(&device);
+    Box::new(move || match client.memory_usage() {
+        Ok(usage) => MemorySample { in_use: usage.bytes_in_use, reserved: usage.bytes_reserved, os_peak: 0 },
+        Err(_) => MemorySample::default(),
+    })
+}
+
+/// Tracks the largest reading seen.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PeakTracker {
+    pub peak: u64,
+}
+
+impl PeakTracker {
+    pub fn record(&mut self) -> MemorySample {
+        let s = sample();
+        self.peak = self.peak.max(s.in_use).max(s.os_peak);
+        s
+    }
+}
+
+pub fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}

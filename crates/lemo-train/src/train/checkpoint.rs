@@ -1,0 +1,145 @@
+//! Checkpoints: `<out>/checkpoints/step-NNNNNN/` holding the trainable weights by module path
+//! (`trainable.safetensors`, exact f32), the AdamW moments (`optimizer.safetensors`), the step
+//! (`trainer_state.json`) and a PEFT adapter (`adapter/`). A checkpoint is written into a
+//! `.partial` folder that is renamed into place when complete, so an interrupted write never
+//! leaves a checkpoint that looks whole.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct TrainerState {
+    /// Optimizer steps completed.
+    pub step: usize,
+    pub seed: u64,
+    pub seq_len: usize,
+    /// Training sequences in the packed corpus: a resume must see the same data.
+    pub train_sequences: usize,
+    pub tokens_seen: u64,
+    pub elapsed_s: f64,
+}
+
+pub fn write_tensors(path: &Path, tensors: &[(String, Vec<f32>)]) -> Result<()> {
+    let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, values)| (name.clone(), vec![values.len()], values.iter().flat_map(|v| v.to_le_bytes()).collect()))
+        .collect();
+    let views: Vec<(String, TensorView)> = bytes
+        .iter()
+        .map(|(n, s, b)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), b).expect("consistent view")))
+        .collect();
+    let serialized = safetensors::serialize(views, None).context("serializing tensors")?;
+    lemo_models::adapter::write_atomically(path, &serialized)?;
+    Ok(())
+}
+
+pub fn read_tensors(path: &Path) -> Result<Vec<(String, Vec<f32>)>> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let file = SafeTensors::deserialize(&bytes).with_context(|| format!("{}: corrupt", path.display()))?;
+    let mut out = Vec::new();
+    for (name, view) in file.tensors() {
+        if view.dtype() != Dtype::F32 {
+            bail!("{}: {name} is not f32", path.display());
+        }
+        let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        out.push((name, values));
+    }
+    Ok(out)
+}
+
+pub fn checkpoints_dir(out: &Path) -> PathBuf {
+    out.join("checkpoints")
+}
+
+fn step_of(dir: &Path) -> Option<usize> {
+    dir.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok()
+}
+
+/// Complete checkpoints of a run, oldest first.
+pub fn list(out: &Path) -> Vec<(usize, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(checkpoints_dir(out)) else { return Vec::new() };
+    let mut found: Vec<(usize, PathBuf)> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_dir() && p.join("trainer_state.json").exists())
+        .filter_map(|p| step_of(&p).map(|s| (s, p)))
+        .collect();
+    found.sort();
+    found
+}
+
+/// The checkpoint `--resume PATH` means: PATH itself, or the latest one of the run folder PATH.
+pub fn resolve(path: &Path) -> Result<PathBuf> {
+    if path.join("trainer_state.json").exists() {
+        return Ok(path.to_path_buf());
+    }
+    match list(path).pop() {
+        Some((_, dir)) => Ok(dir),
+        None => {
+            bail!("--resume {}: no checkpoint there (expected a run folder with checkpoints/step-*)", path.display())
+        }
+    }
+}
+
+/// The run folder a checkpoint belongs to.
+pub fn run_dir_of(checkpoint: &Path) -> Option<PathBuf> {
+    let parent = checkpoint.parent()?;
+    (parent.file_name()? == "checkpoints").then(|| parent.parent().map(Path::to_path_buf)).flatten()
+}
+
+pub struct CheckpointFiles {
+    pub state: TrainerState,
+    pub trainable: Vec<(String, Vec<f32>)>,
+    pub optimizer: Vec<(String, Vec<f32>)>,
+    pub optimizer_step: u64,
+}
+
+/// Writes a checkpoint; `write_adapter` fills the `adapter/` folder it is given.
+pub fn save(
+    out: &Path,
+    files: &CheckpointFiles,
+    keep: usize,
+    write_adapter: impl FnOnce(&Path) -> Result<()>,
+) -> Result<PathBuf> {
+    let dir = checkpoints_dir(out);
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let name = format!("step-{:06}", files.state.step);
+    let partial = dir.join(format!("{name}.partial"));
+    let done = dir.join(&name);
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial)?;
+    }
+    std::fs::create_dir_all(&partial)?;
+    write_tensors(&partial.join("trainable.safetensors"), &files.trainable)?;
+    write_tensors(&partial.join("optimizer.safetensors"), &files.optimizer)?;
+    let mut state = serde_json::to_value(&files.state)?;
+    state["optimizer_step"] = files.optimizer_step.into();
+    std::fs::write(partial.join("trainer_state.json"), serde_json::to_string_pretty(&state)?)?;
+    write_adapter(&partial.join("adapter"))?;
+    if done.exists() {
+        std::fs::remove_dir_all(&done)?;
+    }
+    std::fs::rename(&partial, &done).with_context(|| format!("cannot move checkpoint into {}", done.display()))?;
+    let all = list(out);
+    if keep > 0 && all.len() > keep {
+        for (_, old) in &all[..all.len() - keep] {
+            let _ = std::fs::remove_dir_all(old);
+        }
+    }
+    Ok(done)
+}
+
+pub fn load(checkpoint: &Path) -> Result<CheckpointFiles> {
+    let state_path = checkpoint.join("trainer_state.json");
+    let text = std::fs::read_to_string(&state_path).with_context(|| format!("cannot read {}", state_path.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text)?;
+    let optimizer_step = json.get("optimizer_step").and_then(|v| v.as_u64()).unwrap_or(0);
+    let state: TrainerState = serde_json::from_value(json)?;
+    Ok(CheckpointFiles {
+        state,
+        trainable: read_tensors(&checkpoint.join("trainable.safetensors"))?,
+        optimizer: read_tensors(&checkpoint.join("optimizer.safetensors"))?,
+        optimizer_step,
+    })
+}
