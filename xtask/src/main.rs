@@ -1,0 +1,89 @@
+//! `cargo xtask <task>`: project chores that are more than one command.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask")]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Subcommand)]
+enum Task {
+    /// Regenerate the reference fixtures with Hugging Face transformers and tokenizers
+    /// (random-init tiny models and their losses; tokenizer ids).
+    Fixtures {
+        /// A Python with torch, transformers 5.17 and tokenizers.
+        #[arg(long, default_value = "python3")]
+        python: String,
+    },
+    /// Build every release binary of the workspace and copy them into a folder ignored by git,
+    /// ready to carry to a GPU machine.
+    GpuBundle {
+        #[arg(long, default_value = ".device")]
+        out: PathBuf,
+    },
+    /// Run CI's script (.ci/run) here.
+    Ci,
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}
+
+fn run(command: &mut Command) -> Result<()> {
+    let status = command.status().with_context(|| format!("cannot start {command:?}"))?;
+    if !status.success() {
+        bail!("{command:?} failed with {status}");
+    }
+    Ok(())
+}
+
+/// Names of the `[[bin]]` targets of the workspace's own packages.
+fn workspace_binaries(root: &Path) -> Result<Vec<String>> {
+    let output = Command::new("cargo")
+        .args(["metadata", "--no-deps", "--format-version", "1"])
+        .current_dir(root)
+        .output()
+        .context("cannot run cargo metadata")?;
+    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).context("cargo metadata output")?;
+    let packages = metadata["packages"].as_array().context("cargo metadata has no packages")?;
+    Ok(packages
+        .iter()
+        .flat_map(|p| p["targets"].as_array().cloned().unwrap_or_default())
+        .filter(|t| t["kind"].as_array().is_some_and(|k| k.iter().any(|k| k == "bin")))
+        .filter_map(|t| t["name"].as_str().map(String::from))
+        .filter(|name| name != "xtask")
+        .collect())
+}
+
+fn main() -> Result<()> {
+    let root = root();
+    match Cli::parse().task {
+        Task::Fixtures { python } => {
+            for script in [
+                "crates/lemo-models/tests/fixtures/hf/make_fixtures.py",
+                "crates/lemo-models/tests/fixtures/tokenizer/make_reference.py",
+            ] {
+                run(Command::new(&python).arg(root.join(script)).current_dir(&root))?;
+            }
+        }
+        Task::GpuBundle { out } => {
+            run(Command::new("cargo").args(["build", "--release", "--workspace", "--bins"]).current_dir(&root))?;
+            let out = root.join(out);
+            std::fs::create_dir_all(&out)?;
+            for binary in workspace_binaries(&root)? {
+                std::fs::copy(root.join("target/release").join(&binary), out.join(&binary))
+                    .with_context(|| format!("copying {binary}"))?;
+                println!("{}", out.join(&binary).display());
+            }
+        }
+        Task::Ci => run(Command::new("bash").arg(root.join(".ci/run")).current_dir(&root))?,
+    }
+    Ok(())
+}
