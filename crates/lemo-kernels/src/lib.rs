@@ -1,0 +1,12 @@
+//! Device kernels for long-context LoRA training, exposed as a Burn backend extension.
+//!
+//! Every operation is a method of [`LemoBackend`] whose default body is the plain Burn-tensor
+//! reference, so any backend is correct out of the box; CubeCL backends override the methods.
+
+pub mod attention;
+mod backend;
+
+pub use attention::AttentionOptions;
+#[cfg(feature = "cuda")]
+pub use backend::CudaBackend;
+pub use backend::{CpuBackend, LemoBackend, WgpuBackend};
