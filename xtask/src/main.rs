@@ -22,8 +22,8 @@ enum Task {
         #[arg(long, default_value = "python3")]
         python: String,
     },
-    /// Build every release binary of the workspace and copy them into a folder ignored by git,
-    /// ready to carry to a GPU machine.
+    /// Build every release binary of the workspace and pack them, stripped, into
+    /// `OUT/bin.tar.xz` (a folder ignored by git), small enough to carry to a GPU machine.
     GpuBundle {
         #[arg(long, default_value = ".device")]
         out: PathBuf,
@@ -77,11 +77,14 @@ fn main() -> Result<()> {
             run(Command::new("cargo").args(["build", "--release", "--workspace", "--bins"]).current_dir(&root))?;
             let out = root.join(out);
             std::fs::create_dir_all(&out)?;
-            for binary in workspace_binaries(&root)? {
-                std::fs::copy(root.join("target/release").join(&binary), out.join(&binary))
+            let binaries = workspace_binaries(&root)?;
+            for binary in &binaries {
+                std::fs::copy(root.join("target/release").join(binary), out.join(binary))
                     .with_context(|| format!("copying {binary}"))?;
-                println!("{}", out.join(&binary).display());
+                run(Command::new("strip").arg(out.join(binary)))?;
             }
+            run(Command::new("tar").arg("-cJf").arg(out.join("bin.tar.xz")).arg("-C").arg(&out).args(&binaries))?;
+            println!("{} ({})", out.join("bin.tar.xz").display(), binaries.join(", "));
         }
         Task::Ci => run(Command::new("bash").arg(root.join(".ci/run")).current_dir(&root))?,
     }
