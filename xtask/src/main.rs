@@ -33,11 +33,16 @@ enum Task {
 }
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
 }
 
 fn run(command: &mut Command) -> Result<()> {
-    let status = command.status().with_context(|| format!("cannot start {command:?}"))?;
+    let status = command
+        .status()
+        .with_context(|| format!("cannot start {command:?}"))?;
     if !status.success() {
         bail!("{command:?} failed with {status}");
     }
@@ -51,12 +56,19 @@ fn workspace_binaries(root: &Path) -> Result<Vec<String>> {
         .current_dir(root)
         .output()
         .context("cannot run cargo metadata")?;
-    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).context("cargo metadata output")?;
-    let packages = metadata["packages"].as_array().context("cargo metadata has no packages")?;
+    let metadata: serde_json::Value =
+        serde_json::from_slice(&output.stdout).context("cargo metadata output")?;
+    let packages = metadata["packages"]
+        .as_array()
+        .context("cargo metadata has no packages")?;
     Ok(packages
         .iter()
         .flat_map(|p| p["targets"].as_array().cloned().unwrap_or_default())
-        .filter(|t| t["kind"].as_array().is_some_and(|k| k.iter().any(|k| k == "bin")))
+        .filter(|t| {
+            t["kind"]
+                .as_array()
+                .is_some_and(|k| k.iter().any(|k| k == "bin"))
+        })
         .filter_map(|t| t["name"].as_str().map(String::from))
         .filter(|name| name != "xtask")
         .collect())
@@ -70,11 +82,15 @@ fn main() -> Result<()> {
                 "crates/lemo-models/tests/fixtures/hf/make_fixtures.py",
                 "crates/lemo-models/tests/fixtures/tokenizer/make_reference.py",
             ] {
-                run(Command::new(&python).arg(root.join(script)).current_dir(&root))?;
+                run(Command::new(&python)
+                    .arg(root.join(script))
+                    .current_dir(&root))?;
             }
         }
         Task::GpuBundle { out } => {
-            run(Command::new("cargo").args(["build", "--release", "--workspace", "--bins"]).current_dir(&root))?;
+            run(Command::new("cargo")
+                .args(["build", "--release", "--workspace", "--bins"])
+                .current_dir(&root))?;
             let out = root.join(out);
             std::fs::create_dir_all(&out)?;
             let binaries = workspace_binaries(&root)?;
@@ -83,10 +99,21 @@ fn main() -> Result<()> {
                     .with_context(|| format!("copying {binary}"))?;
                 run(Command::new("strip").arg(out.join(binary)))?;
             }
-            run(Command::new("tar").arg("-cJf").arg(out.join("bin.tar.xz")).arg("-C").arg(&out).args(&binaries))?;
-            println!("{} ({})", out.join("bin.tar.xz").display(), binaries.join(", "));
+            run(Command::new("tar")
+                .arg("-cJf")
+                .arg(out.join("bin.tar.xz"))
+                .arg("-C")
+                .arg(&out)
+                .args(&binaries))?;
+            println!(
+                "{} ({})",
+                out.join("bin.tar.xz").display(),
+                binaries.join(", ")
+            );
         }
-        Task::Ci => run(Command::new("bash").arg(root.join(".ci/run")).current_dir(&root))?,
+        Task::Ci => run(Command::new("bash")
+            .arg(root.join(".ci/run"))
+            .current_dir(&root))?,
     }
     Ok(())
 }

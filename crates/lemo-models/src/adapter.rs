@@ -64,15 +64,19 @@ fn modules_to_save(config: &LoraConfig) -> Value {
     if config.train_norms {
         names.extend(["input_layernorm", "post_attention_layernorm", "norm"]);
     }
-    if names.is_empty() { Value::Null } else { json!(names) }
+    if names.is_empty() {
+        Value::Null
+    } else {
+        json!(names)
+    }
 }
 
 /// Reads the LoRA settings of a PEFT `adapter_config.json`.
 pub fn read_peft_config(dir: &Path) -> Result<LoraConfig> {
     let path = dir.join(CONFIG_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
-    let json: Value =
-        serde_json::from_str(&text).map_err(|e| Error::format(&path, format!("invalid JSON: {e}")))?;
+    let json: Value = serde_json::from_str(&text)
+        .map_err(|e| Error::format(&path, format!("invalid JSON: {e}")))?;
     let bad = |message: String| Error::format(&path, message);
     if json.get("peft_type").and_then(Value::as_str) != Some("LORA") {
         return Err(bad("not a LoRA adapter (peft_type must be \"LORA\")".into()));
@@ -83,13 +87,24 @@ pub fn read_peft_config(dir: &Path) -> Result<LoraConfig> {
         }
     }
     for pattern in ["rank_pattern", "alpha_pattern"] {
-        if json.get(pattern).and_then(Value::as_object).is_some_and(|o| !o.is_empty()) {
+        if json
+            .get(pattern)
+            .and_then(Value::as_object)
+            .is_some_and(|o| !o.is_empty())
+        {
             return Err(bad(format!("per-module {pattern} is not supported")));
         }
     }
-    let rank = json.get("r").and_then(Value::as_u64).ok_or_else(|| bad("missing \"r\"".into()))? as usize;
+    let rank = json
+        .get("r")
+        .and_then(Value::as_u64)
+        .ok_or_else(|| bad("missing \"r\"".into()))? as usize;
     let target_modules = match json.get("target_modules") {
-        Some(Value::Array(names)) => names.iter().filter_map(Value::as_str).map(String::from).collect(),
+        Some(Value::Array(names)) => names
+            .iter()
+            .filter_map(Value::as_str)
+            .map(String::from)
+            .collect(),
         Some(Value::String(name)) => vec![name.clone()],
         _ => return Err(bad("missing \"target_modules\"".into())),
     };
@@ -102,8 +117,14 @@ pub fn read_peft_config(dir: &Path) -> Result<LoraConfig> {
         train_embeddings: saved.contains(&"embed_tokens"),
         train_norms: saved.iter().any(|m| m.ends_with("norm")),
         rank,
-        alpha: json.get("lora_alpha").and_then(Value::as_f64).unwrap_or(8.0),
-        dropout: json.get("lora_dropout").and_then(Value::as_f64).unwrap_or(0.0),
+        alpha: json
+            .get("lora_alpha")
+            .and_then(Value::as_f64)
+            .unwrap_or(8.0),
+        dropout: json
+            .get("lora_dropout")
+            .and_then(Value::as_f64)
+            .unwrap_or(0.0),
         target_modules,
         ..LoraConfig::default()
     })
@@ -120,14 +141,20 @@ impl<B: LemoBackend> CausalLm<B> {
                 for (part, param) in [("lora_A", &lora.a), ("lora_B", &lora.b)] {
                     let value = param.val();
                     let shape = value.dims().to_vec();
-                    let values: Vec<f32> = value.into_data().convert::<f32>().into_vec().expect("f32 data");
+                    let values: Vec<f32> = value
+                        .into_data()
+                        .convert::<f32>()
+                        .into_vec()
+                        .expect("f32 data");
                     let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
                     tensors.push((format!("{PREFIX}.{name}.{part}.weight"), shape, bytes));
                 }
             }
         }
         if tensors.is_empty() {
-            return Err(Error::Config("the model has no LoRA adapters to save".into()));
+            return Err(Error::Config(
+                "the model has no LoRA adapters to save".into(),
+            ));
         }
         for (name, shape, values) in self.extra_trainable_weights(config) {
             let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -136,14 +163,18 @@ impl<B: LemoBackend> CausalLm<B> {
         let views: Vec<(String, TensorView)> = tensors
             .iter()
             .map(|(name, shape, bytes)| {
-                (name.clone(), TensorView::new(Dtype::F32, shape.clone(), bytes).expect("consistent view"))
+                (
+                    name.clone(),
+                    TensorView::new(Dtype::F32, shape.clone(), bytes).expect("consistent view"),
+                )
             })
             .collect();
         let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
         let bytes = safetensors::serialize(views, Some(metadata))
             .map_err(|e| Error::format(&dir.join(WEIGHTS_FILE), e.to_string()))?;
         write_atomically(&dir.join(WEIGHTS_FILE), &bytes)?;
-        let config_json = serde_json::to_string_pretty(&peft_config_json(config, base_model)).expect("valid JSON");
+        let config_json = serde_json::to_string_pretty(&peft_config_json(config, base_model))
+            .expect("valid JSON");
         write_atomically(&dir.join(CONFIG_FILE), config_json.as_bytes())
     }
 
@@ -155,7 +186,10 @@ impl<B: LemoBackend> CausalLm<B> {
         let mut attached = 0;
         for (name, linear) in self.projections_mut() {
             let key = |part: &str| format!("{PREFIX}.{name}.{part}.weight");
-            let (a_shape, b_shape) = ([config.rank, linear.in_features()], [linear.out_features(), config.rank]);
+            let (a_shape, b_shape) = (
+                [config.rank, linear.in_features()],
+                [linear.out_features(), config.rank],
+            );
             let a = weights.fetch(&key("lora_A"), &a_shape)?;
             let b = weights.fetch(&key("lora_B"), &b_shape)?;
             match (a, b) {
@@ -167,18 +201,30 @@ impl<B: LemoBackend> CausalLm<B> {
                     attached += 1;
                 }
                 (None, None) => {}
-                _ => return Err(Error::format(&weights_path, format!("{name} has only one of lora_A/lora_B"))),
+                _ => {
+                    return Err(Error::format(
+                        &weights_path,
+                        format!("{name} has only one of lora_A/lora_B"),
+                    ));
+                }
             }
         }
         if attached == 0 {
-            return Err(Error::format(&weights_path, "no LoRA weights match this model's projections"));
+            return Err(Error::format(
+                &weights_path,
+                "no LoRA weights match this model's projections",
+            ));
         }
         if config.train_embeddings || config.train_norms {
             struct Prefixed<'a>(&'a mut SafetensorsWeights);
             impl WeightSource for Prefixed<'_> {
                 fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
                     let key = format!("{PREFIX}.{name}");
-                    if self.0.contains(&key) { self.0.fetch(&key, shape) } else { Ok(None) }
+                    if self.0.contains(&key) {
+                        self.0.fetch(&key, shape)
+                    } else {
+                        Ok(None)
+                    }
                 }
             }
             self.set_extra_weights(&mut Prefixed(&mut weights))?;

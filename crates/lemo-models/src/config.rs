@@ -19,7 +19,11 @@ pub enum ModelConfig {
 impl ModelConfig {
     /// Reads `config.json` (a file, or the folder holding it).
     pub fn from_file(path: &Path) -> Result<Self> {
-        let path = if path.is_dir() { path.join("config.json") } else { path.to_path_buf() };
+        let path = if path.is_dir() {
+            path.join("config.json")
+        } else {
+            path.to_path_buf()
+        };
         let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
         let json: Value = serde_json::from_str(&text)
             .map_err(|e| Error::format(&path, format!("invalid JSON: {e}")))?;
@@ -30,7 +34,11 @@ impl ModelConfig {
     }
 
     pub fn from_json(json: Value) -> Result<Self> {
-        let model_type = json.get("model_type").and_then(Value::as_str).unwrap_or("").to_string();
+        let model_type = json
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
         let architecture = json
             .get("architectures")
             .and_then(|a| a.get(0))
@@ -46,7 +54,9 @@ impl ModelConfig {
                     // (null means none) and 8 KV heads.
                     let object = json.as_object_mut().expect("config.json is an object");
                     object.entry("sliding_window").or_insert(Value::from(4096));
-                    object.entry("num_key_value_heads").or_insert(Value::from(8));
+                    object
+                        .entry("num_key_value_heads")
+                        .or_insert(Value::from(8));
                 }
                 let raw: RawLlamaConfig = serde_json::from_value(json)
                     .map_err(|e| Error::Config(parse("llama") + &e.to_string()))?;
@@ -102,7 +112,9 @@ impl ModelConfig {
 pub enum RopeScaling {
     Default,
     /// Position interpolation: every frequency divided by `factor`.
-    Linear { factor: f64 },
+    Linear {
+        factor: f64,
+    },
     /// Llama 3.1's frequency-dependent interpolation.
     Llama3 {
         factor: f64,
@@ -121,7 +133,11 @@ pub struct RopeConfig {
 impl RopeConfig {
     /// Reads a transformers 5 `rope_parameters` object, or an older `rope_scaling` one
     /// (with `rope_theta` given separately).
-    fn from_json(params: Option<&Value>, theta: Option<f64>, max_position_embeddings: usize) -> Result<Self> {
+    fn from_json(
+        params: Option<&Value>,
+        theta: Option<f64>,
+        max_position_embeddings: usize,
+    ) -> Result<Self> {
         let field = |name: &str| params.and_then(|p| p.get(name)).and_then(Value::as_f64);
         let theta = field("rope_theta").or(theta).unwrap_or(10000.0);
         let rope_type = params
@@ -134,7 +150,9 @@ impl RopeConfig {
         };
         let scaling = match rope_type {
             "default" => RopeScaling::Default,
-            "linear" => RopeScaling::Linear { factor: required("factor")? },
+            "linear" => RopeScaling::Linear {
+                factor: required("factor")?,
+            },
             "llama3" => RopeScaling::Llama3 {
                 factor: required("factor")?,
                 low_freq_factor: required("low_freq_factor")?,
@@ -221,7 +239,6 @@ fn default_hidden_act() -> String {
 
 impl RawLlamaConfig {
     fn resolve(self, is_mistral: bool) -> Result<LlamaConfig> {
-
         if self.hidden_act != "silu" {
             return Err(Error::Config(format!(
                 "unsupported hidden_act {:?}: Llama-family models use silu",
@@ -237,7 +254,9 @@ impl RawLlamaConfig {
         }
         let head_dim = self.head_dim.unwrap_or(self.hidden_size / heads);
         if head_dim % 2 != 0 {
-            return Err(Error::Config(format!("head_dim ({head_dim}) must be even for RoPE")));
+            return Err(Error::Config(format!(
+                "head_dim ({head_dim}) must be even for RoPE"
+            )));
         }
         let rope_params = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref());
         Ok(LlamaConfig {
@@ -250,11 +269,19 @@ impl RawLlamaConfig {
             head_dim,
             rms_norm_eps: self.rms_norm_eps,
             max_position_embeddings: self.max_position_embeddings,
-            rope: RopeConfig::from_json(rope_params, self.rope_theta, self.max_position_embeddings)?,
+            rope: RopeConfig::from_json(
+                rope_params,
+                self.rope_theta,
+                self.max_position_embeddings,
+            )?,
             tie_word_embeddings: self.tie_word_embeddings,
             attention_bias: self.attention_bias,
             mlp_bias: self.mlp_bias,
-            sliding_window: if is_mistral { self.sliding_window } else { None },
+            sliding_window: if is_mistral {
+                self.sliding_window
+            } else {
+                None
+            },
             bos_token_id: self.bos_token_id,
             eos_token_id: match self.eos_token_id {
                 Some(TokenIds::One(id)) => vec![id],

@@ -5,7 +5,10 @@ use std::path::{Path, PathBuf};
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error("cannot read {}: {source}", path.display())]
-    Io { path: PathBuf, source: std::io::Error },
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{}: {message}", path.display())]
     Format { path: PathBuf, message: String },
     #[error("{0}")]
@@ -18,10 +21,16 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub fn io(path: &Path, source: std::io::Error) -> Self {
-        Error::Io { path: path.to_path_buf(), source }
+        Error::Io {
+            path: path.to_path_buf(),
+            source,
+        }
     }
 
     pub fn format(path: &Path, message: impl Into<String>) -> Self {
-        Error::Format { path: path.to_path_buf(), message: message.into() }
+        Error::Format {
+            path: path.to_path_buf(),
+            message: message.into(),
+        }
     }
 }

@@ -14,13 +14,13 @@ use burn::tensor::activation::silu;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use lemo_kernels::{AttentionOptions, LemoBackend, attention::attention};
 
+use crate::Result;
 use crate::config::LlamaConfig;
 use crate::lora::Linear;
 use crate::model::{KvCache, LayerCache, append_to_cache, embed};
 use crate::norm::RmsNorm;
 use crate::rope::RotaryEmbedding;
 use crate::weights::Loader;
-use crate::Result;
 
 #[derive(Module, Debug)]
 pub struct LlamaAttention<B: Backend> {
@@ -45,10 +45,19 @@ impl<B: LemoBackend> LlamaAttention<B> {
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let [batch, len, _] = x.dims();
-        let heads = |t: Tensor<B, 3>, n: usize| t.reshape([batch, len, n, self.head_dim]).swap_dims(1, 2);
+        let heads =
+            |t: Tensor<B, 3>, n: usize| t.reshape([batch, len, n, self.head_dim]).swap_dims(1, 2);
         let (cos, sin) = cos_sin;
-        let q = RotaryEmbedding::apply(heads(self.q_proj.forward(x.clone()), self.num_heads), cos, sin);
-        let k = RotaryEmbedding::apply(heads(self.k_proj.forward(x.clone()), self.num_kv_heads), cos, sin);
+        let q = RotaryEmbedding::apply(
+            heads(self.q_proj.forward(x.clone()), self.num_heads),
+            cos,
+            sin,
+        );
+        let k = RotaryEmbedding::apply(
+            heads(self.k_proj.forward(x.clone()), self.num_kv_heads),
+            cos,
+            sin,
+        );
         let v = heads(self.v_proj.forward(x), self.num_kv_heads);
         let (k, v) = append_to_cache(cache, k, v);
         let options = AttentionOptions {
@@ -56,7 +65,11 @@ impl<B: LemoBackend> LlamaAttention<B> {
             shifted_group: self.shifted_group,
             ..AttentionOptions::causal(self.head_dim)
         };
-        let out = attention(q, k, v, options).swap_dims(1, 2).reshape([batch, len, self.num_heads * self.head_dim]);
+        let out = attention(q, k, v, options).swap_dims(1, 2).reshape([
+            batch,
+            len,
+            self.num_heads * self.head_dim,
+        ]);
         self.o_proj.forward(out)
     }
 }
@@ -70,7 +83,8 @@ pub struct LlamaMlp<B: Backend> {
 
 impl<B: Backend> LlamaMlp<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.down_proj.forward(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+        self.down_proj
+            .forward(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
     }
 }
 
@@ -89,7 +103,10 @@ impl<B: LemoBackend> LlamaLayer<B> {
         cos_sin: &(Tensor<B, 2>, Tensor<B, 2>),
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
-        let a = h.clone() + self.self_attn.forward(self.input_layernorm.forward(h), cos_sin, cache);
+        let a = h.clone()
+            + self
+                .self_attn
+                .forward(self.input_layernorm.forward(h), cos_sin, cache);
         a.clone() + self.mlp.forward(self.post_attention_layernorm.forward(a))
     }
 }
@@ -127,16 +144,42 @@ impl<B: LemoBackend> Llama<B> {
                 shifted_group: None,
             };
             let mlp = LlamaMlp {
-                gate_proj: loader.linear(&format!("{p}.mlp.gate_proj"), config.intermediate_size, hidden, mb)?,
-                up_proj: loader.linear(&format!("{p}.mlp.up_proj"), config.intermediate_size, hidden, mb)?,
-                down_proj: loader.linear(&format!("{p}.mlp.down_proj"), hidden, config.intermediate_size, mb)?,
+                gate_proj: loader.linear(
+                    &format!("{p}.mlp.gate_proj"),
+                    config.intermediate_size,
+                    hidden,
+                    mb,
+                )?,
+                up_proj: loader.linear(
+                    &format!("{p}.mlp.up_proj"),
+                    config.intermediate_size,
+                    hidden,
+                    mb,
+                )?,
+                down_proj: loader.linear(
+                    &format!("{p}.mlp.down_proj"),
+                    hidden,
+                    config.intermediate_size,
+                    mb,
+                )?,
             };
-            let input_layernorm = RmsNorm::new(loader.required(&format!("{p}.input_layernorm.weight"), [hidden])?, config.rms_norm_eps);
-            let post_attention_layernorm =
-                RmsNorm::new(loader.required(&format!("{p}.post_attention_layernorm.weight"), [hidden])?, config.rms_norm_eps);
-            layers.push(LlamaLayer { input_layernorm, self_attn, post_attention_layernorm, mlp });
+            let input_layernorm = RmsNorm::new(
+                loader.required(&format!("{p}.input_layernorm.weight"), [hidden])?,
+                config.rms_norm_eps,
+            );
+            let post_attention_layernorm = RmsNorm::new(
+                loader.required(&format!("{p}.post_attention_layernorm.weight"), [hidden])?,
+                config.rms_norm_eps,
+            );
+            layers.push(LlamaLayer {
+                input_layernorm,
+                self_attn,
+                post_attention_layernorm,
+                mlp,
+            });
         }
-        let embed_tokens = loader.required("model.embed_tokens.weight", [config.vocab_size, hidden])?;
+        let embed_tokens =
+            loader.required("model.embed_tokens.weight", [config.vocab_size, hidden])?;
         let lm_head = if config.tie_word_embeddings {
             None
         } else {
@@ -145,7 +188,10 @@ impl<B: LemoBackend> Llama<B> {
         Ok(Self {
             embed_tokens: Param::from_tensor(embed_tokens).set_require_grad(false),
             layers,
-            norm: RmsNorm::new(loader.required("model.norm.weight", [hidden])?, config.rms_norm_eps),
+            norm: RmsNorm::new(
+                loader.required("model.norm.weight", [hidden])?,
+                config.rms_norm_eps,
+            ),
             lm_head: lm_head.map(|w| Param::from_tensor(w).set_require_grad(false)),
             rotary: RotaryEmbedding::new(&config.rope, head_dim, &loader.device),
         })

@@ -28,17 +28,31 @@ impl Llama2cCheckpoint {
         // SAFETY: read-only mapping of a file lemo never writes.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
         if map.len() < HEADER_BYTES {
-            return Err(Error::format(path, "too short for a llama2.c checkpoint header"));
+            return Err(Error::format(
+                path,
+                "too short for a llama2.c checkpoint header",
+            ));
         }
-        let header: Vec<i32> = map[..HEADER_BYTES].chunks_exact(4).map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        let [dim, hidden, layers, heads, kv_heads, vocab, seq_len] = header[..] else { unreachable!() };
+        let header: Vec<i32> = map[..HEADER_BYTES]
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let [dim, hidden, layers, heads, kv_heads, vocab, seq_len] = header[..] else {
+            unreachable!()
+        };
         let shared_classifier = vocab > 0;
         let vocab = vocab.unsigned_abs() as usize;
-        let positive = [dim, hidden, layers, heads, kv_heads, seq_len].iter().all(|&v| v > 0);
+        let positive = [dim, hidden, layers, heads, kv_heads, seq_len]
+            .iter()
+            .all(|&v| v > 0);
         if !positive || heads % kv_heads != 0 || dim % heads != 0 || vocab == 0 {
-            return Err(Error::format(path, format!("not a llama2.c v0 checkpoint (header {header:?})")));
+            return Err(Error::format(
+                path,
+                format!("not a llama2.c v0 checkpoint (header {header:?})"),
+            ));
         }
-        let [dim, hidden, layers, heads, kv_heads, seq_len] = [dim, hidden, layers, heads, kv_heads, seq_len].map(|v| v as usize);
+        let [dim, hidden, layers, heads, kv_heads, seq_len] =
+            [dim, hidden, layers, heads, kv_heads, seq_len].map(|v| v as usize);
         let head_dim = dim / heads;
         let kv_dim = kv_heads * head_dim;
 
@@ -49,7 +63,10 @@ impl Llama2cCheckpoint {
             tensors.insert(name, (offset, shape, permute));
             offset += count;
         };
-        let per_layer = |add: &mut dyn FnMut(String, Vec<usize>, bool), suffix: &str, shape: Vec<usize>, permute: bool| {
+        let per_layer = |add: &mut dyn FnMut(String, Vec<usize>, bool),
+                         suffix: &str,
+                         shape: Vec<usize>,
+                         permute: bool| {
             for l in 0..layers {
                 add(format!("model.layers.{l}.{suffix}"), shape.clone(), permute);
             }
@@ -58,9 +75,19 @@ impl Llama2cCheckpoint {
         per_layer(&mut add, "input_layernorm.weight", vec![dim], false);
         per_layer(&mut add, "self_attn.q_proj.weight", vec![dim, dim], true);
         per_layer(&mut add, "self_attn.k_proj.weight", vec![kv_dim, dim], true);
-        per_layer(&mut add, "self_attn.v_proj.weight", vec![kv_dim, dim], false);
+        per_layer(
+            &mut add,
+            "self_attn.v_proj.weight",
+            vec![kv_dim, dim],
+            false,
+        );
         per_layer(&mut add, "self_attn.o_proj.weight", vec![dim, dim], false);
-        per_layer(&mut add, "post_attention_layernorm.weight", vec![dim], false);
+        per_layer(
+            &mut add,
+            "post_attention_layernorm.weight",
+            vec![dim],
+            false,
+        );
         per_layer(&mut add, "mlp.gate_proj.weight", vec![hidden, dim], false);
         per_layer(&mut add, "mlp.down_proj.weight", vec![dim, hidden], false);
         per_layer(&mut add, "mlp.up_proj.weight", vec![hidden, dim], false);
@@ -74,7 +101,10 @@ impl Llama2cCheckpoint {
         if map.len() < needed {
             return Err(Error::format(
                 path,
-                format!("truncated llama2.c checkpoint: {} bytes, the header implies {needed}", map.len()),
+                format!(
+                    "truncated llama2.c checkpoint: {} bytes, the header implies {needed}",
+                    map.len()
+                ),
             ));
         }
         let config = LlamaConfig {
@@ -87,7 +117,10 @@ impl Llama2cCheckpoint {
             head_dim,
             rms_norm_eps: 1e-5,
             max_position_embeddings: seq_len,
-            rope: RopeConfig { theta: 10000.0, scaling: RopeScaling::Default },
+            rope: RopeConfig {
+                theta: 10000.0,
+                scaling: RopeScaling::Default,
+            },
             tie_word_embeddings: shared_classifier,
             attention_bias: false,
             mlp_bias: false,
@@ -95,7 +128,12 @@ impl Llama2cCheckpoint {
             bos_token_id: Some(1),
             eos_token_id: vec![2],
         };
-        Ok(Self { path: path.to_path_buf(), map, config, tensors })
+        Ok(Self {
+            path: path.to_path_buf(),
+            map,
+            config,
+            tensors,
+        })
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -105,22 +143,38 @@ impl Llama2cCheckpoint {
 
 /// Reorders the rows of a `[heads * head_dim, in]` projection so that each head's interleaved
 /// pairs `(2i, 2i + 1)` become the rotate-half pairs `(i, i + head_dim / 2)`.
-fn interleaved_to_rotate_half(values: &[f32], rows: usize, cols: usize, head_dim: usize) -> Vec<f32> {
+fn interleaved_to_rotate_half(
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    head_dim: usize,
+) -> Vec<f32> {
     let half = head_dim / 2;
     let mut out = vec![0.0; values.len()];
     for row in 0..rows {
         let (head, within) = (row / head_dim, row % head_dim);
-        let source = head * head_dim + if within < half { 2 * within } else { 2 * (within - half) + 1 };
-        out[row * cols..(row + 1) * cols].copy_from_slice(&values[source * cols..(source + 1) * cols]);
+        let source = head * head_dim
+            + if within < half {
+                2 * within
+            } else {
+                2 * (within - half) + 1
+            };
+        out[row * cols..(row + 1) * cols]
+            .copy_from_slice(&values[source * cols..(source + 1) * cols]);
     }
     out
 }
 
 impl WeightSource for Llama2cCheckpoint {
     fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
-        let Some((offset, found, permute)) = self.tensors.get(name) else { return Ok(None) };
+        let Some((offset, found, permute)) = self.tensors.get(name) else {
+            return Ok(None);
+        };
         if found != shape {
-            return Err(Error::format(&self.path, format!("{name} has shape {found:?}, expected {shape:?}")));
+            return Err(Error::format(
+                &self.path,
+                format!("{name} has shape {found:?}, expected {shape:?}"),
+            ));
         }
         let count: usize = shape.iter().product();
         let start = HEADER_BYTES + offset * 4;

@@ -27,7 +27,9 @@ impl Default for LoraConfig {
             rank: 8,
             alpha: 16.0,
             dropout: 0.0,
-            target_modules: ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec(),
+            target_modules: ["q_proj", "k_proj", "v_proj", "o_proj"]
+                .map(String::from)
+                .to_vec(),
             train_embeddings: false,
             train_norms: false,
         }
@@ -126,7 +128,9 @@ impl<B: Backend> Linear<B> {
         }
         if let Some(lora) = &self.lora {
             let low_rank = lora.dropout.forward(x2).matmul(lora.a.val().transpose());
-            y = y + low_rank.matmul(lora.b.val().transpose()).mul_scalar(lora.scaling);
+            y = y + low_rank
+                .matmul(lora.b.val().transpose())
+                .mul_scalar(lora.scaling);
         }
         y.reshape(out_dims)
     }

@@ -34,7 +34,10 @@ pub struct KvCache<B: Backend> {
 
 impl<B: Backend> KvCache<B> {
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: vec![None; num_layers], len: 0 }
+        Self {
+            layers: vec![None; num_layers],
+            len: 0,
+        }
     }
 }
 
@@ -46,7 +49,10 @@ pub(crate) fn append_to_cache<B: Backend>(
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
     let Some(slot) = cache else { return (k, v) };
     let (k, v) = match slot.take() {
-        Some((past_k, past_v)) => (Tensor::cat(vec![past_k, k], 2), Tensor::cat(vec![past_v, v], 2)),
+        Some((past_k, past_v)) => (
+            Tensor::cat(vec![past_k, k], 2),
+            Tensor::cat(vec![past_v, v], 2),
+        ),
         None => (k, v),
     };
     *slot = Some((k.clone(), v.clone()));
@@ -57,7 +63,10 @@ pub(crate) fn append_to_cache<B: Backend>(
 pub(crate) fn embed<B: Backend>(table: &Tensor<B, 2>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
     let [batch, len] = tokens.dims();
     let [_, dim] = table.dims();
-    table.clone().select(0, tokens.reshape([batch * len])).reshape([batch, len, dim])
+    table
+        .clone()
+        .select(0, tokens.reshape([batch * len]))
+        .reshape([batch, len, dim])
 }
 
 /// A model folder or checkpoint file, recognized by its shape on disk.
@@ -79,10 +88,16 @@ impl ModelFormat {
             if path.extension().is_some_and(|e| e == "bin") {
                 Ok(ModelFormat::Llama2c)
             } else {
-                Err(Error::format(path, "expected a Hugging Face model folder or a llama2.c .bin checkpoint"))
+                Err(Error::format(
+                    path,
+                    "expected a Hugging Face model folder or a llama2.c .bin checkpoint",
+                ))
             }
         } else {
-            Err(Error::io(path, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder")))
+            Err(Error::io(
+                path,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or folder"),
+            ))
         }
     }
 }
@@ -110,8 +125,15 @@ impl<B: LemoBackend> CausalLm<B> {
     }
 
     /// Builds a model of `config` from any weight source (a checkpoint, or random weights).
-    pub fn build(config: &ModelConfig, source: &mut dyn WeightSource, device: &B::Device) -> Result<Self> {
-        let mut loader = Loader { source, device: device.clone() };
+    pub fn build(
+        config: &ModelConfig,
+        source: &mut dyn WeightSource,
+        device: &B::Device,
+    ) -> Result<Self> {
+        let mut loader = Loader {
+            source,
+            device: device.clone(),
+        };
         Ok(match config {
             ModelConfig::Llama(c) => CausalLm::Llama(Llama::load(c, &mut loader)?),
             ModelConfig::Opt(c) => CausalLm::Opt(Opt::load(c, &mut loader)?),
@@ -127,7 +149,11 @@ impl<B: LemoBackend> CausalLm<B> {
 
     /// Final hidden states `[batch, len, dim]`; positions continue the cache when there is one,
     /// and the cache grows by `len`.
-    pub fn hidden_states(&self, tokens: Tensor<B, 2, Int>, mut cache: Option<&mut KvCache<B>>) -> Tensor<B, 3> {
+    pub fn hidden_states(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        mut cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
         let [_, len] = tokens.dims();
         let start = cache.as_ref().map_or(0, |c| c.len) as i64;
         let positions = Tensor::arange(start..start + len as i64, &tokens.device());
@@ -150,24 +176,42 @@ impl<B: LemoBackend> CausalLm<B> {
     }
 
     /// Logits `[batch, len, vocab]`.
-    pub fn forward(&self, tokens: Tensor<B, 2, Int>, cache: Option<&mut KvCache<B>>) -> Tensor<B, 3> {
+    pub fn forward(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        cache: Option<&mut KvCache<B>>,
+    ) -> Tensor<B, 3> {
         let hidden = self.hidden_states(tokens, cache);
         let [batch, len, dim] = hidden.dims();
         let weight = self.lm_head_weight();
         let [vocab, _] = weight.dims();
-        hidden.reshape([batch * len, dim]).matmul(weight.transpose()).reshape([batch, len, vocab])
+        hidden
+            .reshape([batch * len, dim])
+            .matmul(weight.transpose())
+            .reshape([batch, len, vocab])
     }
 
     /// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])`, and the
     /// number of terms. The vocabulary projection runs `chunk_rows` positions at a time, so the
     /// full `[len, vocab]` logits never exist at once.
-    pub fn next_token_loss_sum(&self, tokens: Tensor<B, 2, Int>, chunk_rows: usize) -> (Tensor<B, 1>, usize) {
+    pub fn next_token_loss_sum(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        chunk_rows: usize,
+    ) -> (Tensor<B, 1>, usize) {
         let [batch, len] = tokens.dims();
         let hidden = self.hidden_states(tokens.clone(), None);
         let [_, _, dim] = hidden.dims();
-        let inputs = hidden.slice([0..batch, 0..len - 1]).reshape([batch * (len - 1), dim]);
-        let targets = tokens.slice([0..batch, 1..len]).reshape([batch * (len - 1)]);
-        (cross_entropy_sum(inputs, self.lm_head_weight(), targets, chunk_rows), batch * (len - 1))
+        let inputs = hidden
+            .slice([0..batch, 0..len - 1])
+            .reshape([batch * (len - 1), dim]);
+        let targets = tokens
+            .slice([0..batch, 1..len])
+            .reshape([batch * (len - 1)]);
+        (
+            cross_entropy_sum(inputs, self.lm_head_weight(), targets, chunk_rows),
+            batch * (len - 1),
+        )
     }
 
     /// Every linear projection with its Hugging Face module path (`model.layers.3.self_attn.q_proj`).
@@ -262,8 +306,14 @@ impl<B: LemoBackend> CausalLm<B> {
     /// layer, or dense attention with `None`.
     pub fn set_shifted_group(&mut self, group_size: Option<usize>) {
         match self {
-            CausalLm::Llama(m) => m.layers.iter_mut().for_each(|l| l.self_attn.shifted_group = group_size),
-            CausalLm::Opt(m) => m.layers.iter_mut().for_each(|l| l.self_attn.shifted_group = group_size),
+            CausalLm::Llama(m) => m
+                .layers
+                .iter_mut()
+                .for_each(|l| l.self_attn.shifted_group = group_size),
+            CausalLm::Opt(m) => m
+                .layers
+                .iter_mut()
+                .for_each(|l| l.self_attn.shifted_group = group_size),
         }
     }
 
@@ -274,16 +324,22 @@ impl<B: LemoBackend> CausalLm<B> {
             return Ok(self);
         }
         let CausalLm::Llama(m) = &mut self else {
-            return Err(Error::Config("trainable embeddings and norms are supported for Llama-family models only".into()));
+            return Err(Error::Config(
+                "trainable embeddings and norms are supported for Llama-family models only".into(),
+            ));
         };
         if config.train_embeddings {
             m.embed_tokens = m.embed_tokens.clone().set_require_grad(true);
         }
         if config.train_norms {
             for layer in &mut m.layers {
-                layer.input_layernorm.weight = layer.input_layernorm.weight.clone().set_require_grad(true);
-                layer.post_attention_layernorm.weight =
-                    layer.post_attention_layernorm.weight.clone().set_require_grad(true);
+                layer.input_layernorm.weight =
+                    layer.input_layernorm.weight.clone().set_require_grad(true);
+                layer.post_attention_layernorm.weight = layer
+                    .post_attention_layernorm
+                    .weight
+                    .clone()
+                    .set_require_grad(true);
             }
             m.norm.weight = m.norm.weight.clone().set_require_grad(true);
         }
@@ -292,19 +348,37 @@ impl<B: LemoBackend> CausalLm<B> {
 
     /// The non-LoRA weights `config` trains, as `(Hugging Face name, shape, values)`: what PEFT
     /// calls `modules_to_save`.
-    pub fn extra_trainable_weights(&self, config: &LoraConfig) -> Vec<(String, Vec<usize>, Vec<f32>)> {
-        let CausalLm::Llama(m) = self else { return Vec::new() };
-        fn values<B: Backend, const D: usize>(name: String, t: Tensor<B, D>) -> (String, Vec<usize>, Vec<f32>) {
+    pub fn extra_trainable_weights(
+        &self,
+        config: &LoraConfig,
+    ) -> Vec<(String, Vec<usize>, Vec<f32>)> {
+        let CausalLm::Llama(m) = self else {
+            return Vec::new();
+        };
+        fn values<B: Backend, const D: usize>(
+            name: String,
+            t: Tensor<B, D>,
+        ) -> (String, Vec<usize>, Vec<f32>) {
             let shape = t.dims().to_vec();
-            (name, shape, t.into_data().convert::<f32>().into_vec().expect("f32 data"))
+            (
+                name,
+                shape,
+                t.into_data().convert::<f32>().into_vec().expect("f32 data"),
+            )
         }
         let mut out = Vec::new();
         if config.train_embeddings {
-            out.push(values("model.embed_tokens.weight".into(), m.embed_tokens.val()));
+            out.push(values(
+                "model.embed_tokens.weight".into(),
+                m.embed_tokens.val(),
+            ));
         }
         if config.train_norms {
             for (i, layer) in m.layers.iter().enumerate() {
-                out.push(values(format!("model.layers.{i}.input_layernorm.weight"), layer.input_layernorm.weight.val()));
+                out.push(values(
+                    format!("model.layers.{i}.input_layernorm.weight"),
+                    layer.input_layernorm.weight.val(),
+                ));
                 out.push(values(
                     format!("model.layers.{i}.post_attention_layernorm.weight"),
                     layer.post_attention_layernorm.weight.val(),
@@ -318,9 +392,13 @@ impl<B: LemoBackend> CausalLm<B> {
     /// Replaces the named non-LoRA weights (see [`Self::extra_trainable_weights`]); returns how
     /// many names matched.
     pub fn set_extra_weights(&mut self, weights: &mut dyn WeightSource) -> Result<usize> {
-        let CausalLm::Llama(m) = self else { return Ok(0) };
+        let CausalLm::Llama(m) = self else {
+            return Ok(0);
+        };
         let mut found = 0;
-        let mut replace1 = |name: &str, param: &mut burn::module::Param<Tensor<B, 1>>| -> Result<()> {
+        let mut replace1 = |name: &str,
+                            param: &mut burn::module::Param<Tensor<B, 1>>|
+         -> Result<()> {
             let shape = param.dims();
             if let Some(v) = weights.fetch(name, &shape)? {
                 let t = Tensor::from_data(burn::tensor::TensorData::new(v, shape), &param.device());
@@ -330,13 +408,22 @@ impl<B: LemoBackend> CausalLm<B> {
             Ok(())
         };
         for (i, layer) in m.layers.iter_mut().enumerate() {
-            replace1(&format!("model.layers.{i}.input_layernorm.weight"), &mut layer.input_layernorm.weight)?;
-            replace1(&format!("model.layers.{i}.post_attention_layernorm.weight"), &mut layer.post_attention_layernorm.weight)?;
+            replace1(
+                &format!("model.layers.{i}.input_layernorm.weight"),
+                &mut layer.input_layernorm.weight,
+            )?;
+            replace1(
+                &format!("model.layers.{i}.post_attention_layernorm.weight"),
+                &mut layer.post_attention_layernorm.weight,
+            )?;
         }
         replace1("model.norm.weight", &mut m.norm.weight)?;
         let shape = m.embed_tokens.dims();
         if let Some(v) = weights.fetch("model.embed_tokens.weight", &shape)? {
-            let t = Tensor::from_data(burn::tensor::TensorData::new(v, shape), &m.embed_tokens.device());
+            let t = Tensor::from_data(
+                burn::tensor::TensorData::new(v, shape),
+                &m.embed_tokens.device(),
+            );
             m.embed_tokens = burn::module::Param::from_tensor(t).set_require_grad(false);
             found += 1;
         }
@@ -357,12 +444,20 @@ pub fn cross_entropy_sum<B: Backend>(
     let mut total = Tensor::zeros([1], &inputs.device());
     for start in (0..rows).step_by(chunk_rows.max(1)) {
         let end = (start + chunk_rows).min(rows);
-        let logits = inputs.clone().slice([start..end, 0..dim]).matmul(weight_t.clone());
+        let logits = inputs
+            .clone()
+            .slice([start..end, 0..dim])
+            .matmul(weight_t.clone());
         let max = logits.clone().max_dim(1).detach();
         let log_sum_exp = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
-        let target_logit = logits.gather(1, targets.clone().slice([start..end]).reshape([end - start, 1]));
+        let target_logit = logits.gather(
+            1,
+            targets
+                .clone()
+                .slice([start..end])
+                .reshape([end - start, 1]),
+        );
         total = total + (log_sum_exp - target_logit).sum();
     }
     total
 }
-

@@ -12,7 +12,10 @@ pub struct RmsNorm<B: Backend> {
 
 impl<B: Backend> RmsNorm<B> {
     pub fn new(weight: Tensor<B, 1>, eps: f64) -> Self {
-        Self { weight: Param::from_tensor(weight).set_require_grad(false), eps }
+        Self {
+            weight: Param::from_tensor(weight).set_require_grad(false),
+            eps,
+        }
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
@@ -33,7 +36,11 @@ pub struct LayerNorm<B: Backend> {
 impl<B: Backend> LayerNorm<B> {
     pub fn new(weight: Option<Tensor<B, 1>>, bias: Option<Tensor<B, 1>>, eps: f64) -> Self {
         let frozen = |t| Param::from_tensor(t).set_require_grad(false);
-        Self { weight: weight.map(frozen), bias: bias.map(frozen), eps }
+        Self {
+            weight: weight.map(frozen),
+            bias: bias.map(frozen),
+            eps,
+        }
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {

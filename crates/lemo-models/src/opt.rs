@@ -13,12 +13,12 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use lemo_kernels::{AttentionOptions, LemoBackend, attention::attention};
 
+use crate::Result;
 use crate::config::OptConfig;
 use crate::lora::Linear;
 use crate::model::{KvCache, LayerCache, append_to_cache, embed};
 use crate::norm::LayerNorm;
 use crate::weights::Loader;
-use crate::Result;
 
 const LAYER_NORM_EPS: f64 = 1e-5;
 
@@ -37,12 +37,23 @@ pub struct OptAttention<B: Backend> {
 impl<B: LemoBackend> OptAttention<B> {
     fn forward(&self, x: Tensor<B, 3>, cache: Option<&mut LayerCache<B>>) -> Tensor<B, 3> {
         let [batch, len, hidden] = x.dims();
-        let heads = |t: Tensor<B, 3>| t.reshape([batch, len, self.num_heads, self.head_dim]).swap_dims(1, 2);
+        let heads = |t: Tensor<B, 3>| {
+            t.reshape([batch, len, self.num_heads, self.head_dim])
+                .swap_dims(1, 2)
+        };
         let q = heads(self.q_proj.forward(x.clone()));
-        let (k, v) = append_to_cache(cache, heads(self.k_proj.forward(x.clone())), heads(self.v_proj.forward(x)));
-        let options = AttentionOptions { shifted_group: self.shifted_group, ..AttentionOptions::causal(self.head_dim) };
+        let (k, v) = append_to_cache(
+            cache,
+            heads(self.k_proj.forward(x.clone())),
+            heads(self.v_proj.forward(x)),
+        );
+        let options = AttentionOptions {
+            shifted_group: self.shifted_group,
+            ..AttentionOptions::causal(self.head_dim)
+        };
         let out = attention(q, k, v, options);
-        self.out_proj.forward(out.swap_dims(1, 2).reshape([batch, len, hidden]))
+        self.out_proj
+            .forward(out.swap_dims(1, 2).reshape([batch, len, hidden]))
     }
 }
 
@@ -94,7 +105,12 @@ impl<B: LemoBackend> Opt<B> {
                 q_proj: loader.linear(&format!("{p}.self_attn.q_proj"), hidden, hidden, bias)?,
                 k_proj: loader.linear(&format!("{p}.self_attn.k_proj"), hidden, hidden, bias)?,
                 v_proj: loader.linear(&format!("{p}.self_attn.v_proj"), hidden, hidden, bias)?,
-                out_proj: loader.linear(&format!("{p}.self_attn.out_proj"), hidden, hidden, bias)?,
+                out_proj: loader.linear(
+                    &format!("{p}.self_attn.out_proj"),
+                    hidden,
+                    hidden,
+                    bias,
+                )?,
                 num_heads: config.num_attention_heads,
                 head_dim: hidden / config.num_attention_heads,
                 shifted_group: None,
@@ -102,7 +118,11 @@ impl<B: LemoBackend> Opt<B> {
             let fc1 = loader.linear(&format!("{p}.fc1"), config.ffn_dim, hidden, bias)?;
             let fc2 = loader.linear(&format!("{p}.fc2"), hidden, config.ffn_dim, bias)?;
             layers.push(OptLayer {
-                self_attn_layer_norm: layer_norm(loader, config, &format!("{p}.self_attn_layer_norm"))?,
+                self_attn_layer_norm: layer_norm(
+                    loader,
+                    config,
+                    &format!("{p}.self_attn_layer_norm"),
+                )?,
                 self_attn,
                 final_layer_norm: layer_norm(loader, config, &format!("{p}.final_layer_norm"))?,
                 fc1,
@@ -112,26 +132,42 @@ impl<B: LemoBackend> Opt<B> {
         }
         let projections = word_dim != hidden;
         let project_in = if projections {
-            Some(Linear::new(loader.required("model.decoder.project_in.weight", [hidden, word_dim])?, None))
+            Some(Linear::new(
+                loader.required("model.decoder.project_in.weight", [hidden, word_dim])?,
+                None,
+            ))
         } else {
             None
         };
         let project_out = if projections {
-            Some(Linear::new(loader.required("model.decoder.project_out.weight", [word_dim, hidden])?, None))
+            Some(Linear::new(
+                loader.required("model.decoder.project_out.weight", [word_dim, hidden])?,
+                None,
+            ))
         } else {
             None
         };
         let final_layer_norm = if config.do_layer_norm_before && !config.remove_final_layer_norm {
-            Some(layer_norm(loader, config, "model.decoder.final_layer_norm")?)
+            Some(layer_norm(
+                loader,
+                config,
+                "model.decoder.final_layer_norm",
+            )?)
         } else {
             None
         };
         let frozen = |t| Param::from_tensor(t).set_require_grad(false);
         Ok(Self {
-            embed_tokens: frozen(loader.required("model.decoder.embed_tokens.weight", [config.vocab_size, word_dim])?),
+            embed_tokens: frozen(loader.required(
+                "model.decoder.embed_tokens.weight",
+                [config.vocab_size, word_dim],
+            )?),
             embed_positions: frozen(loader.required(
                 "model.decoder.embed_positions.weight",
-                [config.max_position_embeddings + OptConfig::POSITION_OFFSET, hidden],
+                [
+                    config.max_position_embeddings + OptConfig::POSITION_OFFSET,
+                    hidden,
+                ],
             )?),
             project_in,
             layers,
@@ -155,7 +191,12 @@ impl<B: LemoBackend> Opt<B> {
         }
         let position_rows = positions.add_scalar(OptConfig::POSITION_OFFSET as i64);
         let [_, hidden] = self.embed_positions.dims();
-        h = h + self.embed_positions.val().select(0, position_rows).reshape([1, len, hidden]).expand([batch, len, hidden]);
+        h = h + self
+            .embed_positions
+            .val()
+            .select(0, position_rows)
+            .reshape([1, len, hidden])
+            .expand([batch, len, hidden]);
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward(h, cache.as_deref_mut().map(|c| &mut c.layers[i]));
         }
@@ -173,7 +214,11 @@ impl<B: LemoBackend> Opt<B> {
     }
 }
 
-fn layer_norm<B: Backend>(loader: &mut Loader<B>, config: &OptConfig, name: &str) -> Result<LayerNorm<B>> {
+fn layer_norm<B: Backend>(
+    loader: &mut Loader<B>,
+    config: &OptConfig,
+    name: &str,
+) -> Result<LayerNorm<B>> {
     let hidden = config.hidden_size;
     if !config.layer_norm_elementwise_affine {
         return Ok(LayerNorm::new(None, None, LAYER_NORM_EPS));

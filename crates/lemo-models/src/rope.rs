@@ -21,7 +21,11 @@ pub fn inverse_frequencies(config: &RopeConfig, head_dim: usize) -> Vec<f32> {
             original_max_position_embeddings,
         } => {
             let old_context = original_max_position_embeddings as f32;
-            let (factor, low, high) = (factor as f32, low_freq_factor as f32, high_freq_factor as f32);
+            let (factor, low, high) = (
+                factor as f32,
+                low_freq_factor as f32,
+                high_freq_factor as f32,
+            );
             let low_freq_wavelen = old_context / low;
             let high_freq_wavelen = old_context / high;
             base.iter()
@@ -51,14 +55,17 @@ pub struct RotaryEmbedding<B: Backend> {
 impl<B: Backend> RotaryEmbedding<B> {
     pub fn new(config: &RopeConfig, head_dim: usize, device: &B::Device) -> Self {
         let freqs = inverse_frequencies(config, head_dim);
-        Self { inverse_frequencies: Tensor::from_floats(freqs.as_slice(), device) }
+        Self {
+            inverse_frequencies: Tensor::from_floats(freqs.as_slice(), device),
+        }
     }
 
     /// `(cos, sin)`, each `[len, head_dim]`, for `positions: [len]`.
     pub fn cos_sin(&self, positions: Tensor<B, 1, Int>) -> (Tensor<B, 2>, Tensor<B, 2>) {
         let [len] = positions.dims();
         let [half] = self.inverse_frequencies.dims();
-        let angles = positions.float().reshape([len, 1]) * self.inverse_frequencies.clone().reshape([1, half]);
+        let angles = positions.float().reshape([len, 1])
+            * self.inverse_frequencies.clone().reshape([1, half]);
         let angles = Tensor::cat(vec![angles.clone(), angles], 1);
         (angles.clone().cos(), angles.sin())
     }
@@ -69,7 +76,9 @@ impl<B: Backend> RotaryEmbedding<B> {
         let [batch, heads, len, head_dim] = x.dims();
         let half = head_dim / 2;
         let x1 = x.clone().slice([0..batch, 0..heads, 0..len, 0..half]);
-        let x2 = x.clone().slice([0..batch, 0..heads, 0..len, half..head_dim]);
+        let x2 = x
+            .clone()
+            .slice([0..batch, 0..heads, 0..len, half..head_dim]);
         let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
         x * cos.clone().unsqueeze::<4>() + rotated * sin.clone().unsqueeze::<4>()
     }

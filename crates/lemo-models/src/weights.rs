@@ -27,7 +27,11 @@ pub struct Loader<'a, B: Backend> {
 }
 
 impl<B: Backend> Loader<'_, B> {
-    pub fn optional<const D: usize>(&mut self, name: &str, shape: [usize; D]) -> Result<Option<Tensor<B, D>>> {
+    pub fn optional<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+    ) -> Result<Option<Tensor<B, D>>> {
         Ok(self
             .source
             .fetch(name, &shape)?
@@ -37,13 +41,24 @@ impl<B: Backend> Loader<'_, B> {
     /// A projection `{name}.weight: [out, inp]` with an optional `{name}.bias: [out]`.
     pub fn linear(&mut self, name: &str, out: usize, inp: usize, bias: bool) -> Result<Linear<B>> {
         let weight = self.required(&format!("{name}.weight"), [out, inp])?;
-        let bias = if bias { Some(self.required(&format!("{name}.bias"), [out])?) } else { None };
+        let bias = if bias {
+            Some(self.required(&format!("{name}.bias"), [out])?)
+        } else {
+            None
+        };
         Ok(Linear::new(weight, bias))
     }
 
-    pub fn required<const D: usize>(&mut self, name: &str, shape: [usize; D]) -> Result<Tensor<B, D>> {
-        self.optional(name, shape)?
-            .ok_or_else(|| Error::Shape(format!("checkpoint has no tensor {name:?} (expected shape {shape:?})")))
+    pub fn required<const D: usize>(
+        &mut self,
+        name: &str,
+        shape: [usize; D],
+    ) -> Result<Tensor<B, D>> {
+        self.optional(name, shape)?.ok_or_else(|| {
+            Error::Shape(format!(
+                "checkpoint has no tensor {name:?} (expected shape {shape:?})"
+            ))
+        })
     }
 }
 
@@ -76,7 +91,10 @@ impl SafetensorsWeights {
         } else {
             Self::shard_files(path)?
         };
-        let mut weights = Self { files: Vec::new(), location: HashMap::new() };
+        let mut weights = Self {
+            files: Vec::new(),
+            location: HashMap::new(),
+        };
         for file in files {
             let mapped = MappedFile::open(&file)?;
             let index = weights.files.len();
@@ -112,7 +130,10 @@ impl SafetensorsWeights {
             .collect();
         found.sort();
         if found.is_empty() {
-            return Err(Error::format(dir, "no *.safetensors weights in this folder"));
+            return Err(Error::format(
+                dir,
+                "no *.safetensors weights in this folder",
+            ));
         }
         Ok(found)
     }
@@ -128,8 +149,14 @@ impl SafetensorsWeights {
     /// The checkpoint's name for `name`: exact, or with/without a leading `model.` (OPT
     /// checkpoints exist in both spellings).
     fn resolve(&self, name: &str) -> Option<String> {
-        let candidates = [name.to_string(), name.strip_prefix("model.").unwrap_or(name).to_string(), format!("model.{name}")];
-        candidates.into_iter().find(|c| self.location.contains_key(c))
+        let candidates = [
+            name.to_string(),
+            name.strip_prefix("model.").unwrap_or(name).to_string(),
+            format!("model.{name}"),
+        ];
+        candidates
+            .into_iter()
+            .find(|c| self.location.contains_key(c))
     }
 }
 
@@ -138,22 +165,43 @@ impl MappedFile {
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: the file is opened read-only; lemo never writes checkpoints it has mapped.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
-        let (header_len, metadata) = SafeTensors::read_metadata(&map)
-            .map_err(|e| Error::format(path, format!("truncated or corrupt safetensors file ({e})")))?;
-        Ok(Self { path: path.to_path_buf(), map, header_len, metadata })
+        let (header_len, metadata) = SafeTensors::read_metadata(&map).map_err(|e| {
+            Error::format(path, format!("truncated or corrupt safetensors file ({e})"))
+        })?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            map,
+            header_len,
+            metadata,
+        })
     }
 
     fn decode(&self, name: &str) -> Result<(Vec<usize>, Vec<f32>)> {
-        let info = self.metadata.info(name).expect("name resolved from this file's metadata");
+        let info = self
+            .metadata
+            .info(name)
+            .expect("name resolved from this file's metadata");
         let start = 8 + self.header_len + info.data_offsets.0;
         let end = 8 + self.header_len + info.data_offsets.1;
         let bytes = &self.map[start..end];
         let values = match info.dtype {
-            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
-            Dtype::BF16 => bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
-            Dtype::F16 => bytes.chunks_exact(2).map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::F32 => bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            Dtype::BF16 => bytes
+                .chunks_exact(2)
+                .map(|b| bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => bytes
+                .chunks_exact(2)
+                .map(|b| f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
             other => {
-                return Err(Error::format(&self.path, format!("tensor {name} has unsupported dtype {other:?}")));
+                return Err(Error::format(
+                    &self.path,
+                    format!("tensor {name} has unsupported dtype {other:?}"),
+                ));
             }
         };
         Ok((info.shape.clone(), values))
@@ -162,7 +210,9 @@ impl MappedFile {
 
 impl WeightSource for SafetensorsWeights {
     fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
-        let Some(resolved) = self.resolve(name) else { return Ok(None) };
+        let Some(resolved) = self.resolve(name) else {
+            return Ok(None);
+        };
         let (found, values) = self.files[self.location[&resolved]].decode(&resolved)?;
         if found != shape {
             return Err(shape_mismatch(name, &found, shape));
@@ -188,8 +238,14 @@ impl WeightSource for RandomWeights {
             vec![1.0; count]
         } else {
             // A different stream per tensor so adding a tensor doesn't shift the others.
-            let seed = name.bytes().fold(self.seed, |h, b| h.wrapping_mul(0x100000001b3).wrapping_add(b as u64));
-            let data = TensorData::random::<f32, _, _>(shape.to_vec(), Distribution::Normal(0.0, self.std), &mut seeded_rng(seed));
+            let seed = name.bytes().fold(self.seed, |h, b| {
+                h.wrapping_mul(0x100000001b3).wrapping_add(b as u64)
+            });
+            let data = TensorData::random::<f32, _, _>(
+                shape.to_vec(),
+                Distribution::Normal(0.0, self.std),
+                &mut seeded_rng(seed),
+            );
             data.into_vec::<f32>().expect("f32 data")
         };
         Ok(Some(values))

@@ -31,7 +31,11 @@ impl<B: Backend> BlockScorer<B> {
         let [seq, hidden] = x.dims();
         let blocks = seq.div_ceil(block_size);
         let representatives: Vec<Tensor<B, 2>> = (0..blocks)
-            .map(|n| x.clone().slice([n * block_size..((n + 1) * block_size).min(seq), 0..hidden]).mean_dim(0))
+            .map(|n| {
+                x.clone()
+                    .slice([n * block_size..((n + 1) * block_size).min(seq), 0..hidden])
+                    .mean_dim(0)
+            })
             .collect();
         let h = relu(self.down.forward(Tensor::cat(representatives, 0)));
         let h = relu(self.middle.forward(h));
@@ -48,7 +52,10 @@ pub struct LayerPredictor<B: Backend> {
 
 impl<B: Backend> LayerPredictor<B> {
     pub fn new(hidden: usize, rank: usize, device: &B::Device) -> Self {
-        Self { query: BlockScorer::new(hidden, rank, device), key: BlockScorer::new(hidden, rank, device) }
+        Self {
+            query: BlockScorer::new(hidden, rank, device),
+            key: BlockScorer::new(hidden, rank, device),
+        }
     }
 
     /// Estimated causal block scores `[blocks, blocks]`: `I^(Q_m) I^(K_n)` for `m >= n`, zero above
@@ -65,7 +72,11 @@ impl<B: Backend> LayerPredictor<B> {
     pub fn kept_blocks(&self, x: Tensor<B, 2>, block_size: usize, threshold: f32) -> Vec<usize> {
         let scores = self.block_scores(x, block_size);
         let [blocks, _] = scores.dims();
-        let values: Vec<f32> = scores.into_data().convert::<f32>().into_vec().expect("f32 scores");
+        let values: Vec<f32> = scores
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .expect("f32 scores");
         let token_blocks = lemo_sparsity::token_block_informativeness(&values, blocks);
         lemo_sparsity::kept_blocks(&token_blocks, threshold)
     }
@@ -84,8 +95,18 @@ mod tests {
         let x = Tensor::<NdArray, 2>::random([70, 16], Distribution::Normal(0.0, 1.0), &device);
         let scores = predictor.block_scores(x.clone(), 32);
         assert_eq!(scores.dims(), [3, 3]);
-        let q: Vec<f32> = predictor.query.forward(x.clone(), 32).into_data().to_vec().unwrap();
-        let k: Vec<f32> = predictor.key.forward(x.clone(), 32).into_data().to_vec().unwrap();
+        let q: Vec<f32> = predictor
+            .query
+            .forward(x.clone(), 32)
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let k: Vec<f32> = predictor
+            .key
+            .forward(x.clone(), 32)
+            .into_data()
+            .to_vec()
+            .unwrap();
         let s: Vec<f32> = scores.into_data().to_vec().unwrap();
         for m in 0..3 {
             for n in 0..3 {

@@ -9,8 +9,14 @@
 /// Column sums `I(B^T_n) = sum_{m >= n} I(B_mn)` of a row-major `[blocks, blocks]` matrix of
 /// causal block scores (entries above the diagonal are ignored).
 pub fn token_block_informativeness(block_scores: &[f32], blocks: usize) -> Vec<f32> {
-    assert_eq!(block_scores.len(), blocks * blocks, "block_scores must be [blocks, blocks]");
-    (0..blocks).map(|n| (n..blocks).map(|m| block_scores[m * blocks + n]).sum()).collect()
+    assert_eq!(
+        block_scores.len(),
+        blocks * blocks,
+        "block_scores must be [blocks, blocks]"
+    );
+    (0..blocks)
+        .map(|n| (n..blocks).map(|m| block_scores[m * blocks + n]).sum())
+        .collect()
 }
 
 /// The starting threshold of a layer: the mean token-block informativeness over profiling
@@ -31,7 +37,11 @@ pub fn kept_blocks(token_block_scores: &[f32], threshold: f32) -> Vec<usize> {
 
 /// Token positions of the kept blocks of a sequence of `seq_len` tokens cut into blocks of
 /// `block_size` (the last block may be shorter).
-pub fn kept_token_positions(kept_blocks: &[usize], block_size: usize, seq_len: usize) -> Vec<usize> {
+pub fn kept_token_positions(
+    kept_blocks: &[usize],
+    block_size: usize,
+    seq_len: usize,
+) -> Vec<usize> {
     kept_blocks
         .iter()
         .flat_map(|&n| n * block_size..((n + 1) * block_size).min(seq_len))
@@ -46,7 +56,10 @@ mod tests {
     fn column_sums_count_only_query_blocks_at_or_after_the_key_block() {
         // 3 blocks; the value 100 above the diagonal must be ignored.
         let scores = [1.0, 100.0, 100.0, 2.0, 3.0, 100.0, 4.0, 5.0, 6.0];
-        assert_eq!(token_block_informativeness(&scores, 3), vec![1.0 + 2.0 + 4.0, 3.0 + 5.0, 6.0]);
+        assert_eq!(
+            token_block_informativeness(&scores, 3),
+            vec![1.0 + 2.0 + 4.0, 3.0 + 5.0, 6.0]
+        );
     }
 
     #[test]

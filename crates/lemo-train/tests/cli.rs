@@ -6,11 +6,16 @@ use std::process::{Command, Output};
 use serde_json::Value;
 
 fn lemo(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lemo-train")).args(args).output().expect("run lemo-train")
+    Command::new(env!("CARGO_BIN_EXE_lemo-train"))
+        .args(args)
+        .output()
+        .expect("run lemo-train")
 }
 
 fn models_fixture(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../lemo-models/tests/fixtures/hf").join(case)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../lemo-models/tests/fixtures/hf")
+        .join(case)
 }
 
 fn shared_data() -> Option<PathBuf> {
@@ -33,7 +38,11 @@ fn stdout_json(output: &Output) -> Value {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "failed: {stderr}");
     let stdout = String::from_utf8(output.stdout.clone()).unwrap();
-    assert_eq!(stdout.lines().count(), 1, "stdout must hold one JSON value: {stdout:?}");
+    assert_eq!(
+        stdout.lines().count(),
+        1,
+        "stdout must hold one JSON value: {stdout:?}"
+    );
     serde_json::from_str(&stdout).unwrap()
 }
 
@@ -41,22 +50,39 @@ fn eval_json(case: &str, device: &str) -> Value {
     let dir = models_fixture(case);
     let data = dir.join("tokens.jsonl");
     stdout_json(&lemo(&[
-        "eval", "--model", dir.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "64", "--json",
-        "--device", device,
+        "eval",
+        "--model",
+        dir.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--seq-len",
+        "64",
+        "--json",
+        "--device",
+        device,
     ]))
 }
 
 fn expected_loss(case: &str) -> f64 {
     let text = std::fs::read_to_string(models_fixture(case).join("expected.json")).unwrap();
-    serde_json::from_str::<Value>(&text).unwrap()["loss"].as_f64().unwrap()
+    serde_json::from_str::<Value>(&text).unwrap()["loss"]
+        .as_f64()
+        .unwrap()
 }
 
 #[test]
 fn eval_json_matches_transformers_on_cpu() {
-    for case in ["mistral_sliding_window", "opt_postnorm_proj", "llama_rope_llama3_bf16"] {
+    for case in [
+        "mistral_sliding_window",
+        "opt_postnorm_proj",
+        "llama_rope_llama3_bf16",
+    ] {
         let report = eval_json(case, "cpu");
         let loss = report["loss"].as_f64().unwrap();
-        assert!((loss - expected_loss(case)).abs() / expected_loss(case) < 1e-4, "{case}: {report}");
+        assert!(
+            (loss - expected_loss(case)).abs() / expected_loss(case) < 1e-4,
+            "{case}: {report}"
+        );
         assert!((report["ppl"].as_f64().unwrap() - loss.exp()).abs() < 1e-6 * loss.exp());
         assert_eq!(report["tokens"], 118);
     }
@@ -67,7 +93,10 @@ fn eval_on_wgpu_matches_the_cpu() {
     for case in ["llama_gqa_tied", "opt_prenorm_proj"] {
         let cpu = eval_json(case, "cpu")["loss"].as_f64().unwrap();
         let wgpu = eval_json(case, "wgpu")["loss"].as_f64().unwrap();
-        assert!((cpu - wgpu).abs() / cpu < 1e-3, "{case}: cpu {cpu}, wgpu {wgpu}");
+        assert!(
+            (cpu - wgpu).abs() / cpu < 1e-3,
+            "{case}: cpu {cpu}, wgpu {wgpu}"
+        );
     }
 }
 
@@ -78,8 +107,18 @@ fn long_documents_are_scored_in_sliding_windows() {
     // Lengths 37, 64 and 20 with 16-token windows every 8 tokens: 3 + 7 + 1 windows of 15
     // predictions each.
     let report = stdout_json(&lemo(&[
-        "eval", "--model", dir.to_str().unwrap(), "--data", data.to_str().unwrap(), "--seq-len", "16", "--stride",
-        "8", "--json", "--device", "cpu",
+        "eval",
+        "--model",
+        dir.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--seq-len",
+        "16",
+        "--stride",
+        "8",
+        "--json",
+        "--device",
+        "cpu",
     ]));
     assert_eq!(report["tokens"], 11 * 15);
 }
@@ -88,7 +127,8 @@ fn long_documents_are_scored_in_sliding_windows() {
 fn tokenize_json_matches_the_python_tokenizers_package() {
     let Some(data) = shared_data() else { return };
     let tokenizer = data.join("tokenizers/llama2/tokenizer.json");
-    let reference = Path::new(env!("CARGO_MANIFEST_DIR")).join("../lemo-models/tests/fixtures/tokenizer/expected_llama2.json");
+    let reference = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../lemo-models/tests/fixtures/tokenizer/expected_llama2.json");
     let cases: Value = serde_json::from_str(&std::fs::read_to_string(reference).unwrap()).unwrap();
     let cases = cases["cases"].as_array().expect("a list of cases");
     assert!(cases.len() >= 10);
@@ -99,7 +139,12 @@ fn tokenize_json_matches_the_python_tokenizers_package() {
         let file = dir.join("text.txt");
         std::fs::write(&file, text).unwrap();
         let ids = stdout_json(&lemo(&[
-            "tokenize", "--tokenizer", tokenizer.to_str().unwrap(), "--file", file.to_str().unwrap(), "--json",
+            "tokenize",
+            "--tokenizer",
+            tokenizer.to_str().unwrap(),
+            "--file",
+            file.to_str().unwrap(),
+            "--json",
         ]));
         assert_eq!(ids, case["tokenizer_json"]["ids"], "{text:?}");
     }
@@ -110,10 +155,21 @@ fn generate_reproduces_llama2c_greedy_text() {
     let Some(data) = shared_data() else { return };
     let dir = data.join("models/stories260K");
     let output = lemo(&[
-        "generate", "--model", dir.join("stories260K.bin").to_str().unwrap(), "--prompt", "", "--max-new-tokens", "100",
-        "--device", "cpu",
+        "generate",
+        "--model",
+        dir.join("stories260K.bin").to_str().unwrap(),
+        "--prompt",
+        "",
+        "--max-new-tokens",
+        "100",
+        "--device",
+        "cpu",
     ]);
-    assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
     let text = String::from_utf8(output.stdout).unwrap();
     let expected = std::fs::read_to_string(dir.join("expected_greedy_once_upon.txt")).unwrap();
     let common = text.trim_end().len().min(expected.trim_end().len());
@@ -127,8 +183,15 @@ fn assert_clean_error(args: &[&str], needle: &str) {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(!output.status.success(), "{args:?} should fail");
     let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "{args:?}: expected one line, got {stderr:?}");
-    assert!(lines[0].starts_with("error: ") && lines[0].contains(needle), "{args:?}: {stderr:?}");
+    assert_eq!(
+        lines.len(),
+        1,
+        "{args:?}: expected one line, got {stderr:?}"
+    );
+    assert!(
+        lines[0].starts_with("error: ") && lines[0].contains(needle),
+        "{args:?}: {stderr:?}"
+    );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
@@ -140,38 +203,145 @@ fn bad_inputs_give_one_line_errors() {
     let tokens = tokens.to_str().unwrap();
     let dir = scratch("errors");
 
-    assert_clean_error(&["eval", "--model", "/no/such/model", "--data", tokens, "--device", "cpu"], "/no/such/model");
-    assert_clean_error(&["eval", "--model", model, "--data", "/no/such/data.jsonl", "--device", "cpu"], "/no/such/data.jsonl");
+    assert_clean_error(
+        &[
+            "eval",
+            "--model",
+            "/no/such/model",
+            "--data",
+            tokens,
+            "--device",
+            "cpu",
+        ],
+        "/no/such/model",
+    );
+    assert_clean_error(
+        &[
+            "eval",
+            "--model",
+            model,
+            "--data",
+            "/no/such/data.jsonl",
+            "--device",
+            "cpu",
+        ],
+        "/no/such/data.jsonl",
+    );
 
     let empty = dir.join("empty.jsonl");
     std::fs::write(&empty, "").unwrap();
-    assert_clean_error(&["eval", "--model", model, "--data", empty.to_str().unwrap(), "--device", "cpu"], "no tokens");
+    assert_clean_error(
+        &[
+            "eval",
+            "--model",
+            model,
+            "--data",
+            empty.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ],
+        "no tokens",
+    );
 
     let garbage = dir.join("garbage.jsonl");
     std::fs::write(&garbage, "{\"input_ids\": [1, 2]}\nnot json\n").unwrap();
-    assert_clean_error(&["eval", "--model", model, "--data", garbage.to_str().unwrap(), "--device", "cpu"], "line 2");
+    assert_clean_error(
+        &[
+            "eval",
+            "--model",
+            model,
+            "--data",
+            garbage.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ],
+        "line 2",
+    );
 
     let out_of_vocab = dir.join("oov.jsonl");
     std::fs::write(&out_of_vocab, "{\"input_ids\": [1, 2, 100000]}\n").unwrap();
-    assert_clean_error(&["eval", "--model", model, "--data", out_of_vocab.to_str().unwrap(), "--device", "cpu"], "100000");
+    assert_clean_error(
+        &[
+            "eval",
+            "--model",
+            model,
+            "--data",
+            out_of_vocab.to_str().unwrap(),
+            "--device",
+            "cpu",
+        ],
+        "100000",
+    );
 
     // OPT's learned positions end at max_position_embeddings (128 in this fixture).
-    assert_clean_error(&["eval", "--model", model, "--data", tokens, "--seq-len", "4096", "--device", "cpu"], "4096");
+    assert_clean_error(
+        &[
+            "eval",
+            "--model",
+            model,
+            "--data",
+            tokens,
+            "--seq-len",
+            "4096",
+            "--device",
+            "cpu",
+        ],
+        "4096",
+    );
 
     let truncated = dir.join("truncated");
     std::fs::create_dir_all(&truncated).unwrap();
     std::fs::copy(fixture.join("config.json"), truncated.join("config.json")).unwrap();
     let weights = std::fs::read(fixture.join("model.safetensors")).unwrap();
-    std::fs::write(truncated.join("model.safetensors"), &weights[..weights.len() - 100]).unwrap();
-    assert_clean_error(&["eval", "--model", truncated.to_str().unwrap(), "--data", tokens, "--device", "cpu"], "model.safetensors");
+    std::fs::write(
+        truncated.join("model.safetensors"),
+        &weights[..weights.len() - 100],
+    )
+    .unwrap();
+    assert_clean_error(
+        &[
+            "eval",
+            "--model",
+            truncated.to_str().unwrap(),
+            "--data",
+            tokens,
+            "--device",
+            "cpu",
+        ],
+        "model.safetensors",
+    );
 
     let unknown = dir.join("unknown");
     std::fs::create_dir_all(&unknown).unwrap();
-    std::fs::write(unknown.join("config.json"), r#"{"model_type": "bert", "architectures": ["BertModel"]}"#).unwrap();
-    assert_clean_error(&["eval", "--model", unknown.to_str().unwrap(), "--data", tokens, "--device", "cpu"], "unsupported architecture");
+    std::fs::write(
+        unknown.join("config.json"),
+        r#"{"model_type": "bert", "architectures": ["BertModel"]}"#,
+    )
+    .unwrap();
+    assert_clean_error(
+        &[
+            "eval",
+            "--model",
+            unknown.to_str().unwrap(),
+            "--data",
+            tokens,
+            "--device",
+            "cpu",
+        ],
+        "unsupported architecture",
+    );
 
     let corrupt_tokenizer = dir.join("tokenizer.json");
     std::fs::write(&corrupt_tokenizer, "{ not a tokenizer").unwrap();
-    assert_clean_error(&["tokenize", "--tokenizer", corrupt_tokenizer.to_str().unwrap(), "--text", "hi"], "tokenizer.json");
+    assert_clean_error(
+        &[
+            "tokenize",
+            "--tokenizer",
+            corrupt_tokenizer.to_str().unwrap(),
+            "--text",
+            "hi",
+        ],
+        "tokenizer.json",
+    );
     std::fs::remove_dir_all(dir).unwrap();
 }
