@@ -1,0 +1,302 @@
+//! The compute half of the backend extension: GEMM, fused element-wise kernels and the
+//! segment-based loss. Every default body is the plain Burn reference (or, for the loss, the
+//! chunked algorithm written with Burn ops); CubeCL backends override the kernels, CUDA adds
+//! cuBLASLt, and `Autodiff<B>` gives each differentiable operation its own backward.
+
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
+
+use crate::backend::CpuBackend;
+use crate::memory::{self, MemoryStats};
+use crate::{fused, gemm, loss};
+
+/// Gradients the segment-based loss computes while it runs: `(d hidden, d weight)` of the summed
+/// loss, each present when asked for.
+pub type SegmentGrads<B> = (Option<FloatTensor<B>>, Option<FloatTensor<B>>);
+
+/// Backend operations for the dense parts of a training step (see the module docs).
+pub trait ComputeBackend: Backend {
+    /// `lhs [.., M, K] x rhs [.., K, N]`; see [`gemm::matmul`].
+    fn lemo_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::float_matmul(lhs, rhs)
+    }
+
+    /// RMSNorm over the last dimension; see [`fused::rms_norm`].
+    fn lemo_rms_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> FloatTensor<Self> {
+        Self::lemo_rms_norm_forward(x, weight, eps).0
+    }
+
+    /// RMSNorm output and the f32 reciprocal root mean square of each row (`[rows]`, the
+    /// product of the leading dimensions), which the backward pass reuses.
+    fn lemo_rms_norm_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        fused::rms_norm::reference::forward::<Self>(x, weight, eps)
+    }
+
+    /// `(d x, d weight)` of RMSNorm from `x`, the weight, the saved `rstd` and `d out`; the weight
+    /// gradient only when `weight_grad`.
+    fn lemo_rms_norm_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        fused::rms_norm::reference::backward::<Self>(x, weight, rstd, grad, weight_grad)
+    }
+
+    /// Rotate-half rotary embedding at explicit positions; see [`fused::rope`]. With `inverse`
+    /// the rotation goes the other way (the backward pass).
+    fn lemo_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+        inverse: bool,
+    ) -> FloatTensor<Self> {
+        fused::rope::reference::rope::<Self>(x, cos, sin, positions, inverse)
+    }
+
+    /// `silu(gate) * up`; see [`fused::swiglu`].
+    fn lemo_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        fused::swiglu::reference::forward::<Self>(gate, up)
+    }
+
+    /// `(d gate, d up)` of [`ComputeBackend::lemo_swiglu`].
+    fn lemo_swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        fused::swiglu::reference::backward::<Self>(gate, up, grad)
+    }
+
+    /// Per-row cross-entropy of `logits [rows, V]` and, with `grad`, `softmax - one_hot`; see
+    /// [`loss::cross_entropy_rows`].
+    fn lemo_cross_entropy_rows(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        loss::reference::cross_entropy_rows::<Self>(logits, targets, grad)
+    }
+
+    /// Current memory of `device`; see [`crate::memory`]. Zeros where the backend has no pools.
+    fn lemo_memory_stats(_device: &Self::Device) -> MemoryStats {
+        MemoryStats::default()
+    }
+
+    /// Releases cached device memory; see [`crate::memory::memory_cleanup`].
+    fn lemo_memory_cleanup(_device: &Self::Device) {}
+
+    /// Summed cross-entropy of `hidden [S, H] x weight[V, H]^T` against `targets [S]`, chunk by
+    /// chunk, with the requested gradients computed on the way; see
+    /// [`loss::segment_cross_entropy`].
+    fn lemo_segment_cross_entropy(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        chunk_rows: usize,
+        hidden_grad: bool,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, SegmentGrads<Self>) {
+        loss::segment::forward_with_grads::<Self>(
+            hidden,
+            weight,
+            targets,
+            chunk_rows,
+            hidden_grad,
+            weight_grad,
+        )
+    }
+}
+
+impl ComputeBackend for CpuBackend {}
+
+impl<R, F, I, BT> ComputeBackend for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
+    fn lemo_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        #[cfg(feature = "cuda")]
+        if let Some(out) = gemm::cublaslt::try_matmul(&lhs, &rhs) {
+            return out;
+        }
+        Self::float_matmul(lhs, rhs)
+    }
+
+    fn lemo_rms_norm_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        fused::rms_norm::kernel::forward(x, weight, eps)
+    }
+
+    fn lemo_rms_norm_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let grad_weight = weight_grad.then(|| {
+            fused::rms_norm::reference::weight_grad::<Self>(x.clone(), rstd.clone(), grad.clone())
+        });
+        (
+            fused::rms_norm::kernel::backward(x, weight, rstd, grad),
+            grad_weight,
+        )
+    }
+
+    fn lemo_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+        inverse: bool,
+    ) -> FloatTensor<Self> {
+        fused::rope::kernel::rope(x, cos, sin, positions, inverse)
+    }
+
+    fn lemo_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        fused::swiglu::kernel::forward(gate, up)
+    }
+
+    fn lemo_swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        fused::swiglu::kernel::backward(gate, up, grad)
+    }
+
+    fn lemo_cross_entropy_rows(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        loss::kernel::cross_entropy_rows(logits, targets, grad)
+    }
+
+    fn lemo_memory_stats(device: &Self::Device) -> MemoryStats {
+        memory::cube_stats::<R>(device)
+    }
+
+    fn lemo_memory_cleanup(device: &Self::Device) {
+        memory::cube_cleanup::<R>(device)
+    }
+}
+
+impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C> {
+    fn lemo_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
+        gemm::autodiff::matmul::<B, C>(lhs, rhs)
+    }
+
+    fn lemo_rms_norm(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> FloatTensor<Self> {
+        fused::rms_norm::autodiff::rms_norm::<B, C>(x, weight, eps)
+    }
+
+    fn lemo_rms_norm_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (out, rstd) = B::lemo_rms_norm_forward(Self::inner(x), Self::inner(weight), eps);
+        (Self::from_inner(out), Self::from_inner(rstd))
+    }
+
+    fn lemo_rms_norm_backward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let (grad_x, grad_weight) = B::lemo_rms_norm_backward(
+            Self::inner(x),
+            Self::inner(weight),
+            Self::inner(rstd),
+            Self::inner(grad),
+            weight_grad,
+        );
+        (Self::from_inner(grad_x), grad_weight.map(Self::from_inner))
+    }
+
+    fn lemo_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        positions: IntTensor<Self>,
+        inverse: bool,
+    ) -> FloatTensor<Self> {
+        fused::rope::autodiff::rope::<B, C>(x, cos, sin, positions, inverse)
+    }
+
+    fn lemo_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
+        fused::swiglu::autodiff::swiglu::<B, C>(gate, up)
+    }
+
+    fn lemo_swiglu_backward(
+        gate: FloatTensor<Self>,
+        up: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (grad_gate, grad_up) =
+            B::lemo_swiglu_backward(Self::inner(gate), Self::inner(up), Self::inner(grad));
+        (Self::from_inner(grad_gate), Self::from_inner(grad_up))
+    }
+
+    fn lemo_cross_entropy_rows(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let (losses, grad) = B::lemo_cross_entropy_rows(Self::inner(logits), targets, grad);
+        (Self::from_inner(losses), grad.map(Self::from_inner))
+    }
+
+    fn lemo_memory_stats(device: &Self::Device) -> MemoryStats {
+        B::lemo_memory_stats(device)
+    }
+
+    fn lemo_memory_cleanup(device: &Self::Device) {
+        B::lemo_memory_cleanup(device)
+    }
+
+    fn lemo_segment_cross_entropy(
+        hidden: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        chunk_rows: usize,
+        hidden_grad: bool,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, SegmentGrads<Self>) {
+        loss::autodiff::segment_cross_entropy::<B, C>(
+            hidden,
+            weight,
+            targets,
+            chunk_rows,
+            hidden_grad,
+            weight_grad,
+        )
+    }
+}

@@ -1,0 +1,32 @@
+//! Fused element-wise kernels of a Llama layer, each with its backward: RMSNorm, rotate-half
+//! RoPE at explicit positions, and SwiGLU. Each sits next to its plain Burn reference; CubeCL
+//! backends run the kernels (vectorized 16-byte accesses, f32 arithmetic in registers, one pass
+//! over the data), any other backend the reference.
+
+pub mod rms_norm;
+pub mod rope;
+pub mod swiglu;
+
+pub use rms_norm::rms_norm;
+pub use rope::{rope, rope_tables};
+pub use swiglu::swiglu;
+
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::prelude::*;
+use cubecl::server::CubeCountSelection;
+
+/// The widest vector (at most 16 bytes) dividing `len` elements of `tensor`'s dtype.
+pub(crate) fn vector_size<R: CubeRuntime>(tensor: &CubeTensor<R>, len: usize) -> usize {
+    tensor
+        .client
+        .io_optimized_vector_sizes(tensor.dtype.size())
+        .find(|size| len.is_multiple_of(*size))
+        .unwrap_or(1)
+}
+
+/// A grid of at least `cubes` cubes within the device's per-axis limits (kernels check
+/// `CUBE_POS` against their own bound).
+pub(crate) fn cube_count<R: CubeRuntime>(client: &ComputeClient<R>, cubes: usize) -> CubeCount {
+    CubeCountSelection::new(client, cubes as u32).cube_count()
+}

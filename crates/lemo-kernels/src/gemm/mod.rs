@@ -1,0 +1,36 @@
+//! Matrix products of the training shapes (activations against frozen weights, forward and
+//! both backward forms) with autodiff.
+//!
+//! On CUDA, bf16/f16/f32 products go to cuBLASLt (see `cublaslt`), with f32 accumulation for
+//! bf16/f16 and full f32 arithmetic for f32 (Burn's own f32 matmul runs on TF32 tensor cores,
+//! about 3e-4 relative error). Every other backend and dtype uses Burn's matmul, which is also
+//! the reference the parity tests compare with.
+
+pub(crate) mod autodiff;
+#[cfg(feature = "cuda")]
+pub(crate) mod cublaslt;
+
+use burn::tensor::{Tensor, TensorPrimitive};
+
+use crate::ComputeBackend;
+
+/// `lhs [.., M, K] x rhs [.., K, N] -> [.., M, N]`. The batch dimensions must be equal, or those
+/// of one side all 1 (a weight shared by the batch: then the product is one tall GEMM).
+/// Transposed views (`swap_dims` of the last two) are read in place.
+pub fn matmul<B: ComputeBackend, const D: usize>(
+    lhs: Tensor<B, D>,
+    rhs: Tensor<B, D>,
+) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::lemo_matmul(
+        lhs.into_primitive().tensor(),
+        rhs.into_primitive().tensor(),
+    )))
+}
+
+/// The plain Burn product the kernels are checked against.
+pub fn reference<B: burn::tensor::backend::Backend, const D: usize>(
+    lhs: Tensor<B, D>,
+    rhs: Tensor<B, D>,
+) -> Tensor<B, D> {
+    lhs.matmul(rhs)
+}

@@ -1,0 +1,93 @@
+//! Device memory accounting for the trainer and the benchmarks.
+//!
+//! What each number is, and how it compares with PyTorch:
+//! - `bytes_in_use`: bytes of live tensors in cubecl's pools (its `MemoryUsage::bytes_in_use`,
+//!   padding excluded), the analogue of `torch.cuda.memory_allocated()`. Read after the forward
+//!   pass it is the paper's metric.
+//! - `bytes_reserved`: bytes cubecl's pools hold from the device, the analogue of
+//!   `torch.cuda.memory_reserved()`.
+//! - `device_used`/`device_total` (CUDA only): `cuMemGetInfo`'s total minus free, i.e. what
+//!   `nvidia-smi` shows for the whole device (context, cuBLASLt workspace, other processes).
+//!
+//! cubecl keeps no high-water mark, so peaks are sampled: [`PeakMemory`] keeps the maximum of
+//! every [`MemoryStats`] it is given. `max_memory_reserved` is matched closely by sampling at
+//! the end of a step (cubecl's pools keep pages until [`memory_cleanup`], so the reserved bytes
+//! only grow within a step); `max_memory_allocated` is approximated from below by the largest
+//! sample, so sample where live memory peaks (after the forward pass, and after the backward
+//! pass before gradients are dropped). cubecl reports the pools of the calling thread's stream:
+//! sample from the thread that runs the step. Backends without pools (NdArray) report zeros.
+
+use crate::ComputeBackend;
+
+/// One reading of device memory (see the module docs for each field).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemoryStats {
+    pub bytes_in_use: u64,
+    pub bytes_reserved: u64,
+    pub device_used: Option<u64>,
+    pub device_total: Option<u64>,
+}
+
+/// Current memory of `device`.
+pub fn memory_stats<B: ComputeBackend>(device: &B::Device) -> MemoryStats {
+    B::lemo_memory_stats(device)
+}
+
+/// Returns the pools' unused pages to the device (after waiting for queued work), so that a
+/// following measurement starts from live tensors only.
+pub fn memory_cleanup<B: ComputeBackend>(device: &B::Device) {
+    B::lemo_memory_cleanup(device)
+}
+
+/// Running maximum of memory readings.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PeakMemory {
+    pub bytes_in_use: u64,
+    pub bytes_reserved: u64,
+    pub device_used: Option<u64>,
+}
+
+impl PeakMemory {
+    /// Folds one reading into the peaks and returns it.
+    pub fn record(&mut self, stats: MemoryStats) -> MemoryStats {
+        self.bytes_in_use = self.bytes_in_use.max(stats.bytes_in_use);
+        self.bytes_reserved = self.bytes_reserved.max(stats.bytes_reserved);
+        self.device_used = match (self.device_used, stats.device_used) {
+            (Some(a), Some(b)) => Some(a.max(b)),
+            (a, b) => a.or(b),
+        };
+        stats
+    }
+
+    /// Reads `device` and folds the reading in.
+    pub fn sample<B: ComputeBackend>(&mut self, device: &B::Device) -> MemoryStats {
+        self.record(memory_stats::<B>(device))
+    }
+}
+
+/// Reading of a CubeCL runtime's pools (and of the whole device on CUDA).
+pub(crate) fn cube_stats<R: burn_cubecl::CubeRuntime>(device: &R::Device) -> MemoryStats {
+    let client = R::client(device);
+    let mut stats = MemoryStats::default();
+    if let Ok(usage) = client.memory_usage() {
+        stats.bytes_in_use = usage.bytes_in_use;
+        stats.bytes_reserved = usage.bytes_reserved;
+    }
+    #[cfg(feature = "cuda")]
+    if std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>() {
+        // On cubecl's device thread, where the device's context is current.
+        if let Ok(Ok((free, total))) = client.exclusive(cudarc::driver::result::mem_get_info) {
+            stats.device_used = Some((total - free) as u64);
+            stats.device_total = Some(total as u64);
+        }
+    }
+    stats
+}
+
+/// Waits for queued work and releases the pools' free pages.
+pub(crate) fn cube_cleanup<R: burn_cubecl::CubeRuntime>(device: &R::Device) {
+    let client = R::client(device);
+    let _ = cubecl::future::block_on(client.sync());
+    client.memory_cleanup();
+    let _ = cubecl::future::block_on(client.sync());
+}

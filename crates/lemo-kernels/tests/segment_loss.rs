@@ -1,0 +1,117 @@
+//! The segment-based loss (wgpu, f32) against the plain full-logits cross-entropy under Burn's
+//! autodiff: loss, hidden gradient, lm_head gradient; chunk sizes that do not divide the
+//! sequence, ignored targets, and the fused per-row kernel on its own.
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use lemo_kernels::WgpuBackend;
+use lemo_kernels::loss::{self, IGNORE_INDEX, segment_cross_entropy};
+
+type B = Autodiff<WgpuBackend>;
+
+fn relative<const D: usize>(actual: Tensor<B, D>, expected: Tensor<B, D>) -> f32 {
+    assert_eq!(actual.dims(), expected.dims());
+    let scale: f32 = expected.clone().abs().max().into_scalar();
+    let error: f32 = (actual - expected).abs().max().into_scalar();
+    error / scale.max(1e-12)
+}
+
+fn inputs(
+    rows: usize,
+    width: usize,
+    vocab: usize,
+) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 1, Int>) {
+    let device = Default::default();
+    let seed = std::time::UNIX_EPOCH.elapsed().unwrap().as_nanos() as u64;
+    println!("seed {seed}");
+    B::seed(&device, seed);
+    let hidden = Tensor::random([rows, width], Distribution::Normal(0.0, 1.0), &device);
+    let weight = Tensor::random([vocab, width], Distribution::Normal(0.0, 0.5), &device);
+    let targets: Vec<i64> = (0..rows)
+        .map(|i| {
+            if i % 7 == 3 {
+                IGNORE_INDEX
+            } else {
+                ((i * 31 + seed as usize) % vocab) as i64
+            }
+        })
+        .collect();
+    let targets = Tensor::from_data(TensorData::new(targets, [rows]), &device);
+    (hidden, weight, targets)
+}
+
+fn check(rows: usize, width: usize, vocab: usize, chunk: usize) {
+    let (hidden, weight, targets) = inputs(rows, width, vocab);
+    let (hidden, weight) = (hidden.require_grad(), weight.require_grad());
+
+    let loss = segment_cross_entropy(hidden.clone(), weight.clone(), targets.clone(), chunk);
+    // A non-unit upstream gradient, to check the rescaling.
+    let grads = (loss.clone() * 0.37).backward();
+    let (grad_hidden, grad_weight) = (hidden.grad(&grads).unwrap(), weight.grad(&grads).unwrap());
+
+    let expected = loss::reference::cross_entropy(hidden.clone(), weight.clone(), targets);
+    let grads = (expected.clone() * 0.37).backward();
+    for (name, error) in [
+        ("loss", relative(loss, expected)),
+        (
+            "d hidden",
+            relative(
+                Tensor::from_inner(grad_hidden),
+                Tensor::from_inner(hidden.grad(&grads).unwrap()),
+            ),
+        ),
+        (
+            "d weight",
+            relative(
+                Tensor::from_inner(grad_weight),
+                Tensor::from_inner(weight.grad(&grads).unwrap()),
+            ),
+        ),
+    ] {
+        println!("{name}: {error:.2e}");
+        assert!(error < 1e-5, "{name}: relative error {error}");
+    }
+}
+
+#[test]
+fn chunks_not_dividing_the_sequence() {
+    check(75, 24, 301, 16);
+}
+
+#[test]
+fn one_chunk() {
+    check(40, 16, 130, 1000);
+}
+
+#[test]
+fn frozen_lm_head_gets_no_gradient() {
+    let (hidden, weight, targets) = inputs(30, 16, 99);
+    let hidden = hidden.require_grad();
+    let loss = segment_cross_entropy(hidden.clone(), weight.clone(), targets, 8);
+    let grads = loss.backward();
+    assert!(hidden.grad(&grads).is_some());
+    assert!(weight.grad(&grads).is_none());
+}
+
+#[test]
+fn fused_rows_kernel() {
+    let (hidden, weight, targets) = inputs(19, 8, 1003);
+    let logits = hidden.matmul(weight.transpose()) * 4.0;
+    let (losses, grad) = loss::cross_entropy_rows(logits.clone(), targets.clone(), true);
+    let (expected, expected_grad) = loss::reference::cross_entropy_rows::<B>(
+        logits.into_primitive().tensor(),
+        targets.into_primitive(),
+        true,
+    );
+    let expected = Tensor::<B, 1>::from_primitive(burn::tensor::TensorPrimitive::Float(expected));
+    let expected_grad = Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(
+        expected_grad.unwrap(),
+    ));
+    let (loss_error, grad_error) = (
+        relative(losses, expected),
+        relative(grad.unwrap(), expected_grad),
+    );
+    println!("losses {loss_error:.2e}, grad {grad_error:.2e}");
+    assert!(loss_error < 1e-5 && grad_error < 1e-5);
+}
