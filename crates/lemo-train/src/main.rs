@@ -1,12 +1,15 @@
 //! `lemo-train`: long-context LoRA fine-tuning of Llama, Mistral and OPT models.
 
+mod bench;
 mod corpus;
 mod data;
 mod device;
 mod eval;
 mod generate;
+mod longbench;
 mod memory;
 mod modelio;
+mod passkey;
 mod preset;
 mod train;
 
@@ -40,9 +43,28 @@ enum Command {
         /// Hugging Face model folder (config.json + *.safetensors) or llama2.c .bin checkpoint.
         #[arg(long)]
         model: PathBuf,
-        /// Plain text, JSONL (`text` or `input_ids` per line), a raw token .bin, or a folder of these.
+        /// Plain text, JSONL (`text` or `input_ids` per line), a raw token .bin, or a folder of
+        /// these (perplexity); with --longbench, a LongBench-v2 JSONL file.
+        #[arg(long, required_unless_present = "passkey")]
+        data: Option<PathBuf>,
+        /// Passkey retrieval accuracy per length instead of perplexity.
+        #[arg(long, conflicts_with = "longbench")]
+        passkey: bool,
+        /// Prompt lengths in tokens for --passkey, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1024,2048")]
+        lengths: Vec<usize>,
+        /// Prompts per length for --passkey.
+        #[arg(long, default_value_t = 10)]
+        trials: usize,
+        /// Seed of the passkey prompts (keys and depths).
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Multiple-choice accuracy on LongBench-v2 style JSONL given by --data, by log-likelihood.
         #[arg(long)]
-        data: PathBuf,
+        longbench: bool,
+        /// Prompt budget for --longbench: longer contexts are cut in the middle.
+        #[arg(long, default_value_t = 4096)]
+        max_tokens: usize,
         /// Window length in tokens [default: the model's trained context].
         #[arg(long)]
         seq_len: Option<usize>,
@@ -66,6 +88,52 @@ enum Command {
         target_context: Option<usize>,
         #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
         device: DeviceKind,
+    },
+    /// Time and memory of a few training steps of a random-init model, per sequence length
+    /// (one JSON line each).
+    Bench {
+        /// Hugging Face config.json (or a folder holding one), e.g. bench/configs/llama-2-7b.json.
+        #[arg(long)]
+        model: PathBuf,
+        #[arg(long, value_enum, default_value_t = train::config::Method::Lora)]
+        method: train::config::Method,
+        /// Sequence lengths, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "4096,8192")]
+        seq_lens: Vec<usize>,
+        /// Recompute activations in the backward pass (Burn's balanced checkpointing).
+        #[arg(long)]
+        checkpointing: bool,
+        /// Measured steps per length (the median is reported).
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// Unmeasured steps first (compilation, autotuning).
+        #[arg(long, default_value_t = 2)]
+        warmup: usize,
+        #[arg(long, default_value_t = 8)]
+        lora_rank: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Also write all results as one JSON array to this file.
+        #[arg(long)]
+        out: Option<PathBuf>,
+        #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
+        device: DeviceKind,
+    },
+    /// Write passkey retrieval prompts (JSONL: text, passkey, depth, tokens, length).
+    Passkey {
+        /// Tokenizer that measures the lengths (the model's).
+        #[arg(long)]
+        tokenizer: PathBuf,
+        /// Prompt lengths in tokens, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096")]
+        lengths: Vec<usize>,
+        #[arg(long, default_value_t = 10)]
+        trials: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Output file [default: stdout].
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
     /// Continue a prompt (greedy by default) and print the prompt plus the continuation.
     Generate {
@@ -110,6 +178,85 @@ fn run(cli: Cli) -> Result<()> {
             let summary = run_train(*args)?;
             print_train_summary(&summary);
         }
+        Command::Bench { model, method, seq_lens, checkpointing, steps, warmup, lora_rank, seed, out, device } => {
+            let job = bench::BenchJob {
+                config: model,
+                method,
+                seq_lens,
+                checkpointing,
+                steps: steps.max(1),
+                warmup,
+                lora_rank,
+                seed,
+            };
+            let results = device.run(job)?;
+            if let Some(path) = out {
+                std::fs::write(&path, serde_json::to_string_pretty(&results)?)
+                    .with_context(|| format!("cannot write {}", path.display()))?;
+            }
+        }
+        Command::Passkey { tokenizer, lengths, trials, seed, out } => {
+            let tokenizer = Tokenizer::from_file(&tokenizer)?;
+            let mut text = String::new();
+            for (length, prompt) in passkey::make_prompts(&tokenizer, &lengths, trials, seed)? {
+                let mut record = serde_json::to_value(&prompt)?;
+                record["length"] = length.into();
+                text.push_str(&record.to_string());
+                text.push('\n');
+            }
+            match out {
+                Some(path) => {
+                    std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?
+                }
+                None => print!("{text}"),
+            }
+        }
+        Command::Eval {
+            model,
+            data,
+            passkey,
+            lengths,
+            trials,
+            seed,
+            longbench,
+            max_tokens,
+            adapter,
+            target_context,
+            device,
+            tokenizer,
+            json,
+            ..
+        } if passkey || longbench => {
+            let path = tokenizer
+                .or_else(|| find_tokenizer(&model))
+                .context("no tokenizer beside the model: pass --tokenizer")?;
+            let tokenizer = Tokenizer::from_file(&path)?;
+            let setup = modelio::ModelSetup { adapter, target_context };
+            if passkey {
+                let results = device.run(passkey::PasskeyJob { model, setup, tokenizer, lengths, trials, seed })?;
+                if json {
+                    println!("{}", serde_json::to_string(&results)?);
+                } else {
+                    for r in &results {
+                        println!(
+                            "passkey length {:>6}: {}/{} correct, accuracy {:.2}",
+                            r.length, r.correct, r.trials, r.accuracy
+                        );
+                    }
+                }
+            } else {
+                let samples = longbench::read_samples(&data.context("--longbench needs --data FILE.jsonl")?)?;
+                let report = device.run(longbench::LongBenchJob { model, setup, tokenizer, samples, max_tokens })?;
+                if json {
+                    println!("{}", serde_json::to_string(&report)?);
+                } else {
+                    println!(
+                        "longbench: {}/{} correct, accuracy {:.3}",
+                        report.correct, report.samples, report.accuracy
+                    );
+                }
+            }
+        }
         Command::Eval {
             model,
             data,
@@ -121,7 +268,9 @@ fn run(cli: Cli) -> Result<()> {
             adapter,
             target_context,
             device,
+            ..
         } => {
+            let data = data.context("--data is required")?;
             let mut tokenizer = LazyTokenizer::new(tokenizer.or_else(|| find_tokenizer(&model)));
             let documents = read_documents(&data, TokenWidth::from_bytes(token_width)?, &mut tokenizer)?;
             let setup = modelio::ModelSetup { adapter, target_context };

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Runs `lemo-train bench` and the PyTorch + PEFT reference (bench/reference/peft_bench.py) on the
+# same configs and lengths, side by side, and writes bench/results/h200.json with both sides,
+# their ratios (ours / reference: < 1 is better for time and memory), the commit and the commands.
+#
+#   bench/run_h200.sh                      # Llama-2-7B dense LoRA at 4K, 8K, 16K, 32K
+#   CONFIGS="llama-2-7b llama-3-8b" SEQ_LENS=4096,8192 METHODS="lora longlora" bench/run_h200.sh
+#
+# env: LEMO (binary, default target/release/lemo-train), PYTHON (default python3), STEPS, WARMUP,
+#      CHECKPOINTING=1 (both sides recompute activations), OUT (default bench/results/h200.json).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LEMO=${LEMO:-target/release/lemo-train}
+PYTHON=${PYTHON:-python3}
+CONFIGS=${CONFIGS:-llama-2-7b}
+METHODS=${METHODS:-lora}
+SEQ_LENS=${SEQ_LENS:-4096,8192,16384,32768}
+STEPS=${STEPS:-5}
+WARMUP=${WARMUP:-2}
+OUT=${OUT:-bench/results/h200.json}
+CK=""
+[ "${CHECKPOINTING:-0}" = "1" ] && CK="--checkpointing"
+WORK=$(mktemp -d)
+mkdir -p "$(dirname "$OUT")"
+COMMANDS=()
+for config in $CONFIGS; do
+  for method in $METHODS; do
+    ours="$LEMO bench --model bench/configs/$config.json --method $method --seq-lens $SEQ_LENS --steps $STEPS --warmup $WARMUP --device cuda $CK --out $WORK/ours-$config-$method.json"
+    ref="$PYTHON bench/reference/peft_bench.py --model bench/configs/$config.json --method $method --seq-lens $SEQ_LENS --steps $STEPS --warmup $WARMUP $CK --out $WORK/ref-$config-$method.json"
+    COMMANDS+=("$ours" "$ref")
+    echo "+ $ours" >&2; $ours || echo "lemo-train bench failed (status $?)" >&2
+    echo "+ $ref" >&2; $ref || echo "peft_bench failed (status $?)" >&2
+  done
+done
+COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
+DIRTY=$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l)
+GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
+printf '%s\n' "${COMMANDS[@]}" > "$WORK/commands.txt"
+"$PYTHON" - "$WORK" "$OUT" "$COMMIT" "$DIRTY" "$GPU" <<'PY'
+import glob, json, os, sys, datetime
+work, out, commit, dirty, gpu = sys.argv[1:6]
+rows = []
+for ours_path in sorted(glob.glob(os.path.join(work, "ours-*.json"))):
+    key = os.path.basename(ours_path)[len("ours-"):]
+    ref_path = os.path.join(work, "ref-" + key)
+    ours = json.load(open(ours_path))
+    ref = json.load(open(ref_path)) if os.path.exists(ref_path) else []
+    by_len = {r["seq_len"]: r for r in ref}
+    for o in ours:
+        r = by_len.get(o["seq_len"], {})
+        def ratio(k):
+            a, b = o.get(k), r.get(k)
+            return a / b if a and b else None
+        rows.append({
+            "model": o["model"], "method": o["method"], "seq_len": o["seq_len"], "checkpointing": o["checkpointing"],
+            "ours": o, "peft": r or None,
+            "ratio_step_time": ratio("step_time_s_median"),
+            "ratio_peak_memory": ratio("peak_gib"),
+            "ratio_after_forward_memory": ratio("after_forward_gib"),
+            "within_1.3x": (lambda t, m: None if t is None or m is None else (t <= 1.3 and m <= 1.3))(ratio("step_time_s_median"), ratio("peak_gib")),
+        })
+result = {
+    "description": "lemo-train bench vs PyTorch + PEFT (LoRA r=8 alpha=16 q/k/v/o, AdamW, batch 1, random init); ratios are ours / PEFT",
+    "date": datetime.datetime.utcnow().isoformat() + "Z",
+    "commit": commit, "uncommitted_tracked_changes": int(dirty), "gpu": gpu,
+    "commands": open(os.path.join(work, "commands.txt")).read().splitlines(),
+    "results": rows,
+}
+json.dump(result, open(out, "w"), indent=2)
+for r in rows:
+    print(f'{r["model"]:>12} {r["method"]:>9} {r["seq_len"]:>6}: time x{r["ratio_step_time"] or float("nan"):.2f} '
+          f'peak x{r["ratio_peak_memory"] or float("nan"):.2f}  ours {r["ours"].get("step_time_s_median")} s '
+          f'{r["ours"].get("peak_gib")} GiB oom={r["ours"]["oom"]}  peft {(r["peft"] or {}).get("step_time_s_median")} s '
+          f'{(r["peft"] or {}).get("peak_gib")} GiB')
+print("wrote", out)
+PY

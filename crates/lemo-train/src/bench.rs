@@ -1,0 +1,216 @@
+//! `bench`: a few training steps of a random-init model of any Hugging Face config, per sequence
+//! length: median step time, tokens/s, memory after the forward pass and peak, or a clean
+//! out-of-memory result. The same measurement in PyTorch + PEFT is
+//! `bench/reference/peft_bench.py`; `bench/run_h200.sh` runs both and writes the comparison.
+
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use burn::backend::Autodiff;
+use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
+use burn::tensor::backend::Backend;
+use lemo_kernels::LemoBackend;
+use lemo_models::weights::WeightSource;
+use lemo_models::{CausalLm, LoraConfig, ModelConfig};
+use serde::Serialize;
+
+use crate::device::BackendJob;
+use crate::memory::{self, gib};
+use crate::train::config::Method;
+use crate::train::optim::{self, AdamW, AdamWSettings, NamedTensors};
+use crate::train::{forward_backward, int_tokens};
+
+/// Uniform random weights with the standard deviation of Hugging Face's N(0, 0.02) init, ones for
+/// norms, zeros for biases: fast enough to build a 7B model in seconds (xorshift, not a normal
+/// sampler); the values do not matter for time and memory.
+pub struct FastRandomWeights {
+    pub seed: u64,
+}
+
+impl WeightSource for FastRandomWeights {
+    fn fetch(&mut self, name: &str, shape: &[usize]) -> lemo_models::Result<Option<Vec<f32>>> {
+        let count: usize = shape.iter().product();
+        if name.ends_with(".bias") {
+            return Ok(Some(vec![0.0; count]));
+        }
+        if name.contains("norm") && name.ends_with(".weight") {
+            return Ok(Some(vec![1.0; count]));
+        }
+        let mut state = crate::corpus::fnv1a(name.as_bytes(), self.seed | 1) | 1;
+        let half_width = 0.02 * 3f32.sqrt();
+        Ok(Some(
+            (0..count)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * half_width
+                })
+                .collect(),
+        ))
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchResult {
+    pub model: String,
+    pub method: String,
+    pub seq_len: usize,
+    pub checkpointing: bool,
+    pub backend: String,
+    pub oom: bool,
+    pub error: Option<String>,
+    pub steps: usize,
+    pub step_time_s_median: Option<f64>,
+    pub step_times_s: Vec<f64>,
+    pub tokens_per_s: Option<f64>,
+    pub peak_gib: Option<f64>,
+    pub after_forward_gib: Option<f64>,
+    /// "device" (CubeCL pool bytes in use, sampled) or "host-rss" (CPU backend).
+    pub mem_source: String,
+    pub trainable_params: usize,
+}
+
+pub struct BenchJob {
+    pub config: PathBuf,
+    pub method: Method,
+    pub seq_lens: Vec<usize>,
+    pub checkpointing: bool,
+    pub steps: usize,
+    pub warmup: usize,
+    pub lora_rank: usize,
+    pub seed: u64,
+}
+
+impl BackendJob for BenchJob {
+    type Output = Vec<BenchResult>;
+
+    fn run<B: LemoBackend>(self, device: B::Device) -> Result<Vec<BenchResult>> {
+        if self.checkpointing {
+            run_on::<B, BalancedCheckpointing>(self, device)
+        } else {
+            run_on::<B, NoCheckpointing>(self, device)
+        }
+    }
+}
+
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "unknown panic".into())
+}
+
+fn is_oom(message: &str) -> bool {
+    let m = message.to_lowercase();
+    m.contains("out of memory") || m.contains("outofmemory") || m.contains("oom") || m.contains("allocat")
+}
+
+fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: BenchJob, device: B::Device) -> Result<Vec<BenchResult>> {
+    type AB<B, C> = Autodiff<B, C>;
+    if job.method == Method::Lemo {
+        bail!("--method lemo (token elimination) is not available yet: use lora or longlora");
+    }
+    let config = ModelConfig::from_file(&job.config)?;
+    let name = job.config.file_stem().map_or("model".into(), |s| s.to_string_lossy().to_string());
+    let started = Instant::now();
+    AB::<B, C>::seed(&device, job.seed);
+    let base = CausalLm::<AB<B, C>>::build(&config, &mut FastRandomWeights { seed: job.seed }, &device)?;
+    let lora = LoraConfig {
+        rank: job.lora_rank,
+        alpha: 2.0 * job.lora_rank as f64,
+        train_embeddings: job.method == Method::Longlora,
+        train_norms: job.method == Method::Longlora,
+        ..LoraConfig::default()
+    };
+    let mut model = base.with_new_lora(&lora)?.set_extra_trainable(&lora)?;
+    let trainable = optim::trainable_count::<AB<B, C>, _>(&model);
+    eprintln!("bench: {name} built in {:.1}s ({trainable} trainable parameters)", started.elapsed().as_secs_f64());
+    let mut results = Vec::new();
+    let mut ran_out = false;
+    for &seq_len in &job.seq_lens {
+        let mut result = BenchResult {
+            model: name.clone(),
+            method: job.method.name().into(),
+            seq_len,
+            checkpointing: job.checkpointing,
+            backend: B::name(&device),
+            oom: false,
+            error: None,
+            steps: job.steps,
+            step_time_s_median: None,
+            step_times_s: Vec::new(),
+            tokens_per_s: None,
+            peak_gib: None,
+            after_forward_gib: None,
+            mem_source: memory::source().into(),
+            trainable_params: trainable,
+        };
+        if ran_out {
+            result.oom = true;
+            result.error = Some("skipped: a shorter sequence already ran out of memory".into());
+            println!("{}", serde_json::to_string(&result)?);
+            results.push(result);
+            continue;
+        }
+        model.set_shifted_group((job.method == Method::Longlora).then_some((seq_len / 4).max(2)));
+        let tokens: Vec<u32> =
+            (0..seq_len).map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32).collect();
+        B::memory_cleanup(&device);
+        let outcome = catch_unwind(AssertUnwindSafe(|| -> Result<(Vec<f64>, u64, u64, CausalLm<AB<B, C>>)> {
+            let mut model = model.clone();
+            let mut optimizer = AdamW::<B>::new(AdamWSettings::default());
+            let (mut times, mut peak, mut after_forward) = (Vec::new(), 0u64, 0u64);
+            for step in 0..job.warmup + job.steps {
+                let t0 = Instant::now();
+                let mut grads = NamedTensors::<B>::new();
+                let batch = int_tokens::<AB<B, C>>(std::slice::from_ref(&tokens), &device);
+                let (_, n, mem) = forward_backward(&model, batch, 1024, 1.0 / (seq_len - 1) as f64, &mut grads);
+                let _ = n;
+                let after_backward = memory::sample().in_use;
+                let params = optim::trainable_values::<AB<B, C>, _>(&model);
+                let updated = optimizer.step(params, &grads, 1e-4);
+                drop(grads);
+                model = optim::set_trainable(model, updated)?;
+                AB::<B, C>::sync(&device).map_err(|e| anyhow::anyhow!("device error: {e:?}"))?;
+                let elapsed = t0.elapsed().as_secs_f64();
+                if step >= job.warmup {
+                    times.push(elapsed);
+                    after_forward = after_forward.max(mem);
+                    peak = peak.max(mem).max(after_backward).max(memory::sample().in_use).max(memory::sample().os_peak);
+                }
+            }
+            Ok((times, peak, after_forward, model))
+        }));
+        match outcome {
+            Ok(Ok((times, peak, after_forward, _))) => {
+                let mut sorted = times.clone();
+                sorted.sort_by(f64::total_cmp);
+                let median = sorted[sorted.len() / 2];
+                result.step_time_s_median = Some(median);
+                result.tokens_per_s = Some(seq_len as f64 / median);
+                result.step_times_s = times;
+                result.peak_gib = Some(gib(peak));
+                result.after_forward_gib = Some(gib(after_forward));
+            }
+            Ok(Err(error)) => {
+                let message = format!("{error:#}");
+                result.oom = is_oom(&message);
+                ran_out |= result.oom;
+                result.error = Some(message);
+            }
+            Err(payload) => {
+                let message = panic_message(payload.as_ref());
+                result.oom = is_oom(&message);
+                ran_out |= result.oom;
+                result.error = Some(message.lines().next().unwrap_or("").to_string());
+            }
+        }
+        println!("{}", serde_json::to_string(&result)?);
+        results.push(result);
+    }
+    Ok(results)
+}
