@@ -12,7 +12,7 @@ BENCH="${1:-target/release/compute_bench}"
 QUICK="${2:-}"
 RESULTS=kernels/results
 mkdir -p "$RESULTS"
-COMMIT="$(git rev-parse HEAD 2>/dev/null || echo uncommitted)"
+COMMIT="${LEMO_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo uncommitted)}"
 COMMAND="bash kernels/run_compute_h200.sh $*"
 # cuBLASLt is loaded at run time: use the toolkit's or PyTorch's copy.
 TORCH_LIBS="$(python3 -c 'import glob, os, site

@@ -12,7 +12,7 @@ pub type WgpuBackend = burn::backend::Wgpu<f32, i32, u32>;
 pub type CudaBackend = burn::backend::Cuda<f32, i32>;
 
 /// Backend extension with the operations lemo's models need beyond Burn's own.
-pub trait LemoBackend: Backend {
+pub trait LemoBackend: Backend + crate::ComputeBackend {
     /// Causal attention; see [`attention::attention`].
     fn lemo_attention(
         q: FloatTensor<Self>,

@@ -100,6 +100,11 @@ pub trait ComputeBackend: Backend {
     /// Releases cached device memory; see [`crate::memory::memory_cleanup`].
     fn lemo_memory_cleanup(_device: &Self::Device) {}
 
+    /// Waits until all work queued on `device` is done, cuBLASLt products included.
+    fn lemo_synchronize(device: &Self::Device) {
+        Self::sync(device).expect("device synchronization");
+    }
+
     /// Summed cross-entropy of `hidden [S, H] x weight[V, H]^T` against `targets [S]`, chunk by
     /// chunk, with the requested gradients computed on the way; see
     /// [`loss::segment_cross_entropy`].
@@ -200,6 +205,10 @@ where
     fn lemo_memory_cleanup(device: &Self::Device) {
         memory::cube_cleanup::<R>(device)
     }
+
+    fn lemo_synchronize(device: &Self::Device) {
+        memory::cube_synchronize::<R>(device)
+    }
 }
 
 impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C> {
@@ -280,6 +289,10 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
 
     fn lemo_memory_cleanup(device: &Self::Device) {
         B::lemo_memory_cleanup(device)
+    }
+
+    fn lemo_synchronize(device: &Self::Device) {
+        B::lemo_synchronize(device)
     }
 
     fn lemo_segment_cross_entropy(

@@ -5,8 +5,16 @@
 
 pub mod attention;
 mod backend;
+pub mod cache;
+pub mod compute;
+pub mod fused;
+pub mod gemm;
+pub mod loss;
+pub mod memory;
+pub mod precision;
 
 pub use attention::AttentionOptions;
 #[cfg(feature = "cuda")]
 pub use backend::CudaBackend;
 pub use backend::{CpuBackend, LemoBackend, WgpuBackend};
+pub use compute::ComputeBackend;

@@ -39,6 +39,12 @@ pub fn memory_cleanup<B: ComputeBackend>(device: &B::Device) {
     B::lemo_memory_cleanup(device)
 }
 
+/// Waits until all work queued on `device` is done (on CUDA, cuBLASLt's stream too): for
+/// host-side timings and measurements at a well-defined point.
+pub fn synchronize<B: ComputeBackend>(device: &B::Device) {
+    B::lemo_synchronize(device)
+}
+
 /// Running maximum of memory readings.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct PeakMemory {
@@ -86,8 +92,21 @@ pub(crate) fn cube_stats<R: burn_cubecl::CubeRuntime>(device: &R::Device) -> Mem
 
 /// Waits for queued work and releases the pools' free pages.
 pub(crate) fn cube_cleanup<R: burn_cubecl::CubeRuntime>(device: &R::Device) {
+    cube_synchronize::<R>(device);
+    R::client(device).memory_cleanup();
+    cube_synchronize::<R>(device);
+}
+
+/// cubecl's own synchronization, and on CUDA the whole context's (cuBLASLt runs on a stream
+/// cubecl does not know), on cubecl's device thread after everything submitted before.
+pub(crate) fn cube_synchronize<R: burn_cubecl::CubeRuntime>(device: &R::Device) {
     let client = R::client(device);
-    let _ = cubecl::future::block_on(client.sync());
-    client.memory_cleanup();
-    let _ = cubecl::future::block_on(client.sync());
+    cubecl::future::block_on(client.sync()).expect("device synchronization");
+    #[cfg(feature = "cuda")]
+    if std::any::TypeId::of::<R>() == std::any::TypeId::of::<cubecl::cuda::CudaRuntime>() {
+        client
+            .exclusive(cudarc::driver::result::ctx::synchronize)
+            .expect("cubecl device thread")
+            .expect("cuCtxSynchronize");
+    }
 }

@@ -185,8 +185,8 @@ fn gemm_parity() -> Vec<Value> {
 
 /// Dependent chain `y <- (y * 0.5 + 0.1) W_i` (the element-wise ops on cubecl's stream, the
 /// products on ours), with every intermediate dropped so its memory is reused at once, against
-/// the same chain with a host round trip after every step (nothing can overlap there). The
-/// kernels are deterministic, so any difference is a missing stream join.
+/// the same chain with a full device synchronization after every step (nothing can overlap
+/// there). The kernels are deterministic, so any difference is a missing stream join.
 fn ordering_check() -> Value {
     let weights: Vec<Tensor<B, 2>> = (0..6)
         .map(|_| random([2048, 2048], DType::BF16) * (1.0 / 45.0))
@@ -198,7 +198,7 @@ fn ordering_check() -> Value {
             y = gemm::matmul(y * 0.5 + 0.1, w.clone());
             let _scratch = random([4096, 4096], DType::BF16);
             if serialize {
-                y = Tensor::from_data(y.into_data(), &device());
+                lemo_kernels::memory::synchronize::<B>(&device());
             }
         }
         y
@@ -240,7 +240,7 @@ fn fused_parity() -> Vec<Value> {
     let x = random([2, 1000, 4096], DType::BF16);
     let w = (random([4096], DType::F32) * 0.1 + 1.0).cast(DType::BF16);
     let g = random([2, 1000, 4096], DType::BF16);
-    let (out, rstd) = lemo_kernels::ComputeBackend::lemo_rms_norm_forward(
+    let (out, rstd) = <B as lemo_kernels::ComputeBackend>::lemo_rms_norm_forward(
         prim(x.clone()),
         w.clone().into_primitive().tensor(),
         1e-5,
@@ -586,42 +586,95 @@ fn segment_loss(args: &Args) -> (Vec<Value>, Vec<Value>) {
     (parity, timing)
 }
 
+/// Runs one section; a panic is recorded instead of ending the run.
+fn section<T>(name: &str, errors: &mut Vec<Value>, run: impl FnOnce() -> T) -> Option<T> {
+    let start = std::time::Instant::now();
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(run));
+    println!(
+        "section {name}: {:.1} s wall",
+        start.elapsed().as_secs_f64()
+    );
+    match result {
+        Ok(value) => Some(value),
+        Err(panic) => {
+            let message = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            println!("section {name} FAILED: {message}");
+            errors.push(json!({"section": name, "panic": message}));
+            None
+        }
+    }
+}
+
 fn main() {
     let args = parse_args();
+    // Compiled kernels and autotune results persist across runs (see `lemo_kernels::cache`).
+    if let Some(dir) = lemo_kernels::cache::default_cache_dir() {
+        let enabled = lemo_kernels::cache::enable_persistent_caches(&dir);
+        println!("cubecl caches in {} (enabled: {enabled})", dir.display());
+    }
+    let process = std::time::Instant::now();
     let client = client();
-    let mut parity = gemm_parity();
-    parity.push(ordering_check());
-    parity.extend(fused_parity());
-    let (loss_parity, loss_timing) = segment_loss(&args);
-    parity.extend(loss_parity);
-    let mut timings = gemm_timings(&args, &client);
-    timings.extend(fused_timings(&args, &client));
-    timings.extend(loss_timing);
-    let mut report = json!({
-        "implementation": "lemo-kernels: cuBLASLt GEMM through cudarc on cubecl buffers, CubeCL fused kernels, segment-based loss",
-        "parity": parity,
-        "timings": timings,
-    });
-    let write = |report: &Value| {
-        let text = serde_json::to_string_pretty(report).unwrap();
+    let mut errors = Vec::new();
+    let mut parity = Vec::new();
+    let mut timings = Vec::new();
+    let write = |parity: &Vec<Value>,
+                 timings: &Vec<Value>,
+                 errors: &Vec<Value>,
+                 extra: Value| {
+        let mut report = json!({
+            "implementation": "lemo-kernels: cuBLASLt GEMM through cudarc on cubecl buffers, CubeCL fused kernels, segment-based loss",
+            "parity": parity,
+            "timings": timings,
+            "errors": errors,
+        });
+        for (key, value) in extra.as_object().unwrap() {
+            report[key] = value.clone();
+        }
+        let text = serde_json::to_string_pretty(&report).unwrap();
         match &args.out {
             Some(path) => std::fs::write(path, text).expect("writing the report"),
             None => println!("{text}"),
         }
     };
-    write(&report);
+    // Most important first; the report is rewritten after every section. The first section
+    // compiles the fused kernels: its wall time shows what the kernel cache saves.
+    parity.extend(section("fused_parity", &mut errors, fused_parity).unwrap_or_default());
+    let first_section_seconds = process.elapsed().as_secs_f64();
+    println!("start-up + first section: {first_section_seconds:.1} s");
+    let startup = json!({"startup_and_fused_parity_seconds": first_section_seconds});
+    parity.extend(section("gemm_parity", &mut errors, gemm_parity).unwrap_or_default());
+    parity.extend(section("gemm_ordering", &mut errors, ordering_check));
+    timings.extend(
+        section("gemm_timings", &mut errors, || gemm_timings(&args, &client)).unwrap_or_default(),
+    );
+    write(&parity, &timings, &errors, startup.clone());
+    if let Some((loss_parity, loss_timing)) =
+        section("segment_loss", &mut errors, || segment_loss(&args))
+    {
+        parity.extend(loss_parity);
+        timings.extend(loss_timing);
+    }
+    write(&parity, &timings, &errors, startup.clone());
+    timings.extend(
+        section("fused_timings", &mut errors, || {
+            fused_timings(&args, &client)
+        })
+        .unwrap_or_default(),
+    );
+    write(&parity, &timings, &errors, startup.clone());
     // Last: Burn's own matmul autotunes (and has crashed on some candidates before).
-    report["burn_f32_matmul"] = burn_f32_precision();
-    write(&report);
-    let failed: Vec<&Value> = report["parity"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|p| p["ok"] == false)
-        .collect();
+    let extra = section("burn_f32_precision", &mut errors, burn_f32_precision);
+    let mut extra_report = startup.clone();
+    extra_report["burn_f32_matmul"] = extra.unwrap_or(Value::Null);
+    write(&parity, &timings, &errors, extra_report);
+    let failed = parity.iter().filter(|p| p["ok"] == false).count();
     println!(
-        "parity: {} checks, {} failed",
-        report["parity"].as_array().unwrap().len(),
-        failed.len()
+        "parity: {} checks, {failed} failed; {} sections failed",
+        parity.len(),
+        errors.len()
     );
 }

@@ -10,7 +10,8 @@ const THREADS: usize = 256;
 
 #[cube]
 fn sigmoid<N: Size>(x: Vector<f32, N>) -> Vector<f32, N> {
-    Vector::new(1.0f32) / (Vector::new(1.0f32) + (-x).exp())
+    // (CUDA C++ has no unary minus on cubecl's vector types.)
+    Vector::new(1.0f32) / (Vector::new(1.0f32) + (Vector::new(0.0f32) - x).exp())
 }
 
 /// One thread per `N`-vector: `out = silu(gate) * up`.
