@@ -109,6 +109,9 @@ fn is_oom(message: &str) -> bool {
     m.contains("out of memory") || m.contains("outofmemory") || m.contains("oom") || m.contains("allocat")
 }
 
+/// Step times, peak and after-forward bytes, and the model after the steps.
+type Measured<B> = (Vec<f64>, u64, u64, CausalLm<B>);
+
 fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: BenchJob, device: B::Device) -> Result<Vec<BenchResult>> {
     type AB<B, C> = Autodiff<B, C>;
     if job.method == Method::Lemo {
@@ -160,7 +163,7 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: BenchJob, device: B::Devic
         let tokens: Vec<u32> =
             (0..seq_len).map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32).collect();
         B::memory_cleanup(&device);
-        let outcome = catch_unwind(AssertUnwindSafe(|| -> Result<(Vec<f64>, u64, u64, CausalLm<AB<B, C>>)> {
+        let outcome = catch_unwind(AssertUnwindSafe(|| -> Result<Measured<AB<B, C>>> {
             let mut model = model.clone();
             let mut optimizer = AdamW::<B>::new(AdamWSettings::default());
             let (mut times, mut peak, mut after_forward) = (Vec::new(), 0u64, 0u64);

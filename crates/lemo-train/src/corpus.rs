@@ -27,6 +27,8 @@ pub struct PackOptions {
     pub seed: u64,
 }
 
+type EpochOrder = ShuffledDataset<Arc<InMemDataset<Vec<u32>>>, Vec<u32>>;
+
 /// Packed training and validation sequences.
 pub struct Corpus {
     pub train: Arc<InMemDataset<Vec<u32>>>,
@@ -35,7 +37,7 @@ pub struct Corpus {
     /// Tokens in all packed sequences.
     pub tokens: usize,
     seed: u64,
-    epoch: RefCell<Option<(usize, ShuffledDataset<Arc<InMemDataset<Vec<u32>>>, Vec<u32>>)>>,
+    epoch: RefCell<Option<(usize, EpochOrder)>>,
 }
 
 /// 64-bit FNV-1a: a stable hash for cache keys.

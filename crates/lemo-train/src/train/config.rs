@@ -216,7 +216,7 @@ impl TrainConfig {
         if self.seq_len.is_some_and(|s| s < 2) {
             bail!("--seq-len must be at least 2");
         }
-        if !(self.lr > 0.0) || self.lora_rank == 0 {
+        if self.lr.is_nan() || self.lr <= 0.0 || self.lora_rank == 0 {
             bail!("--lr and --lora-rank must be positive");
         }
         Ok(())

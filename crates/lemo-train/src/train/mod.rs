@@ -93,7 +93,7 @@ pub fn forward_backward<B: AutodiffBackend + LemoBackend>(
     for start in (0..rows).step_by(segment.max(1)) {
         let end = (start + segment).min(rows);
         let leaf = Tensor::<B, 2>::from_inner(detached.clone().slice([start..end, 0..dim])).require_grad();
-        let loss = cross_entropy_sum(leaf.clone(), weight.clone(), targets.clone().slice([start..end]), usize::MAX);
+        let loss = cross_entropy_sum(leaf.clone(), weight.clone(), targets.clone().slice(start..end), usize::MAX);
         loss_sum = Some(match loss_sum {
             Some(total) => total + loss.clone().inner(),
             None => loss.clone().inner(),
@@ -115,7 +115,7 @@ pub fn validation_loss<B: LemoBackend>(model: &CausalLm<B>, sequences: &[Vec<u32
     let device = model.lm_head_weight().device();
     let (mut sum, mut count) = (0.0, 0usize);
     for sequence in sequences {
-        let tokens = int_tokens::<B>(&[sequence.clone()], &device);
+        let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
         let (loss, n) = model.next_token_loss_sum(tokens, segment);
         sum += loss.into_scalar().elem::<f64>();
         count += n;

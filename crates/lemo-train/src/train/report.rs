@@ -67,7 +67,9 @@ fn series(records: &[Value], kind: &str, key: &str) -> Vec<(f64, f64)> {
         .collect()
 }
 
-fn line_chart(path: &Path, title: &str, y_label: &str, lines: &[(&str, Vec<(f64, f64)>, RGBColor)]) -> Result<()> {
+type Line<'a> = (&'a str, Vec<(f64, f64)>, RGBColor);
+
+fn line_chart(path: &Path, title: &str, y_label: &str, lines: &[Line]) -> Result<()> {
     let points: Vec<&(f64, f64)> = lines.iter().flat_map(|(_, s, _)| s.iter()).collect();
     if points.is_empty() {
         return Ok(());
