@@ -9,57 +9,52 @@ use crate::fused::{cube_count, vector_size};
 
 const THREADS: usize = 256;
 
-/// One thread per (row, vector of the first half): reads the vector and its partner in the
-/// second half, the angle tables at the row's position, writes both rotated vectors.
+/// Cubes of `half / N` x `rows_per_cube` threads: `UNIT_POS_X` picks the vector of the first
+/// half, the row is the cube's and `UNIT_POS_Y`'s. Each thread reads its vector and the partner
+/// in the second half, the angle tables (f32 vectors) at the row's position, and writes both
+/// rotated vectors.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 fn rope_kernel<F: Float, I: Int, N: Size>(
     x: &Tensor<Vector<F, N>>,
-    cos: &Tensor<f32>,
-    sin: &Tensor<f32>,
+    cos: &Tensor<Vector<f32, N>>,
+    sin: &Tensor<Vector<f32, N>>,
     positions: &Tensor<I>,
     out: &mut Tensor<Vector<F, N>>,
+    rows: usize,
     sign: f32,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
-    let vector = x.vector_size();
-    let heads = x.shape(1);
-    let seq = x.shape(2);
-    let head_dim = x.shape(3);
-    let half = head_dim / 2;
-    let half_vectors = half / vector;
-    let work = x.shape(0) * heads * seq * half_vectors;
-    let index = ABSOLUTE_POS;
-    if index >= work {
+    let row = CUBE_POS * CUBE_DIM_Y as usize + UNIT_POS_Y as usize;
+    if row >= rows {
         terminate!();
     }
-    let j = index % half_vectors;
-    let row = index / half_vectors;
+    let vector = x.vector_size();
+    let j = UNIT_POS_X as usize;
+    let half_vectors = CUBE_DIM_X as usize;
+    let heads = x.shape(1);
+    let seq = x.shape(2);
     let s = row % seq;
-    let b = row / (seq * heads);
-    let h = (row / seq) % heads;
+    let head_row = row / seq;
+    let h = head_row % heads;
+    let b = head_row / heads;
 
-    let base = b * x.stride(0) + h * x.stride(1) + s * x.stride(2) + j * vector * x.stride(3);
-    let first = Vector::<f32, N>::cast_from(x[base / vector]);
-    let second = Vector::<f32, N>::cast_from(x[(base + half * x.stride(3)) / vector]);
+    let base = (b * x.stride(0) + h * x.stride(1) + s * x.stride(2)) / vector + j;
+    let first = Vector::<f32, N>::cast_from(x[base]);
+    let second = Vector::<f32, N>::cast_from(x[base + half_vectors]);
 
     let position = usize::cast_from(positions[b * positions.stride(0) + s * positions.stride(1)]);
-    let table = position * half + j * vector;
-    let mut c = Vector::<f32, N>::empty();
-    let mut t = Vector::<f32, N>::empty();
-    #[unroll]
-    for lane in 0..vector {
-        c[lane] = cos[table + lane];
-        t[lane] = sin[table + lane] * sign;
-    }
+    let table = position * half_vectors + j;
+    let c = cos[table];
+    let t = sin[table] * Vector::new(sign);
 
-    let out_base = (row * head_dim + j * vector) / vector;
+    let out_base = row * 2 * half_vectors + j;
     out[out_base] = Vector::cast_from(first * c - second * t);
     out[out_base + half_vectors] = Vector::cast_from(second * c + first * t);
 }
 
 /// RoPE (or its inverse) of `x [batch, heads, seq, head_dim]` at `positions [batch, seq]`: one
-/// thread per pair of `N`-vectors, reads `x` once (any strides with a unit last one, so the
+/// thread per pair of `N`-vectors (16 bytes), reads `x` once (any strides with a unit last one, so the
 /// `[b, s, h, d] -> [b, h, s, d]` transpose comes free) and writes a contiguous output.
 /// O(numel) bytes plus the table rows, which stay in cache.
 pub(crate) fn rope<R: CubeRuntime>(
@@ -101,24 +96,27 @@ pub(crate) fn rope<R: CubeRuntime>(
     while vector > 1 && strides[..3].iter().any(|s| !s.is_multiple_of(vector)) {
         vector /= 2;
     }
-    let work = batch * heads * seq * (head_dim / 2 / vector);
-    if work == 0 {
+    let half_vectors = head_dim / 2 / vector;
+    let rows = batch * heads * seq;
+    if rows * half_vectors == 0 {
         return out;
     }
+    let rows_per_cube = (THREADS / half_vectors).max(1);
     let dtypes = [x.dtype.into(), positions.dtype.into()];
-    // SAFETY: the kernel bounds its index by the work size; positions must be below the
-    // tables' length (as for the reference's `select`).
+    // SAFETY: the kernel bounds its rows; positions must be below the tables' length (as for
+    // the reference's `select`).
     unsafe {
         rope_kernel::launch_unchecked::<R>(
             &client,
-            cube_count(&client, work.div_ceil(THREADS)),
-            CubeDim::new_1d(THREADS as u32),
+            cube_count(&client, rows.div_ceil(rows_per_cube)),
+            CubeDim::new_2d(half_vectors as u32, rows_per_cube as u32),
             vector,
             x.into_tensor_arg(),
             cos.into_tensor_arg(),
             sin.into_tensor_arg(),
             positions.into_tensor_arg(),
             out.clone().into_tensor_arg(),
+            rows,
             if inverse { -1.0 } else { 1.0 },
             dtypes,
         );
