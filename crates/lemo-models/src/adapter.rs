@@ -126,7 +126,6 @@ pub fn read_peft_config(dir: &Path) -> Result<LoraConfig> {
             .and_then(Value::as_f64)
             .unwrap_or(0.0),
         target_modules,
-        ..LoraConfig::default()
     })
 }
 

@@ -247,13 +247,13 @@ impl RawLlamaConfig {
         }
         let heads = self.num_attention_heads;
         let kv_heads = self.num_key_value_heads.unwrap_or(heads);
-        if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
             return Err(Error::Config(format!(
                 "num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv_heads})"
             )));
         }
         let head_dim = self.head_dim.unwrap_or(self.hidden_size / heads);
-        if head_dim % 2 != 0 {
+        if !head_dim.is_multiple_of(2) {
             return Err(Error::Config(format!(
                 "head_dim ({head_dim}) must be even for RoPE"
             )));
@@ -341,7 +341,9 @@ impl OptConfig {
                 self.activation_function
             )));
         }
-        if self.num_attention_heads == 0 || self.hidden_size % self.num_attention_heads != 0 {
+        if self.num_attention_heads == 0
+            || !self.hidden_size.is_multiple_of(self.num_attention_heads)
+        {
             return Err(Error::Config(format!(
                 "hidden_size ({}) must be a multiple of num_attention_heads ({})",
                 self.hidden_size, self.num_attention_heads

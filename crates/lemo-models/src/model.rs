@@ -16,6 +16,8 @@ use crate::rope::RotaryEmbedding;
 use crate::weights::{Loader, SafetensorsWeights, WeightSource};
 use crate::{Error, Result};
 
+// One instance per process: the size difference between variants costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum CausalLm<B: Backend> {
     Llama(Llama<B>),
@@ -452,10 +454,7 @@ pub fn cross_entropy_sum<B: Backend>(
         let log_sum_exp = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
         let target_logit = logits.gather(
             1,
-            targets
-                .clone()
-                .slice([start..end])
-                .reshape([end - start, 1]),
+            targets.clone().slice(start..end).reshape([end - start, 1]),
         );
         total = total + (log_sum_exp - target_logit).sum();
     }

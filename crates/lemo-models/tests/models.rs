@@ -55,7 +55,7 @@ fn tokens(ids: &[i32]) -> Tensor<B, 2, Int> {
 fn per_token_nll(model: &CausalLm<B>, ids: &[i32]) -> Vec<f32> {
     let logits = model.forward(tokens(ids), None);
     let [_, len, vocab] = logits.dims();
-    let log_probs = log_softmax(logits.reshape([len, vocab]), 1).slice([0..len - 1]);
+    let log_probs = log_softmax(logits.reshape([len, vocab]), 1).slice(0..len - 1);
     let targets = tokens(&ids[1..]).reshape([len - 1, 1]);
     log_probs
         .gather(1, targets)
@@ -312,8 +312,7 @@ fn copy_fixture(case: &str, name: &str) -> PathBuf {
 
 fn load_error(path: &Path) -> String {
     CausalLm::<B>::from_path(path, &Default::default())
-        .err()
-        .expect("loading should fail")
+        .expect_err("loading should fail")
         .to_string()
 }
 
