@@ -18,6 +18,9 @@ use crate::{fused, gemm, loss};
 /// loss, each present when asked for.
 pub type SegmentGrads<B> = (Option<FloatTensor<B>>, Option<FloatTensor<B>>);
 
+/// The summed loss (f32, `[1]`) and the gradients computed on the way.
+pub type SegmentOutput<B> = (FloatTensor<B>, SegmentGrads<B>);
+
 /// Backend operations for the dense parts of a training step (see the module docs).
 pub trait ComputeBackend: Backend {
     /// `lhs [.., M, K] x rhs [.., K, N]`; see [`gemm::matmul`].
@@ -115,7 +118,7 @@ pub trait ComputeBackend: Backend {
         chunk_rows: usize,
         hidden_grad: bool,
         weight_grad: bool,
-    ) -> (FloatTensor<Self>, SegmentGrads<Self>) {
+    ) -> SegmentOutput<Self> {
         loss::segment::forward_with_grads::<Self>(
             hidden,
             weight,
@@ -302,7 +305,7 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
         chunk_rows: usize,
         hidden_grad: bool,
         weight_grad: bool,
-    ) -> (FloatTensor<Self>, SegmentGrads<Self>) {
+    ) -> SegmentOutput<Self> {
         loss::autodiff::segment_cross_entropy::<B, C>(
             hidden,
             weight,

@@ -12,7 +12,7 @@ use burn::tensor::TensorMetadata;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
 use crate::ComputeBackend;
-use crate::compute::SegmentGrads;
+use crate::compute::{SegmentGrads, SegmentOutput};
 
 #[derive(Debug)]
 struct SegmentLossBackward;
@@ -57,7 +57,7 @@ pub(crate) fn segment_cross_entropy<B: ComputeBackend, C: CheckpointStrategy>(
     chunk_rows: usize,
     _hidden_grad: bool,
     _weight_grad: bool,
-) -> (FloatTensor<Autodiff<B, C>>, SegmentGrads<Autodiff<B, C>>) {
+) -> SegmentOutput<Autodiff<B, C>> {
     let (hidden_tracked, weight_tracked) = (hidden.is_tracked(), weight.is_tracked());
     let loss = match SegmentLossBackward
         .prepare::<C>([hidden.node.clone(), weight.node.clone()])

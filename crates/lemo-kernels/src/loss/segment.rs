@@ -5,7 +5,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
 
 use crate::ComputeBackend;
-use crate::compute::SegmentGrads;
+use crate::compute::SegmentOutput;
 
 fn float<B: ComputeBackend, const D: usize>(tensor: FloatTensor<B>) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(tensor))
@@ -22,7 +22,7 @@ pub(crate) fn forward_with_grads<B: ComputeBackend>(
     chunk_rows: usize,
     hidden_grad: bool,
     weight_grad: bool,
-) -> (FloatTensor<B>, SegmentGrads<B>) {
+) -> SegmentOutput<B> {
     let hidden = float::<B, 2>(hidden);
     let weight = float::<B, 2>(weight);
     let targets = Tensor::<B, 1, Int>::from_primitive(targets);

@@ -325,7 +325,7 @@ fn fused_parity() -> Vec<Value> {
             if i % 9 == 4 {
                 -100
             } else {
-                (i * 101 % 32000) as i32
+                i * 101 % 32000
             }
         })
         .collect();
