@@ -1,7 +1,9 @@
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use crate::attention::{self, AttentionOptions};
+use crate::block_scores;
 
 /// Pure-CPU backend.
 pub type CpuBackend = burn::backend::NdArray<f32>;
@@ -12,8 +14,12 @@ pub type WgpuBackend = burn::backend::Wgpu<f32, i32, u32>;
 pub type CudaBackend = burn::backend::Cuda<f32, i32>;
 
 /// Backend extension with the operations lemo's models need beyond Burn's own.
+///
+/// Every default body is the plain Burn-tensor reference, so any backend is correct out of the
+/// box; [`CubeBackend`] (wgpu, CUDA) overrides them with kernels and `Autodiff<B>` routes the
+/// attention gradient through [`LemoBackend::lemo_attention_backward`].
 pub trait LemoBackend: Backend + crate::ComputeBackend {
-    /// Causal attention; see [`attention::attention`].
+    /// Causal (optionally sliding-window or shifted-sparse) attention; see [`attention::attention`].
     fn lemo_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -22,13 +28,90 @@ pub trait LemoBackend: Backend + crate::ComputeBackend {
     ) -> FloatTensor<Self> {
         attention::reference::attention_primitive::<Self>(q, k, v, options)
     }
+
+    /// Attention output and the `logsumexp` of each query's scores, `[batch, q_heads, q_len]`:
+    /// what the backward pass needs to recompute the probabilities.
+    fn lemo_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        attention::reference::attention_with_lse_primitive::<Self>(q, k, v, options)
+    }
+
+    /// Gradients `(dq, dk, dv)` of attention from its inputs, output, `lse` and output gradient.
+    #[allow(clippy::too_many_arguments)]
+    fn lemo_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_out: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        attention::reference::attention_backward_primitive::<Self>(
+            q, k, v, out, lse, grad_out, options,
+        )
+    }
+
+    /// Block informativeness `[batch, q_blocks, k_blocks]`; see [`block_scores::block_scores`].
+    fn lemo_block_scores(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        block_size: usize,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        block_scores::reference::block_scores_primitive::<Self>(q, k, block_size, scale)
+    }
 }
 
 impl LemoBackend for CpuBackend {}
-impl LemoBackend for WgpuBackend {}
-#[cfg(feature = "cuda")]
-impl LemoBackend for CudaBackend {}
-impl<B: LemoBackend, C: burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy>
-    LemoBackend for burn::backend::Autodiff<B, C>
+
+impl<R, F, I, BT> LemoBackend for CubeBackend<R, F, I, BT>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
 {
+    fn lemo_attention(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> FloatTensor<Self> {
+        Self::lemo_attention_forward(q, k, v, options).0
+    }
+
+    fn lemo_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        attention::flash::forward::<R, F, I, BT>(q, k, v, options)
+    }
+
+    fn lemo_attention_backward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        grad_out: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        attention::flash::backward::<R, F, I, BT>(q, k, v, out, lse, grad_out, options)
+    }
+
+    fn lemo_block_scores(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        block_size: usize,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        block_scores::kernel::block_scores::<R, F, I, BT>(q, k, block_size, scale)
+    }
 }

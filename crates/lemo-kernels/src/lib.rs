@@ -1,10 +1,12 @@
 //! Device kernels for long-context LoRA training, exposed as a Burn backend extension.
 //!
 //! Every operation is a method of [`LemoBackend`] whose default body is the plain Burn-tensor
-//! reference, so any backend is correct out of the box; CubeCL backends override the methods.
+//! reference: any backend is correct out of the box, and CubeCL backends override the methods
+//! with kernels (with their own autodiff `Backward` where they are differentiable).
 
 pub mod attention;
 mod backend;
+pub mod block_scores;
 pub mod cache;
 pub mod compute;
 pub mod fused;

@@ -1,0 +1,211 @@
+//! Parity of the flash attention kernels (wgpu, f32) with the materialized reference: output,
+//! logsumexp and the three gradients, on fresh random inputs every run (the seed is printed).
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, ElementConversion, Tensor};
+use lemo_kernels::attention::{self, AttentionOptions, reference};
+use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
+
+const TOLERANCE: f32 = 1e-4;
+
+#[derive(Clone, Copy, Debug)]
+struct Case {
+    batch: usize,
+    q_heads: usize,
+    kv_heads: usize,
+    q_len: usize,
+    kv_len: usize,
+    head_dim: usize,
+}
+
+impl Case {
+    fn self_attention(
+        batch: usize,
+        q_heads: usize,
+        kv_heads: usize,
+        seq: usize,
+        head_dim: usize,
+    ) -> Self {
+        Self {
+            batch,
+            q_heads,
+            kv_heads,
+            q_len: seq,
+            kv_len: seq,
+            head_dim,
+        }
+    }
+}
+
+fn seed<B: Backend>(device: &B::Device) {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    println!("seed {seed}");
+    B::seed(device, seed);
+}
+
+fn random<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+}
+
+/// `max |actual - expected| / max |expected|`.
+fn relative_error<B: Backend, const D: usize>(actual: Tensor<B, D>, expected: Tensor<B, D>) -> f32 {
+    let scale: f32 = expected.clone().abs().max().into_scalar().elem();
+    let error: f32 = (actual - expected).abs().max().into_scalar().elem();
+    error / scale.max(1e-6)
+}
+
+fn assert_close<B: Backend, const D: usize>(
+    what: &str,
+    actual: Tensor<B, D>,
+    expected: Tensor<B, D>,
+) {
+    assert_eq!(actual.dims(), expected.dims(), "{what}: shapes differ");
+    let error = relative_error(actual, expected);
+    println!("{what}: relative error {error:e}");
+    assert!(error < TOLERANCE, "{what}: relative error {error}");
+}
+
+/// Forward, lse and (when `gradients`) dq, dk, dv of `attention` on backend `B` against the
+/// reference differentiated by Burn's autodiff.
+fn check<B: LemoBackend>(case: Case, options: AttentionOptions, gradients: bool) {
+    type A<B> = Autodiff<B>;
+    let device = Default::default();
+    seed::<B>(&device);
+    let q = random::<B, 4>(
+        [case.batch, case.q_heads, case.q_len, case.head_dim],
+        &device,
+    );
+    let k = random::<B, 4>(
+        [case.batch, case.kv_heads, case.kv_len, case.head_dim],
+        &device,
+    );
+    let v = random::<B, 4>(
+        [case.batch, case.kv_heads, case.kv_len, case.head_dim],
+        &device,
+    );
+    let weights = random::<B, 4>(
+        [case.batch, case.q_heads, case.q_len, case.head_dim],
+        &device,
+    );
+
+    let (out, lse) = attention::attention_with_lse(q.clone(), k.clone(), v.clone(), options);
+    let (expected_out, expected_lse) =
+        reference::attention_with_lse(q.clone(), k.clone(), v.clone(), options);
+    assert_close("output", out, expected_out);
+    assert_close("lse", lse, expected_lse);
+    if !gradients {
+        return;
+    }
+
+    let grads_of = |flash: bool| {
+        let q = Tensor::<A<B>, 4>::from_inner(q.clone()).require_grad();
+        let k = Tensor::<A<B>, 4>::from_inner(k.clone()).require_grad();
+        let v = Tensor::<A<B>, 4>::from_inner(v.clone()).require_grad();
+        let out = if flash {
+            attention::attention(q.clone(), k.clone(), v.clone(), options)
+        } else {
+            reference::attention(q.clone(), k.clone(), v.clone(), options)
+        };
+        let grads = (out * Tensor::from_inner(weights.clone())).sum().backward();
+        [
+            q.grad(&grads).unwrap(),
+            k.grad(&grads).unwrap(),
+            v.grad(&grads).unwrap(),
+        ]
+    };
+    let [dq, dk, dv] = grads_of(true);
+    let [expected_dq, expected_dk, expected_dv] = grads_of(false);
+    assert_close("dq", dq, expected_dq);
+    assert_close("dk", dk, expected_dk);
+    assert_close("dv", dv, expected_dv);
+}
+
+#[test]
+fn causal_batch2_dim64_ragged_tiles() {
+    check::<WgpuBackend>(
+        Case::self_attention(2, 2, 2, 45, 64),
+        AttentionOptions::causal(64),
+        true,
+    );
+}
+
+#[test]
+fn grouped_query_dim32() {
+    check::<WgpuBackend>(
+        Case::self_attention(1, 6, 2, 70, 32),
+        AttentionOptions::causal(32),
+        true,
+    );
+}
+
+#[test]
+fn head_dim_128() {
+    check::<WgpuBackend>(
+        Case::self_attention(1, 2, 1, 33, 128),
+        AttentionOptions::causal(128),
+        true,
+    );
+}
+
+#[test]
+fn sliding_window() {
+    let options = AttentionOptions::causal(64).with_sliding_window(13);
+    check::<WgpuBackend>(Case::self_attention(1, 4, 2, 81, 64), options, true);
+}
+
+#[test]
+fn shifted_sparse_groups() {
+    let options = AttentionOptions::causal(32).with_shifted_groups(16);
+    check::<WgpuBackend>(Case::self_attention(2, 4, 2, 75, 32), options, true);
+}
+
+#[test]
+fn shifted_sparse_groups_with_window() {
+    let options = AttentionOptions::causal(32)
+        .with_shifted_groups(20)
+        .with_sliding_window(7);
+    check::<WgpuBackend>(Case::self_attention(1, 2, 1, 50, 32), options, true);
+}
+
+#[test]
+fn decode_with_kv_cache() {
+    let case = Case {
+        batch: 2,
+        q_heads: 4,
+        kv_heads: 2,
+        q_len: 3,
+        kv_len: 58,
+        head_dim: 64,
+    };
+    check::<WgpuBackend>(case, AttentionOptions::causal(64), true);
+    let single = Case { q_len: 1, ..case };
+    check::<WgpuBackend>(
+        single,
+        AttentionOptions::causal(64).with_sliding_window(10),
+        false,
+    );
+}
+
+/// Backends without kernels differentiate through the materialized backward formulas.
+#[test]
+fn reference_backward_on_cpu() {
+    let options = AttentionOptions::causal(16).with_shifted_groups(8);
+    check::<CpuBackend>(Case::self_attention(2, 4, 2, 21, 16), options, true);
+}
+
+/// The models hand over `[batch, seq, heads, dim]` projections with heads and sequence swapped:
+/// the kernels read through the strides instead of copying.
+#[test]
+fn strided_inputs() {
+    let device = Default::default();
+    seed::<WgpuBackend>(&device);
+    let projection = |heads| random::<WgpuBackend, 4>([2, 40, heads, 32], &device).swap_dims(1, 2);
+    let (q, k, v) = (projection(4), projection(2), projection(2));
+    let options = AttentionOptions::causal(32);
+    let out = attention::attention(q.clone(), k.clone(), v.clone(), options);
+    assert_close("output", out, reference::attention(q, k, v, options));
+}

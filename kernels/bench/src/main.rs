@@ -1,0 +1,339 @@
+//! bf16 parity and throughput of lemo-kernels' flash attention on CUDA.
+//!
+//! Parity: reads the cases `kernels/reference/attention_sdpa.py --parity-dir` wrote (bf16
+//! inputs, float32 reference outputs and gradients, and SDPA's own bf16 error), runs our
+//! forward and backward on the same inputs and reports both errors.
+//! Throughput: causal bf16 attention `[1, heads, S, head_dim]` for each S, device-timed
+//! (CubeCL profiling), warm-up then median, FLOPs counted like the SDPA script
+//! (forward `4 * B * H * S^2 * D / 2`, backward 2.5x the forward).
+//!
+//! Usage: `attention_bench [--parity-dir DIR] [--seqs 4096,16384,65536] [--heads 32]
+//!         [--head-dim 128] [--iterations 5] [--variants plain,tensor-core] [--out FILE]
+//!         [--wgpu]`
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use burn::tensor::{DType, Distribution, Tensor, TensorData};
+use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
+use cubecl::prelude::{ComputeClient, Runtime};
+use lemo_kernels::attention::{
+    self, AttentionOptions, FlashKernel, set_flash_kernel, tensor_core_supported,
+};
+use lemo_kernels::{CudaBackend, WgpuBackend};
+use serde_json::{Value, json};
+
+struct Args {
+    parity_dir: Option<PathBuf>,
+    seqs: Vec<usize>,
+    heads: usize,
+    head_dim: usize,
+    iterations: usize,
+    out: Option<PathBuf>,
+    /// Smoke-test the harness on wgpu in f32 (CPU-only machines have no bf16 there).
+    wgpu: bool,
+    /// Kernel variants to check and time (a separate process per variant keeps a crash of one
+    /// from losing the other's results).
+    variants: Vec<FlashKernel>,
+}
+
+fn parse_args() -> Args {
+    let mut args = Args {
+        parity_dir: None,
+        seqs: vec![4096, 16384, 65536],
+        heads: 32,
+        head_dim: 128,
+        iterations: 5,
+        out: None,
+        wgpu: false,
+        variants: vec![FlashKernel::Plain, FlashKernel::TensorCore],
+    };
+    let mut raw = std::env::args().skip(1);
+    while let Some(flag) = raw.next() {
+        let mut value = || raw.next().unwrap_or_else(|| panic!("{flag} needs a value"));
+        match flag.as_str() {
+            "--parity-dir" => args.parity_dir = Some(value().into()),
+            "--seqs" => {
+                args.seqs = value()
+                    .split(',')
+                    .map(|s| s.parse().expect("--seqs: comma-separated integers"))
+                    .collect()
+            }
+            "--heads" => args.heads = value().parse().expect("--heads: integer"),
+            "--head-dim" => args.head_dim = value().parse().expect("--head-dim: integer"),
+            "--iterations" => args.iterations = value().parse().expect("--iterations: integer"),
+            "--out" => args.out = Some(value().into()),
+            "--wgpu" => args.wgpu = true,
+            "--variants" => {
+                args.variants = value()
+                    .split(',')
+                    .map(|name| match name {
+                        "plain" => FlashKernel::Plain,
+                        "tensor-core" => FlashKernel::TensorCore,
+                        other => panic!("--variants: unknown variant {other}"),
+                    })
+                    .collect()
+            }
+            other => panic!("unknown argument {other}"),
+        }
+    }
+    args
+}
+
+/// The variant that actually runs: the tensor-core one falls back to plain where unsupported.
+fn variant_name<R: CubeRuntime>(
+    variant: FlashKernel,
+    client: &ComputeClient<R>,
+    dtype: DType,
+    head_dim: usize,
+) -> &'static str {
+    match variant {
+        FlashKernel::TensorCore if tensor_core_supported(client, dtype, head_dim) => "tensor-core",
+        _ => "plain",
+    }
+}
+
+fn read_values(path: &Path, bf16: bool) -> Vec<f32> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    if bf16 {
+        bytes
+            .chunks_exact(2)
+            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+            .collect()
+    } else {
+        bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect()
+    }
+}
+
+/// A device tensor of `dtype` from a raw little-endian bf16 file (exact: staged through f32).
+fn load_bf16<R: CubeRuntime, BT: BoolElement>(
+    path: &Path,
+    shape: [usize; 4],
+    dtype: DType,
+) -> Tensor<CubeBackend<R, f32, i32, BT>, 4> {
+    let data = TensorData::new(read_values(path, true), shape);
+    Tensor::<CubeBackend<R, f32, i32, BT>, 4>::from_data(data, &Default::default()).cast(dtype)
+}
+
+fn to_f32<R: CubeRuntime, BT: BoolElement, const D: usize>(
+    tensor: Tensor<CubeBackend<R, f32, i32, BT>, D>,
+) -> Vec<f32> {
+    tensor.cast(DType::F32).into_data().to_vec::<f32>().unwrap()
+}
+
+/// `max |actual - expected| / max |expected|`.
+fn relative_error(actual: &[f32], expected: &[f32]) -> f64 {
+    assert_eq!(actual.len(), expected.len());
+    let scale = expected.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let error = actual
+        .iter()
+        .zip(expected)
+        .fold(0f32, |m, (a, e)| m.max((a - e).abs()));
+    (error / scale.max(1e-12)) as f64
+}
+
+fn dims(case: &Value, heads_key: &str) -> [usize; 4] {
+    let get = |key: &str| case[key].as_u64().expect("manifest field") as usize;
+    [get("batch"), get(heads_key), get("seq"), get("head_dim")]
+}
+
+/// Our bf16 errors against the float32 reference, next to SDPA's, for every manifest case.
+fn parity<R: CubeRuntime, BT: BoolElement>(
+    dir: &Path,
+    dtype: DType,
+    variants: &[FlashKernel],
+) -> Vec<Value> {
+    let manifest: Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("manifest.json")).expect("parity manifest"),
+    )
+    .expect("manifest JSON");
+    let mut results = Vec::new();
+    for case in manifest["cases"].as_array().expect("cases") {
+        let name = case["name"].as_str().expect("case name");
+        let file = |tensor: &str, ext: &str| dir.join(format!("{name}_{tensor}.{ext}"));
+        let q_shape = dims(case, "q_heads");
+        let kv_shape = dims(case, "kv_heads");
+        let mut options = AttentionOptions::causal(q_shape[3]);
+        if let Some(window) = case["window"].as_u64() {
+            options = options.with_sliding_window(window as usize);
+        }
+        let q = load_bf16::<R, BT>(&file("q", "bf16"), q_shape, dtype);
+        let k = load_bf16::<R, BT>(&file("k", "bf16"), kv_shape, dtype);
+        let v = load_bf16::<R, BT>(&file("v", "bf16"), kv_shape, dtype);
+        let grad_out = load_bf16::<R, BT>(&file("do", "bf16"), q_shape, dtype);
+
+        let client = q.clone().into_primitive().tensor().client.clone();
+        for &variant in variants {
+            set_flash_kernel(variant);
+            let (out, lse) =
+                attention::attention_with_lse(q.clone(), k.clone(), v.clone(), options);
+            let (dq, dk, dv) = attention::attention_backward(
+                q.clone(),
+                k.clone(),
+                v.clone(),
+                out.clone(),
+                lse,
+                grad_out.clone(),
+                options,
+            );
+            let mut errors = serde_json::Map::new();
+            let mut passed = true;
+            for (tensor, ours) in [("out", out), ("dq", dq), ("dk", dk), ("dv", dv)] {
+                let expected = read_values(&file(tensor, "f32"), false);
+                let error = relative_error(&to_f32(ours), &expected);
+                let sdpa_error = case["sdpa_error"][tensor].as_f64().unwrap_or(f64::NAN);
+                // bf16 rounding of the inputs/outputs dominates; allow twice SDPA's own error.
+                let ok = error <= (2.0 * sdpa_error).max(1e-2);
+                passed &= ok;
+                errors.insert(
+                    tensor.into(),
+                    json!({ "ours": error, "sdpa": sdpa_error, "ok": ok }),
+                );
+            }
+            let variant = variant_name(variant, &client, dtype, q_shape[3]);
+            println!(
+                "parity {name} ({variant}): {}",
+                Value::Object(errors.clone())
+            );
+            results.push(json!({
+                "case": name,
+                "variant": variant,
+                "passed": passed,
+                "relative_error": errors,
+            }));
+        }
+    }
+    results
+}
+
+/// Device time of `run`: median of up to `iterations` runs after one warm-up, stopping early
+/// once the timed runs add up to `TIME_BUDGET` (the slow variants at 64K).
+fn device_time<R: Runtime, O: Send + 'static>(
+    client: &ComputeClient<R>,
+    iterations: usize,
+    run: impl Fn() -> O + Send + Sync,
+) -> Duration {
+    const TIME_BUDGET: Duration = Duration::from_secs(20);
+    drop(run());
+    let mut times = Vec::new();
+    while times.len() < iterations.max(1) && times.iter().sum::<Duration>() < TIME_BUDGET {
+        let (output, duration) = client.profile(&run, "attention").expect("profiling");
+        drop(output);
+        times.push(cubecl::future::block_on(duration.resolve()).duration());
+    }
+    times.sort();
+    times[times.len() / 2]
+}
+
+fn throughput<R: CubeRuntime, BT: BoolElement>(args: &Args, dtype: DType) -> Vec<Value> {
+    let device = Default::default();
+    let mut results = Vec::new();
+    for &seq in &args.seqs {
+        let shape = [1, args.heads, seq, args.head_dim];
+        let random = || {
+            Tensor::<CubeBackend<R, f32, i32, BT>, 4>::random(
+                shape,
+                Distribution::Normal(0.0, 1.0),
+                &device,
+            )
+            .cast(dtype)
+        };
+        let (q, k, v, grad_out) = (random(), random(), random(), random());
+        let client = q.clone().into_primitive().tensor().client.clone();
+        let options = AttentionOptions::causal(args.head_dim);
+        let forward_flops = 4.0 * (args.heads * args.head_dim) as f64 * (seq as f64).powi(2) / 2.0;
+
+        let mut timings = Vec::new();
+        for &variant in &args.variants {
+            set_flash_kernel(variant);
+            let forward = device_time(&client, args.iterations, || {
+                attention::attention_with_lse(q.clone(), k.clone(), v.clone(), options)
+                    .0
+                    .into_primitive()
+                    .tensor()
+            });
+            let (out, lse) =
+                attention::attention_with_lse(q.clone(), k.clone(), v.clone(), options);
+            let backward = device_time(&client, args.iterations, || {
+                let (dq, dk, dv) = attention::attention_backward(
+                    q.clone(),
+                    k.clone(),
+                    v.clone(),
+                    out.clone(),
+                    lse.clone(),
+                    grad_out.clone(),
+                    options,
+                );
+                [dq, dk, dv].map(|t| t.into_primitive().tensor())
+            });
+            timings.push(("forward", variant, forward, forward_flops));
+            timings.push(("backward", variant, backward, 2.5 * forward_flops));
+        }
+        let bytes_in_use = client.memory_usage().map(|m| m.bytes_in_use).unwrap_or(0);
+        for (pass, variant, time, flops) in timings {
+            let tflops = flops / time.as_secs_f64() / 1e12;
+            println!(
+                "{pass} ({variant:?}) S={seq}: {:.3} ms, {tflops:.1} TFLOP/s",
+                time.as_secs_f64() * 1e3
+            );
+            results.push(json!({
+                "kernel": format!("attention_{pass}"),
+                "variant": variant_name(variant, &client, dtype, args.head_dim),
+                "batch": 1, "heads": args.heads, "seq": seq, "head_dim": args.head_dim,
+                "dtype": format!("{dtype:?}").to_lowercase(), "causal": true,
+                "median_ms": time.as_secs_f64() * 1e3,
+                "tflops": tflops,
+                "device_bytes_in_use": bytes_in_use,
+            }));
+        }
+    }
+    results
+}
+
+fn run<R: CubeRuntime, BT: BoolElement>(args: &Args, dtype: DType) -> (Vec<Value>, Vec<Value>) {
+    let parity = args
+        .parity_dir
+        .as_deref()
+        .map(|dir| parity::<R, BT>(dir, dtype, &args.variants))
+        .unwrap_or_default();
+    (parity, throughput::<R, BT>(args, dtype))
+}
+
+/// The runtime and bool type of a `CubeBackend` alias.
+trait CubeAlias {
+    type Runtime: CubeRuntime;
+    type Bool: BoolElement;
+}
+
+impl<R: CubeRuntime, BT: BoolElement> CubeAlias for CubeBackend<R, f32, i32, BT> {
+    type Runtime = R;
+    type Bool = BT;
+}
+
+fn main() {
+    let args = parse_args();
+    let (parity, timings) = if args.wgpu {
+        run::<<WgpuBackend as CubeAlias>::Runtime, <WgpuBackend as CubeAlias>::Bool>(
+            &args,
+            DType::F32,
+        )
+    } else {
+        run::<<CudaBackend as CubeAlias>::Runtime, <CudaBackend as CubeAlias>::Bool>(
+            &args,
+            DType::BF16,
+        )
+    };
+    let report = json!({
+        "implementation": "lemo-kernels flash attention (plain tiled CubeCL kernels)",
+        "parity": parity,
+        "timings": timings,
+    });
+    let text = serde_json::to_string_pretty(&report).unwrap();
+    match &args.out {
+        Some(path) => std::fs::write(path, text).expect("writing the report"),
+        None => println!("{text}"),
+    }
+}
