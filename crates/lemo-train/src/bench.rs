@@ -9,7 +9,9 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use burn::backend::Autodiff;
-use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
 use burn::tensor::backend::Backend;
 use lemo_kernels::LemoBackend;
 use lemo_models::weights::WeightSource;
@@ -106,22 +108,32 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 
 fn is_oom(message: &str) -> bool {
     let m = message.to_lowercase();
-    m.contains("out of memory") || m.contains("outofmemory") || m.contains("oom") || m.contains("allocat")
+    m.contains("out of memory")
+        || m.contains("outofmemory")
+        || m.contains("oom")
+        || m.contains("allocat")
 }
 
 /// Step times, peak and after-forward bytes, and the model after the steps.
 type Measured<B> = (Vec<f64>, u64, u64, CausalLm<B>);
 
-fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: BenchJob, device: B::Device) -> Result<Vec<BenchResult>> {
+fn run_on<B: LemoBackend, C: CheckpointStrategy>(
+    job: BenchJob,
+    device: B::Device,
+) -> Result<Vec<BenchResult>> {
     type AB<B, C> = Autodiff<B, C>;
     if job.method == Method::Lemo {
         bail!("--method lemo (token elimination) is not available yet: use lora or longlora");
     }
     let config = ModelConfig::from_file(&job.config)?;
-    let name = job.config.file_stem().map_or("model".into(), |s| s.to_string_lossy().to_string());
+    let name = job
+        .config
+        .file_stem()
+        .map_or("model".into(), |s| s.to_string_lossy().to_string());
     let started = Instant::now();
     AB::<B, C>::seed(&device, job.seed);
-    let base = CausalLm::<AB<B, C>>::build(&config, &mut FastRandomWeights { seed: job.seed }, &device)?;
+    let base =
+        CausalLm::<AB<B, C>>::build(&config, &mut FastRandomWeights { seed: job.seed }, &device)?;
     let lora = LoraConfig {
         rank: job.lora_rank,
         alpha: 2.0 * job.lora_rank as f64,
@@ -131,7 +143,10 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: BenchJob, device: B::Devic
     };
     let mut model = base.with_new_lora(&lora)?.set_extra_trainable(&lora)?;
     let trainable = optim::trainable_count::<AB<B, C>, _>(&model);
-    eprintln!("bench: {name} built in {:.1}s ({trainable} trainable parameters)", started.elapsed().as_secs_f64());
+    eprintln!(
+        "bench: {name} built in {:.1}s ({trainable} trainable parameters)",
+        started.elapsed().as_secs_f64()
+    );
     let mut results = Vec::new();
     let mut ran_out = false;
     for &seq_len in &job.seq_lens {
@@ -160,8 +175,9 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: BenchJob, device: B::Devic
             continue;
         }
         model.set_shifted_group((job.method == Method::Longlora).then_some((seq_len / 4).max(2)));
-        let tokens: Vec<u32> =
-            (0..seq_len).map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32).collect();
+        let tokens: Vec<u32> = (0..seq_len)
+            .map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32)
+            .collect();
         B::memory_cleanup(&device);
         let outcome = catch_unwind(AssertUnwindSafe(|| -> Result<Measured<AB<B, C>>> {
             let mut model = model.clone();
@@ -171,7 +187,8 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: BenchJob, device: B::Devic
                 let t0 = Instant::now();
                 let mut grads = NamedTensors::<B>::new();
                 let batch = int_tokens::<AB<B, C>>(std::slice::from_ref(&tokens), &device);
-                let (_, n, mem) = forward_backward(&model, batch, 1024, 1.0 / (seq_len - 1) as f64, &mut grads);
+                let (_, n, mem) =
+                    forward_backward(&model, batch, 1024, 1.0 / (seq_len - 1) as f64, &mut grads);
                 let _ = n;
                 let after_backward = memory::sample().in_use;
                 let params = optim::trainable_values::<AB<B, C>, _>(&model);
@@ -183,7 +200,11 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: BenchJob, device: B::Devic
                 if step >= job.warmup {
                     times.push(elapsed);
                     after_forward = after_forward.max(mem);
-                    peak = peak.max(mem).max(after_backward).max(memory::sample().in_use).max(memory::sample().os_peak);
+                    peak = peak
+                        .max(mem)
+                        .max(after_backward)
+                        .max(memory::sample().in_use)
+                        .max(memory::sample().os_peak);
                 }
             }
             Ok((times, peak, after_forward, model))

@@ -60,10 +60,16 @@ pub fn default_cache_dir() -> Option<PathBuf> {
 
 fn list_files(path: &Path) -> Result<Vec<PathBuf>> {
     if path.is_dir() {
-        let entries = std::fs::read_dir(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let entries =
+            std::fs::read_dir(path).with_context(|| format!("cannot read {}", path.display()))?;
         let mut files: Vec<PathBuf> = entries
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_file() && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')))
+            .filter(|p| {
+                p.is_file()
+                    && !p
+                        .file_name()
+                        .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+            })
             .collect();
         files.sort();
         Ok(files)
@@ -87,7 +93,9 @@ fn encode_docs(docs: &[Vec<u32>]) -> Vec<u8> {
 }
 
 fn decode_docs(bytes: &[u8]) -> Option<Vec<Vec<u32>>> {
-    let mut words = bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
+    let mut words = bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
     let count = words.next()?;
     let mut docs = Vec::with_capacity(count as usize);
     for _ in 0..count {
@@ -111,27 +119,40 @@ pub fn read_documents_cached(
     cache_dir: Option<&Path>,
 ) -> Result<Vec<Vec<u32>>> {
     let tokenizer_hash = match tokenizer_path {
-        Some(p) => fnv1a(&std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?, FNV_OFFSET),
+        Some(p) => fnv1a(
+            &std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?,
+            FNV_OFFSET,
+        ),
         None => FNV_OFFSET,
     };
     let mut documents = Vec::new();
     for file in list_files(path)? {
-        let extension = file.extension().and_then(|e| e.to_str()).unwrap_or("").to_string();
+        let extension = file
+            .extension()
+            .and_then(|e| e.to_str())
+            .unwrap_or("")
+            .to_string();
         if extension == "bin" {
             documents.push(read_token_file(&file, width)?);
             continue;
         }
-        let bytes = std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
+        let bytes =
+            std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
         let key = fnv1a(extension.as_bytes(), fnv1a(&bytes, tokenizer_hash));
         let cached = cache_dir.map(|d| d.join(format!("{key:016x}.tokens")));
-        if let Some(docs) = cached.as_ref().and_then(|c| std::fs::read(c).ok()).and_then(|b| decode_docs(&b)) {
+        if let Some(docs) = cached
+            .as_ref()
+            .and_then(|c| std::fs::read(c).ok())
+            .and_then(|b| decode_docs(&b))
+        {
             documents.extend(docs);
             continue;
         }
         let docs = match extension.as_str() {
             "jsonl" | "json" => read_jsonl(&file, tokenizer)?,
             _ => {
-                let text = String::from_utf8(bytes).with_context(|| format!("{}: not UTF-8 text", file.display()))?;
+                let text = String::from_utf8(bytes)
+                    .with_context(|| format!("{}: not UTF-8 text", file.display()))?;
                 vec![tokenizer.get()?.encode(&text)?]
             }
         };
@@ -165,7 +186,10 @@ pub fn pack(documents: &[Vec<u32>], options: &PackOptions) -> Vec<Vec<u32>> {
             stream.push(eos);
         }
     }
-    stream.chunks_exact(options.seq_len).map(<[u32]>::to_vec).collect()
+    stream
+        .chunks_exact(options.seq_len)
+        .map(<[u32]>::to_vec)
+        .collect()
 }
 
 impl Corpus {
@@ -186,14 +210,21 @@ impl Corpus {
             0
         };
         // Validation sequences: a seeded choice, so the split is stable across runs and resumes.
-        let order = ShuffledDataset::new(InMemDataset::new((0..count).collect::<Vec<usize>>()), options.seed ^ 0x5eed);
+        let order = ShuffledDataset::new(
+            InMemDataset::new((0..count).collect::<Vec<usize>>()),
+            options.seed ^ 0x5eed,
+        );
         let mut is_val = vec![false; count];
         for i in 0..held_out {
             is_val[order.get(i).expect("in range")] = true;
         }
         let (mut train, mut val) = (Vec::new(), Vec::new());
         for (sequence, held) in sequences.into_iter().zip(is_val) {
-            if held { val.push(sequence) } else { train.push(sequence) }
+            if held {
+                val.push(sequence)
+            } else {
+                train.push(sequence)
+            }
         }
         Ok(Self {
             tokens: (train.len() + val.len()) * options.seq_len,
@@ -215,10 +246,16 @@ impl Corpus {
         let (epoch, within) = (index / n, index % n);
         let mut cached = self.epoch.borrow_mut();
         if cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
-            let shuffled = ShuffledDataset::new(self.train.clone(), self.seed.wrapping_add(epoch as u64));
+            let shuffled =
+                ShuffledDataset::new(self.train.clone(), self.seed.wrapping_add(epoch as u64));
             *cached = Some((epoch, shuffled));
         }
-        cached.as_ref().expect("set above").1.get(within).expect("index within the epoch")
+        cached
+            .as_ref()
+            .expect("set above")
+            .1
+            .get(within)
+            .expect("index within the epoch")
     }
 }
 
@@ -227,7 +264,13 @@ mod tests {
     use super::*;
 
     fn options(seq_len: usize) -> PackOptions {
-        PackOptions { seq_len, bos: Some(1), eos: Some(2), val_fraction: 0.25, seed: 7 }
+        PackOptions {
+            seq_len,
+            bos: Some(1),
+            eos: Some(2),
+            val_fraction: 0.25,
+            seed: 7,
+        }
     }
 
     #[test]
@@ -235,7 +278,10 @@ mod tests {
         let docs = vec![vec![1, 10, 11], vec![20, 21, 22, 23, 24, 25], vec![30]];
         // stream: 1 10 11 2 | 1 20 21 22 23 24 25 2 | 1 30 2
         let packed = pack(&docs, &options(4));
-        assert_eq!(packed, vec![vec![1, 10, 11, 2], vec![1, 20, 21, 22], vec![23, 24, 25, 2]]);
+        assert_eq!(
+            packed,
+            vec![vec![1, 10, 11, 2], vec![1, 20, 21, 22], vec![23, 24, 25, 2]]
+        );
     }
 
     #[test]

@@ -46,11 +46,19 @@ impl LazyTokenizer {
 
 /// Token documents from a file or a folder of files (read in name order). Text files are one
 /// document each; JSONL files one document per line; `.bin` token files one document each.
-pub fn read_documents(path: &Path, width: TokenWidth, tokenizer: &mut LazyTokenizer) -> Result<Vec<Vec<u32>>> {
+pub fn read_documents(
+    path: &Path,
+    width: TokenWidth,
+    tokenizer: &mut LazyTokenizer,
+) -> Result<Vec<Vec<u32>>> {
     let mut files = Vec::new();
     if path.is_dir() {
-        let entries = std::fs::read_dir(path).with_context(|| format!("cannot read {}", path.display()))?;
-        files = entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file()).collect();
+        let entries =
+            std::fs::read_dir(path).with_context(|| format!("cannot read {}", path.display()))?;
+        files = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_file())
+            .collect();
         files.sort();
     } else {
         files.push(path.to_path_buf());
@@ -62,7 +70,8 @@ pub fn read_documents(path: &Path, width: TokenWidth, tokenizer: &mut LazyTokeni
             "jsonl" | "json" => documents.extend(read_jsonl(file, tokenizer)?),
             "bin" => documents.push(read_token_file(file, width)?),
             _ => {
-                let text = std::fs::read_to_string(file).with_context(|| format!("cannot read {}", file.display()))?;
+                let text = std::fs::read_to_string(file)
+                    .with_context(|| format!("cannot read {}", file.display()))?;
                 documents.push(tokenizer.get()?.encode(&text)?);
             }
         }
@@ -75,9 +84,14 @@ pub fn read_documents(path: &Path, width: TokenWidth, tokenizer: &mut LazyTokeni
 }
 
 pub fn read_jsonl(path: &Path, tokenizer: &mut LazyTokenizer) -> Result<Vec<Vec<u32>>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let mut documents = Vec::new();
-    for (index, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+    for (index, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
         let at = || format!("{} line {}", path.display(), index + 1);
         let record: serde_json::Value =
             serde_json::from_str(line).with_context(|| format!("{}: invalid JSON", at()))?;
@@ -108,8 +122,14 @@ pub fn read_token_file(path: &Path, width: TokenWidth) -> Result<Vec<u32>> {
         );
     }
     Ok(match width {
-        TokenWidth::U16 => bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]]) as u32).collect(),
-        TokenWidth::U32 => bytes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+        TokenWidth::U16 => bytes
+            .chunks_exact(2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]) as u32)
+            .collect(),
+        TokenWidth::U32 => bytes
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
     })
 }
 
@@ -132,5 +152,9 @@ pub fn find_tokenizer(model: &Path) -> Option<PathBuf> {
             name.starts_with("tok") && name.ends_with(".bin") && p.as_path() != model
         })
         .collect();
-    if candidates.len() == 1 { candidates.pop() } else { None }
+    if candidates.len() == 1 {
+        candidates.pop()
+    } else {
+        None
+    }
 }

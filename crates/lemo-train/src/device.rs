@@ -47,7 +47,11 @@ impl DeviceKind {
         if self != DeviceKind::Auto {
             return self;
         }
-        let picked = if cfg!(feature = "cuda") && cuda_driver_present() { DeviceKind::Cuda } else { DeviceKind::Cpu };
+        let picked = if cfg!(feature = "cuda") && cuda_driver_present() {
+            DeviceKind::Cuda
+        } else {
+            DeviceKind::Cpu
+        };
         eprintln!("device: auto picked {}", picked.name());
         picked
     }
@@ -68,7 +72,9 @@ impl DeviceKind {
                 job.run::<CpuBackend>(Default::default())
             }
             DeviceKind::Wgpu => {
-                crate::memory::set_probe(crate::memory::cubecl_probe::<cubecl::wgpu::WgpuRuntime>(Default::default()));
+                crate::memory::set_probe(crate::memory::cubecl_probe::<cubecl::wgpu::WgpuRuntime>(
+                    Default::default(),
+                ));
                 job.run::<WgpuBackend>(Default::default())
             }
             #[cfg(feature = "cuda")]
@@ -76,11 +82,15 @@ impl DeviceKind {
                 if !cuda_driver_present() {
                     bail!("--device cuda: no CUDA driver (libcuda.so.1) on this machine");
                 }
-                crate::memory::set_probe(crate::memory::cubecl_probe::<cubecl::cuda::CudaRuntime>(Default::default()));
+                crate::memory::set_probe(crate::memory::cubecl_probe::<cubecl::cuda::CudaRuntime>(
+                    Default::default(),
+                ));
                 job.run::<lemo_kernels::CudaBackend>(Default::default())
             }
             #[cfg(not(feature = "cuda"))]
-            DeviceKind::Cuda => bail!("--device cuda: this build has no CUDA support (feature `cuda`)"),
+            DeviceKind::Cuda => {
+                bail!("--device cuda: this build has no CUDA support (feature `cuda`)")
+            }
             DeviceKind::Auto => unreachable!("resolved above"),
         }
     }

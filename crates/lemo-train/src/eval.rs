@@ -37,7 +37,10 @@ pub fn windows(len: usize, seq_len: usize, stride: usize) -> Vec<(usize, usize)>
     if len <= seq_len {
         return vec![(0, len)];
     }
-    (0..=len - seq_len).step_by(stride.max(1)).map(|start| (start, start + seq_len)).collect()
+    (0..=len - seq_len)
+        .step_by(stride.max(1))
+        .map(|start| (start, start + seq_len))
+        .collect()
 }
 
 impl BackendJob for EvalJob {
@@ -49,20 +52,30 @@ impl BackendJob for EvalJob {
         if seq_len < 2 {
             bail!("--seq-len must be at least 2");
         }
-        if let Some(limit) = config.max_sequence_length().filter(|&limit| seq_len > limit) {
+        if let Some(limit) = config
+            .max_sequence_length()
+            .filter(|&limit| seq_len > limit)
+        {
             bail!("--seq-len {seq_len} is longer than this model supports ({limit} positions)");
         }
         let vocab = config.vocab_size();
         for (index, document) in self.documents.iter().enumerate() {
             if let Some(bad) = document.iter().find(|&&id| id as usize >= vocab) {
-                bail!("document {}: token id {bad} is outside the model's vocabulary of {vocab}", index + 1);
+                bail!(
+                    "document {}: token id {bad} is outside the model's vocabulary of {vocab}",
+                    index + 1
+                );
             }
         }
         let plan: Vec<(&[u32], usize, usize)> = self
             .documents
             .iter()
             .filter(|d| d.len() >= 2)
-            .flat_map(|d| windows(d.len(), seq_len, self.stride).into_iter().map(move |(s, e)| (d.as_slice(), s, e)))
+            .flat_map(|d| {
+                windows(d.len(), seq_len, self.stride)
+                    .into_iter()
+                    .map(move |(s, e)| (d.as_slice(), s, e))
+            })
             .collect();
         if plan.is_empty() {
             bail!("no document has the two tokens needed to score a prediction");
@@ -71,7 +84,8 @@ impl BackendJob for EvalJob {
         let (mut loss_sum, mut tokens) = (0.0f64, 0usize);
         for (index, (document, start, end)) in plan.iter().enumerate() {
             let ids: Vec<i32> = document[*start..*end].iter().map(|&id| id as i32).collect();
-            let input = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, end - start]), &device);
+            let input =
+                Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, end - start]), &device);
             let (sum, count) = model.next_token_loss_sum(input, LOSS_CHUNK_ROWS);
             loss_sum += sum.into_scalar().elem::<f64>();
             tokens += count;
@@ -85,6 +99,10 @@ impl BackendJob for EvalJob {
         }
         eprintln!();
         let loss = loss_sum / tokens as f64;
-        Ok(EvalReport { loss, ppl: loss.exp(), tokens })
+        Ok(EvalReport {
+            loss,
+            ppl: loss.exp(),
+            tokens,
+        })
     }
 }

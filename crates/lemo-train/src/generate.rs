@@ -36,9 +36,14 @@ impl BackendJob for GenerateJob {
         }
         let prompt = self.tokenizer.encode(&self.prompt)?;
         if prompt.is_empty() {
-            bail!("the prompt encodes to no tokens and this tokenizer adds no BOS: give a non-empty --prompt");
+            bail!(
+                "the prompt encodes to no tokens and this tokenizer adds no BOS: give a non-empty --prompt"
+            );
         }
-        if let Some(limit) = config.max_sequence_length().filter(|&l| prompt.len() + self.max_new_tokens > l) {
+        if let Some(limit) = config
+            .max_sequence_length()
+            .filter(|&l| prompt.len() + self.max_new_tokens > l)
+        {
             bail!(
                 "prompt plus --max-new-tokens is {} tokens; this model supports {limit}",
                 prompt.len() + self.max_new_tokens
@@ -64,15 +69,18 @@ impl BackendJob for GenerateJob {
         let mut input = prompt.clone();
         for _ in 0..self.max_new_tokens {
             let ids: Vec<i32> = input.iter().map(|&id| id as i32).collect();
-            let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, input.len()]), &device);
+            let tokens =
+                Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, input.len()]), &device);
             let logits = model.forward(tokens, Some(&mut cache));
             let [_, len, vocab] = logits.dims();
             let last = logits.slice([0..1, len - 1..len]).reshape([vocab]);
             let next = if self.temperature <= 0.0 {
                 last.argmax(0).into_scalar().elem::<i64>() as u32
             } else {
-                let probs: Vec<f32> =
-                    softmax(last.div_scalar(self.temperature), 0).into_data().convert::<f32>().into_vec()?;
+                let probs: Vec<f32> = softmax(last.div_scalar(self.temperature), 0)
+                    .into_data()
+                    .convert::<f32>()
+                    .into_vec()?;
                 sample(&probs, rng.random::<f32>())
             };
             if stop.contains(&next) {

@@ -37,13 +37,19 @@ pub struct Sample {
 }
 
 pub fn read_samples(path: &Path) -> Result<Vec<Sample>> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     text.lines()
         .enumerate()
         .filter(|(_, l)| !l.trim().is_empty())
         .map(|(i, l)| {
-            serde_json::from_str(l)
-                .with_context(|| format!("{} line {}: not a LongBench-v2 sample", path.display(), i + 1))
+            serde_json::from_str(l).with_context(|| {
+                format!(
+                    "{} line {}: not a LongBench-v2 sample",
+                    path.display(),
+                    i + 1
+                )
+            })
         })
         .collect()
 }
@@ -105,10 +111,14 @@ fn fit(tokenizer: &Tokenizer, sample: &Sample, max_tokens: usize) -> Result<Vec<
     }
     let chars: Vec<char> = sample.context.chars().collect();
     // Shrink the kept characters until the prompt fits (a few tokenizations).
-    let mut keep = (chars.len() as f64 * (max_tokens - overhead) as f64 / (full.len() - overhead) as f64) as usize;
+    let mut keep = (chars.len() as f64 * (max_tokens - overhead) as f64
+        / (full.len() - overhead) as f64) as usize;
     loop {
         let half = keep / 2;
-        let cut: String = chars[..half].iter().chain(chars[chars.len() - half..].iter()).collect();
+        let cut: String = chars[..half]
+            .iter()
+            .chain(chars[chars.len() - half..].iter())
+            .collect();
         let ids = tokenizer.encode(&prompt(sample, &cut))?;
         if ids.len() <= max_tokens || keep == 0 {
             return Ok(ids);
@@ -122,8 +132,14 @@ impl BackendJob for LongBenchJob {
 
     fn run<B: LemoBackend>(self, device: B::Device) -> Result<LongBenchReport> {
         let (model, config) = crate::modelio::load::<B>(&self.model, &self.setup, &device)?;
-        if let Some(limit) = config.max_sequence_length().filter(|&l| self.max_tokens > l) {
-            bail!("--max-tokens {} is longer than this model supports ({limit})", self.max_tokens);
+        if let Some(limit) = config
+            .max_sequence_length()
+            .filter(|&l| self.max_tokens > l)
+        {
+            bail!(
+                "--max-tokens {} is longer than this model supports ({limit})",
+                self.max_tokens
+            );
         }
         let letters = ["A", "B", "C", "D"];
         let mut results = Vec::new();
@@ -137,14 +153,20 @@ impl BackendJob for LongBenchJob {
                 *slot = *with.last().expect("non-empty");
             }
             let data: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
-            let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, ids.len()]), &device);
+            let tokens =
+                Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, ids.len()]), &device);
             let hidden = model.hidden_states(tokens, None);
             let [_, len, dim] = hidden.dims();
             let last = hidden.slice([0..1, len - 1..len]).reshape([1, dim]);
             let logits = last.matmul(model.lm_head_weight().transpose());
-            let log_probs: Vec<f32> = log_softmax(logits, 1).into_data().convert::<f32>().into_vec()?;
+            let log_probs: Vec<f32> = log_softmax(logits, 1)
+                .into_data()
+                .convert::<f32>()
+                .into_vec()?;
             let scores = letter_ids.map(|id| log_probs[id as usize] as f64);
-            let best = (0..4).max_by(|&a, &b| scores[a].total_cmp(&scores[b])).expect("four choices");
+            let best = (0..4)
+                .max_by(|&a, &b| scores[a].total_cmp(&scores[b]))
+                .expect("four choices");
             let predicted = letters[best].to_string();
             let correct = predicted == sample.answer.trim();
             eprintln!(

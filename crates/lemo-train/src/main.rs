@@ -178,7 +178,18 @@ fn run(cli: Cli) -> Result<()> {
             let summary = run_train(*args)?;
             print_train_summary(&summary);
         }
-        Command::Bench { model, method, seq_lens, checkpointing, steps, warmup, lora_rank, seed, out, device } => {
+        Command::Bench {
+            model,
+            method,
+            seq_lens,
+            checkpointing,
+            steps,
+            warmup,
+            lora_rank,
+            seed,
+            out,
+            device,
+        } => {
             let job = bench::BenchJob {
                 config: model,
                 method,
@@ -195,7 +206,13 @@ fn run(cli: Cli) -> Result<()> {
                     .with_context(|| format!("cannot write {}", path.display()))?;
             }
         }
-        Command::Passkey { tokenizer, lengths, trials, seed, out } => {
+        Command::Passkey {
+            tokenizer,
+            lengths,
+            trials,
+            seed,
+            out,
+        } => {
             let tokenizer = Tokenizer::from_file(&tokenizer)?;
             let mut text = String::new();
             for (length, prompt) in passkey::make_prompts(&tokenizer, &lengths, trials, seed)? {
@@ -205,9 +222,8 @@ fn run(cli: Cli) -> Result<()> {
                 text.push('\n');
             }
             match out {
-                Some(path) => {
-                    std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?
-                }
+                Some(path) => std::fs::write(&path, text)
+                    .with_context(|| format!("cannot write {}", path.display()))?,
                 None => print!("{text}"),
             }
         }
@@ -231,9 +247,19 @@ fn run(cli: Cli) -> Result<()> {
                 .or_else(|| find_tokenizer(&model))
                 .context("no tokenizer beside the model: pass --tokenizer")?;
             let tokenizer = Tokenizer::from_file(&path)?;
-            let setup = modelio::ModelSetup { adapter, target_context };
+            let setup = modelio::ModelSetup {
+                adapter,
+                target_context,
+            };
             if passkey {
-                let results = device.run(passkey::PasskeyJob { model, setup, tokenizer, lengths, trials, seed })?;
+                let results = device.run(passkey::PasskeyJob {
+                    model,
+                    setup,
+                    tokenizer,
+                    lengths,
+                    trials,
+                    seed,
+                })?;
                 if json {
                     println!("{}", serde_json::to_string(&results)?);
                 } else {
@@ -245,8 +271,15 @@ fn run(cli: Cli) -> Result<()> {
                     }
                 }
             } else {
-                let samples = longbench::read_samples(&data.context("--longbench needs --data FILE.jsonl")?)?;
-                let report = device.run(longbench::LongBenchJob { model, setup, tokenizer, samples, max_tokens })?;
+                let samples =
+                    longbench::read_samples(&data.context("--longbench needs --data FILE.jsonl")?)?;
+                let report = device.run(longbench::LongBenchJob {
+                    model,
+                    setup,
+                    tokenizer,
+                    samples,
+                    max_tokens,
+                })?;
                 if json {
                     println!("{}", serde_json::to_string(&report)?);
                 } else {
@@ -272,9 +305,19 @@ fn run(cli: Cli) -> Result<()> {
         } => {
             let data = data.context("--data is required")?;
             let mut tokenizer = LazyTokenizer::new(tokenizer.or_else(|| find_tokenizer(&model)));
-            let documents = read_documents(&data, TokenWidth::from_bytes(token_width)?, &mut tokenizer)?;
-            let setup = modelio::ModelSetup { adapter, target_context };
-            let report = device.run(eval::EvalJob { model, documents, seq_len, stride, setup })?;
+            let documents =
+                read_documents(&data, TokenWidth::from_bytes(token_width)?, &mut tokenizer)?;
+            let setup = modelio::ModelSetup {
+                adapter,
+                target_context,
+            };
+            let report = device.run(eval::EvalJob {
+                model,
+                documents,
+                seq_len,
+                stride,
+                setup,
+            })?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
             } else {
@@ -284,20 +327,40 @@ fn run(cli: Cli) -> Result<()> {
                 );
             }
         }
-        Command::Generate { model, tokenizer, prompt, max_new_tokens, temperature, seed, device } => {
+        Command::Generate {
+            model,
+            tokenizer,
+            prompt,
+            max_new_tokens,
+            temperature,
+            seed,
+            device,
+        } => {
             let path = tokenizer
                 .or_else(|| find_tokenizer(&model))
                 .context("no tokenizer beside the model: pass --tokenizer")?;
             let tokenizer = Tokenizer::from_file(&path)?;
-            device.run(generate::GenerateJob { model, tokenizer, prompt, max_new_tokens, temperature, seed })?;
+            device.run(generate::GenerateJob {
+                model,
+                tokenizer,
+                prompt,
+                max_new_tokens,
+                temperature,
+                seed,
+            })?;
         }
-        Command::Tokenize { tokenizer, text, file, json, device: _ } => {
+        Command::Tokenize {
+            tokenizer,
+            text,
+            file,
+            json,
+            device: _,
+        } => {
             let tokenizer = Tokenizer::from_file(&tokenizer)?;
             let text = match (text, file) {
                 (Some(text), _) => text,
-                (None, Some(file)) => {
-                    std::fs::read_to_string(&file).with_context(|| format!("cannot read {}", file.display()))?
-                }
+                (None, Some(file)) => std::fs::read_to_string(&file)
+                    .with_context(|| format!("cannot read {}", file.display()))?,
                 (None, None) => unreachable!("clap requires --text or --file"),
             };
             let ids = tokenizer.encode(&text)?;
@@ -372,7 +435,10 @@ fn main() -> ExitCode {
             .map(String::as_str)
             .or_else(|| info.payload().downcast_ref::<&str>().copied())
             .unwrap_or("unknown panic");
-        eprintln!("error: internal failure: {}", message.lines().next().unwrap_or(""));
+        eprintln!(
+            "error: internal failure: {}",
+            message.lines().next().unwrap_or("")
+        );
     }));
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,

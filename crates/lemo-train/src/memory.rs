@@ -37,12 +37,18 @@ pub fn sample() -> MemorySample {
 
 /// What this sampling point's memory is called in reports: device bytes or host RSS.
 pub fn source() -> &'static str {
-    if PROBE.lock().expect("memory probe lock").is_some() { "device" } else { "host-rss" }
+    if PROBE.lock().expect("memory probe lock").is_some() {
+        "device"
+    } else {
+        "host-rss"
+    }
 }
 
 /// Resident set size and its high-water mark from `/proc/self/status` (Linux); zeros elsewhere.
 pub fn process_memory() -> MemorySample {
-    let Ok(status) = std::fs::read_to_string("/proc/self/status") else { return MemorySample::default() };
+    let Ok(status) = std::fs::read_to_string("/proc/self/status") else {
+        return MemorySample::default();
+    };
     let field = |name: &str| {
         status
             .lines()
@@ -52,14 +58,22 @@ pub fn process_memory() -> MemorySample {
             .map_or(0, |kib| kib * 1024)
     };
     let rss = field("VmRSS:");
-    MemorySample { in_use: rss, reserved: rss, os_peak: field("VmHWM:") }
+    MemorySample {
+        in_use: rss,
+        reserved: rss,
+        os_peak: field("VmHWM:"),
+    }
 }
 
 /// A probe over a CubeCL runtime's memory pools.
 pub fn cubecl_probe<R: cubecl::Runtime>(device: R::Device) -> Probe {
     let client = R::client(&device);
     Box::new(move || match client.memory_usage() {
-        Ok(usage) => MemorySample { in_use: usage.bytes_in_use, reserved: usage.bytes_reserved, os_peak: 0 },
+        Ok(usage) => MemorySample {
+            in_use: usage.bytes_in_use,
+            reserved: usage.bytes_reserved,
+            os_peak: 0,
+        },
         Err(_) => MemorySample::default(),
     })
 }

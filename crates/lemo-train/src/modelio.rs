@@ -33,24 +33,35 @@ impl TrainingInfo {
         if !path.exists() {
             return Ok(None);
         }
-        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        Ok(Some(serde_json::from_str(&text).with_context(|| format!("{}: invalid", path.display()))?))
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        Ok(Some(
+            serde_json::from_str(&text).with_context(|| format!("{}: invalid", path.display()))?,
+        ))
     }
 
     pub fn linear_factor(&self) -> Option<f64> {
-        self.rope_scaling.as_ref().and_then(|s| s.get("factor")).and_then(|f| f.as_f64())
+        self.rope_scaling
+            .as_ref()
+            .and_then(|s| s.get("factor"))
+            .and_then(|f| f.as_f64())
     }
 }
 
 /// The RoPE configuration for running `config` at `target_context` tokens: linear position
 /// interpolation by `target / trained` when that is above 1, else `None` (no change).
-pub fn interpolated_rope(config: &ModelConfig, target_context: usize) -> Result<Option<(RopeConfig, f64)>> {
+pub fn interpolated_rope(
+    config: &ModelConfig,
+    target_context: usize,
+) -> Result<Option<(RopeConfig, f64)>> {
     let trained = config.max_position_embeddings();
     if target_context <= trained {
         return Ok(None);
     }
     let ModelConfig::Llama(c) = config else {
-        bail!("--target-context: OPT has learned positions up to {trained} and cannot be extended by RoPE scaling");
+        bail!(
+            "--target-context: OPT has learned positions up to {trained} and cannot be extended by RoPE scaling"
+        );
     };
     if c.rope.scaling != RopeScaling::Default {
         bail!(
@@ -59,7 +70,13 @@ pub fn interpolated_rope(config: &ModelConfig, target_context: usize) -> Result<
         );
     }
     let factor = target_context as f64 / trained as f64;
-    Ok(Some((RopeConfig { theta: c.rope.theta, scaling: RopeScaling::Linear { factor } }, factor)))
+    Ok(Some((
+        RopeConfig {
+            theta: c.rope.theta,
+            scaling: RopeScaling::Linear { factor },
+        },
+        factor,
+    )))
 }
 
 /// Applies a linear RoPE factor to a Llama-family model.
@@ -68,8 +85,13 @@ pub fn with_linear_factor<B: LemoBackend>(
     config: &ModelConfig,
     factor: f64,
 ) -> Result<CausalLm<B>> {
-    let ModelConfig::Llama(c) = config else { bail!("RoPE scaling needs a Llama-family model") };
-    Ok(model.with_rope(&RopeConfig { theta: c.rope.theta, scaling: RopeScaling::Linear { factor } })?)
+    let ModelConfig::Llama(c) = config else {
+        bail!("RoPE scaling needs a Llama-family model")
+    };
+    Ok(model.with_rope(&RopeConfig {
+        theta: c.rope.theta,
+        scaling: RopeScaling::Linear { factor },
+    })?)
 }
 
 /// How `eval` (and friends) should set the model up.
@@ -81,7 +103,11 @@ pub struct ModelSetup {
 }
 
 /// Loads `path` with `setup` applied; says on stderr what was applied.
-pub fn load<B: LemoBackend>(path: &Path, setup: &ModelSetup, device: &B::Device) -> Result<(CausalLm<B>, ModelConfig)> {
+pub fn load<B: LemoBackend>(
+    path: &Path,
+    setup: &ModelSetup,
+    device: &B::Device,
+) -> Result<(CausalLm<B>, ModelConfig)> {
     let (mut model, config) = CausalLm::<B>::from_path(path, device)?;
     let info = match &setup.adapter {
         Some(dir) => TrainingInfo::read(dir)?,
@@ -90,16 +116,27 @@ pub fn load<B: LemoBackend>(path: &Path, setup: &ModelSetup, device: &B::Device)
     if let Some(target) = setup.target_context {
         if let Some((rope, factor)) = interpolated_rope(&config, target)? {
             model = model.with_rope(&rope)?;
-            eprintln!("rope: linear position interpolation, factor {factor} (--target-context {target})");
+            eprintln!(
+                "rope: linear position interpolation, factor {factor} (--target-context {target})"
+            );
         }
     } else if let Some(factor) = info.as_ref().and_then(TrainingInfo::linear_factor) {
         model = with_linear_factor(model, &config, factor)?;
-        eprintln!("rope: linear position interpolation, factor {factor} (recorded with the adapter)");
+        eprintln!(
+            "rope: linear position interpolation, factor {factor} (recorded with the adapter)"
+        );
     }
     if let Some(dir) = &setup.adapter {
-        let (with_adapter, lora) = model.load_adapter(dir).with_context(|| format!("adapter {}", dir.display()))?;
+        let (with_adapter, lora) = model
+            .load_adapter(dir)
+            .with_context(|| format!("adapter {}", dir.display()))?;
         model = with_adapter;
-        eprintln!("adapter: {} (rank {}, {:?})", dir.display(), lora.rank, lora.target_modules);
+        eprintln!(
+            "adapter: {} (rank {}, {:?})",
+            dir.display(),
+            lora.rank,
+            lora.target_modules
+        );
     }
     Ok((model, config))
 }

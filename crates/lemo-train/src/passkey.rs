@@ -18,7 +18,8 @@ use crate::modelio::ModelSetup;
 
 const TASK: &str = "There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. \
                     I will quiz you about the important information there.";
-const FILLER: &str = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
+const FILLER: &str =
+    "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
 const QUESTION: &str = "What is the pass key? The pass key is";
 
 /// One prompt.
@@ -43,12 +44,20 @@ fn assemble(prefix_units: usize, suffix_units: usize, passkey: u32) -> String {
 
 /// A prompt of at most `length` tokens (as close as whole filler sentences allow), the key at a
 /// random depth, a key of 1 to 50000 as LongLoRA draws it.
-pub fn make_prompt(tokenizer: &Tokenizer, length: usize, rng: &mut StdRng) -> Result<PasskeyPrompt> {
+pub fn make_prompt(
+    tokenizer: &Tokenizer,
+    length: usize,
+    rng: &mut StdRng,
+) -> Result<PasskeyPrompt> {
     let passkey = rng.random_range(1..=50000u32);
-    let count = |units: usize| -> Result<usize> { Ok(tokenizer.encode(&assemble(units, 0, passkey))?.len()) };
+    let count = |units: usize| -> Result<usize> {
+        Ok(tokenizer.encode(&assemble(units, 0, passkey))?.len())
+    };
     let base = count(0)?;
     if base > length {
-        bail!("a passkey prompt needs at least {base} tokens with this tokenizer; {length} is too short");
+        bail!(
+            "a passkey prompt needs at least {base} tokens with this tokenizer; {length} is too short"
+        );
     }
     let per_unit = (count(8)? - base) as f64 / 8.0;
     let mut units = ((length - base) as f64 / per_unit) as usize;
@@ -62,7 +71,12 @@ pub fn make_prompt(tokenizer: &Tokenizer, length: usize, rng: &mut StdRng) -> Re
     let prefix = (units as f64 * depth).round() as usize;
     let text = assemble(prefix, units - prefix, passkey);
     let tokens = tokenizer.encode(&text)?.len();
-    Ok(PasskeyPrompt { text, passkey, depth: prefix as f64 / units.max(1) as f64, tokens })
+    Ok(PasskeyPrompt {
+        text,
+        passkey,
+        depth: prefix as f64 / units.max(1) as f64,
+        tokens,
+    })
 }
 
 /// `trials` prompts per length, seeded.
@@ -101,7 +115,11 @@ pub struct PasskeyJob {
 
 /// The first run of digits in `text`.
 fn first_number(text: &str) -> Option<u32> {
-    let digits: String = text.chars().skip_while(|c| !c.is_ascii_digit()).take_while(|c| c.is_ascii_digit()).collect();
+    let digits: String = text
+        .chars()
+        .skip_while(|c| !c.is_ascii_digit())
+        .take_while(|c| c.is_ascii_digit())
+        .collect();
     digits.parse().ok()
 }
 
@@ -111,12 +129,22 @@ impl BackendJob for PasskeyJob {
     fn run<B: LemoBackend>(self, device: B::Device) -> Result<Vec<LengthResult>> {
         let (model, config) = crate::modelio::load::<B>(&self.model, &self.setup, &device)?;
         let prompts = make_prompts(&self.tokenizer, &self.lengths, self.trials, self.seed)?;
-        let mut results: Vec<LengthResult> =
-            self.lengths.iter().map(|&length| LengthResult { length, trials: 0, correct: 0, accuracy: 0.0 }).collect();
+        let mut results: Vec<LengthResult> = self
+            .lengths
+            .iter()
+            .map(|&length| LengthResult {
+                length,
+                trials: 0,
+                correct: 0,
+                accuracy: 0.0,
+            })
+            .collect();
         for (index, (length, prompt)) in prompts.iter().enumerate() {
             let ids = self.tokenizer.encode(&prompt.text)?;
             if let Some(limit) = config.max_sequence_length().filter(|&l| ids.len() + 8 > l) {
-                bail!("passkey prompts of {length} tokens are longer than this model supports ({limit})");
+                bail!(
+                    "passkey prompts of {length} tokens are longer than this model supports ({limit})"
+                );
             }
             let mut cache = KvCache::new(model.num_layers());
             let mut input = ids.clone();
@@ -124,17 +152,27 @@ impl BackendJob for PasskeyJob {
             // Enough tokens for a five-digit key however the tokenizer splits it.
             for _ in 0..8 {
                 let data: Vec<i32> = input.iter().map(|&t| t as i32).collect();
-                let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, input.len()]), &device);
+                let tokens = Tensor::<B, 2, Int>::from_data(
+                    TensorData::new(data, [1, input.len()]),
+                    &device,
+                );
                 let logits = model.forward(tokens, Some(&mut cache));
                 let [_, len, vocab] = logits.dims();
-                let next =
-                    logits.slice([0..1, len - 1..len]).reshape([vocab]).argmax(0).into_scalar().elem::<i64>() as u32;
+                let next = logits
+                    .slice([0..1, len - 1..len])
+                    .reshape([vocab])
+                    .argmax(0)
+                    .into_scalar()
+                    .elem::<i64>() as u32;
                 generated.push(next);
                 input = vec![next];
             }
             let answer = self.tokenizer.decode(&generated);
             let correct = first_number(&answer) == Some(prompt.passkey);
-            let slot = results.iter_mut().find(|r| r.length == *length).expect("length listed");
+            let slot = results
+                .iter_mut()
+                .find(|r| r.length == *length)
+                .expect("length listed");
             slot.trials += 1;
             slot.correct += correct as usize;
             eprintln!(

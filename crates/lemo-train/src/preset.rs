@@ -83,7 +83,8 @@ impl<S: WeightSource> WeightSource for Recording<S> {
     fn fetch(&mut self, name: &str, shape: &[usize]) -> lemo_models::Result<Option<Vec<f32>>> {
         let values = self.inner.fetch(name, shape)?;
         if let Some(v) = &values {
-            self.tensors.push((name.to_string(), shape.to_vec(), v.clone()));
+            self.tensors
+                .push((name.to_string(), shape.to_vec(), v.clone()));
         }
         Ok(values)
     }
@@ -94,7 +95,10 @@ pub fn write_tiny_model(dir: &Path, seed: u64) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let config_json = tiny_config();
     let config = ModelConfig::from_json(config_json.clone())?;
-    let mut recording = Recording { inner: RandomWeights { std: 0.02, seed }, tensors: Vec::new() };
+    let mut recording = Recording {
+        inner: RandomWeights { std: 0.02, seed },
+        tensors: Vec::new(),
+    };
     CausalLm::<lemo_kernels::CpuBackend>::build(&config, &mut recording, &Default::default())?;
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = recording
         .tensors
@@ -103,13 +107,25 @@ pub fn write_tiny_model(dir: &Path, seed: u64) -> Result<()> {
         .collect();
     let views: Vec<(String, TensorView)> = bytes
         .iter()
-        .map(|(n, s, b)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), b).expect("consistent view")))
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).expect("consistent view"),
+            )
+        })
         .collect();
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    let weights = safetensors::serialize(views, Some(metadata)).context("serializing the tiny model")?;
+    let weights =
+        safetensors::serialize(views, Some(metadata)).context("serializing the tiny model")?;
     lemo_models::adapter::write_atomically(&dir.join("model.safetensors"), &weights)?;
-    std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config_json)?)?;
-    std::fs::write(dir.join("tokenizer.json"), serde_json::to_string(&byte_tokenizer_json())?)?;
+    std::fs::write(
+        dir.join("config.json"),
+        serde_json::to_string_pretty(&config_json)?,
+    )?;
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        serde_json::to_string(&byte_tokenizer_json())?,
+    )?;
     Ok(())
 }
 
@@ -124,8 +140,12 @@ const COLORS: [&str; 6] = ["red", "blue", "green", "yellow", "big", "small"];
 pub fn story(rng: &mut StdRng) -> String {
     let pick = |rng: &mut StdRng, list: &[&'static str]| list[rng.random_range(0..list.len())];
     let (name, friend) = (pick(rng, &NAMES), pick(rng, &NAMES));
-    let (animal, place, thing, color) =
-        (pick(rng, &ANIMALS), pick(rng, &PLACES), pick(rng, &THINGS), pick(rng, &COLORS));
+    let (animal, place, thing, color) = (
+        pick(rng, &ANIMALS),
+        pick(rng, &PLACES),
+        pick(rng, &THINGS),
+        pick(rng, &COLORS),
+    );
     let mut s = format!("Once upon a time, {name} went to the {place} with a {animal}. ");
     for _ in 0..rng.random_range(2..5) {
         let sentence = match rng.random_range(0..4) {
@@ -136,7 +156,9 @@ pub fn story(rng: &mut StdRng) -> String {
         };
         s.push_str(&sentence);
     }
-    s.push_str(&format!("At the end of the day, {name} took the {color} {thing} home. The end.\n"));
+    s.push_str(&format!(
+        "At the end of the day, {name} took the {color} {thing} home. The end.\n"
+    ));
     s
 }
 

@@ -10,10 +10,26 @@ fn lemo() -> Command {
 
 fn train(out: &Path, extra: &[&str]) {
     let mut cmd = lemo();
-    cmd.args(["train", "--preset", "tiny", "--steps", "12", "--checkpoint-every", "4", "--val-every", "6"]);
-    cmd.args(["--cache-dir", "none", "--out"]).arg(out).args(extra);
+    cmd.args([
+        "train",
+        "--preset",
+        "tiny",
+        "--steps",
+        "12",
+        "--checkpoint-every",
+        "4",
+        "--val-every",
+        "6",
+    ]);
+    cmd.args(["--cache-dir", "none", "--out"])
+        .arg(out)
+        .args(extra);
     let output = cmd.output().expect("lemo-train runs");
-    assert!(output.status.success(), "train failed: {}", String::from_utf8_lossy(&output.stderr));
+    assert!(
+        output.status.success(),
+        "train failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
 }
 
 fn losses(out: &Path) -> Vec<(String, u64, f64)> {
@@ -22,7 +38,11 @@ fn losses(out: &Path) -> Vec<(String, u64, f64)> {
         .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON line"))
         .map(|v| {
             let kind = v["kind"].as_str().unwrap().to_string();
-            let loss = v.get("loss").or(v.get("val_loss")).and_then(|l| l.as_f64()).unwrap();
+            let loss = v
+                .get("loss")
+                .or(v.get("val_loss"))
+                .and_then(|l| l.as_f64())
+                .unwrap();
             (kind, v["step"].as_u64().unwrap(), loss)
         })
         .collect()
@@ -47,17 +67,39 @@ fn tiny_preset_trains_writes_outputs_and_resumes_exactly() {
         assert!(full.join(file).exists(), "missing {file}");
     }
     let uninterrupted = losses(&full);
-    let train_losses: Vec<f64> = uninterrupted.iter().filter(|r| r.0 == "train").map(|r| r.2).collect();
+    let train_losses: Vec<f64> = uninterrupted
+        .iter()
+        .filter(|r| r.0 == "train")
+        .map(|r| r.2)
+        .collect();
     assert_eq!(train_losses.len(), 12);
-    assert!(train_losses[11] < train_losses[0] - 0.2, "loss did not fall: {train_losses:?}");
+    assert!(
+        train_losses[11] < train_losses[0] - 0.2,
+        "loss did not fall: {train_losses:?}"
+    );
 
     // Stop after 6 steps (last checkpoint at 4), then resume from the run folder.
     let cut = dir.path().join("cut");
     train(&cut, &["--stop-after", "6"]);
-    assert!(!cut.join("adapter").exists(), "a stopped run writes no final adapter");
-    let output = lemo().args(["train", "--resume"]).arg(&cut).output().unwrap();
-    assert!(output.status.success(), "resume failed: {}", String::from_utf8_lossy(&output.stderr));
-    assert_eq!(losses(&cut), uninterrupted, "a resumed run must log the uninterrupted run's losses");
+    assert!(
+        !cut.join("adapter").exists(),
+        "a stopped run writes no final adapter"
+    );
+    let output = lemo()
+        .args(["train", "--resume"])
+        .arg(&cut)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "resume failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(
+        losses(&cut),
+        uninterrupted,
+        "a resumed run must log the uninterrupted run's losses"
+    );
 }
 
 #[test]
@@ -72,11 +114,23 @@ fn eval_applies_the_adapter_and_its_rope_scaling() {
             .arg(run.join("base-model"))
             .arg("--data")
             .arg(&data)
-            .args(["--seq-len", "256", "--stride", "256", "--device", "cpu", "--json"])
+            .args([
+                "--seq-len",
+                "256",
+                "--stride",
+                "256",
+                "--device",
+                "cpu",
+                "--json",
+            ])
             .args(extra)
             .output()
             .unwrap();
-        assert!(output.status.success(), "{}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            output.status.success(),
+            "{}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         let v: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
         v["loss"].as_f64().unwrap()
     };
@@ -89,9 +143,19 @@ fn eval_applies_the_adapter_and_its_rope_scaling() {
         .arg(run.join("base-model"))
         .arg("--data")
         .arg(&data)
-        .args(["--seq-len", "64", "--device", "cpu", "--adapter", adapter.to_str().unwrap()])
+        .args([
+            "--seq-len",
+            "64",
+            "--device",
+            "cpu",
+            "--adapter",
+            adapter.to_str().unwrap(),
+        ])
         .output()
         .unwrap()
         .stderr;
-    assert!(String::from_utf8_lossy(&stderr).contains("factor 2"), "the recorded RoPE factor is applied");
+    assert!(
+        String::from_utf8_lossy(&stderr).contains("factor 2"),
+        "the recorded RoPE factor is applied"
+    );
 }

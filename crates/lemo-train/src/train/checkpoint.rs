@@ -24,11 +24,22 @@ pub struct TrainerState {
 pub fn write_tensors(path: &Path, tensors: &[(String, Vec<f32>)]) -> Result<()> {
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .iter()
-        .map(|(name, values)| (name.clone(), vec![values.len()], values.iter().flat_map(|v| v.to_le_bytes()).collect()))
+        .map(|(name, values)| {
+            (
+                name.clone(),
+                vec![values.len()],
+                values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            )
+        })
         .collect();
     let views: Vec<(String, TensorView)> = bytes
         .iter()
-        .map(|(n, s, b)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), b).expect("consistent view")))
+        .map(|(n, s, b)| {
+            (
+                n.clone(),
+                TensorView::new(Dtype::F32, s.clone(), b).expect("consistent view"),
+            )
+        })
         .collect();
     let serialized = safetensors::serialize(views, None).context("serializing tensors")?;
     lemo_models::adapter::write_atomically(path, &serialized)?;
@@ -37,13 +48,18 @@ pub fn write_tensors(path: &Path, tensors: &[(String, Vec<f32>)]) -> Result<()> 
 
 pub fn read_tensors(path: &Path) -> Result<Vec<(String, Vec<f32>)>> {
     let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let file = SafeTensors::deserialize(&bytes).with_context(|| format!("{}: corrupt", path.display()))?;
+    let file =
+        SafeTensors::deserialize(&bytes).with_context(|| format!("{}: corrupt", path.display()))?;
     let mut out = Vec::new();
     for (name, view) in file.tensors() {
         if view.dtype() != Dtype::F32 {
             bail!("{}: {name} is not f32", path.display());
         }
-        let values = view.data().chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+        let values = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
         out.push((name, values));
     }
     Ok(out)
@@ -54,12 +70,18 @@ pub fn checkpoints_dir(out: &Path) -> PathBuf {
 }
 
 fn step_of(dir: &Path) -> Option<usize> {
-    dir.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok()
+    dir.file_name()?
+        .to_str()?
+        .strip_prefix("step-")?
+        .parse()
+        .ok()
 }
 
 /// Complete checkpoints of a run, oldest first.
 pub fn list(out: &Path) -> Vec<(usize, PathBuf)> {
-    let Ok(entries) = std::fs::read_dir(checkpoints_dir(out)) else { return Vec::new() };
+    let Ok(entries) = std::fs::read_dir(checkpoints_dir(out)) else {
+        return Vec::new();
+    };
     let mut found: Vec<(usize, PathBuf)> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.is_dir() && p.join("trainer_state.json").exists())
@@ -77,7 +99,10 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     match list(path).pop() {
         Some((_, dir)) => Ok(dir),
         None => {
-            bail!("--resume {}: no checkpoint there (expected a run folder with checkpoints/step-*)", path.display())
+            bail!(
+                "--resume {}: no checkpoint there (expected a run folder with checkpoints/step-*)",
+                path.display()
+            )
         }
     }
 }
@@ -85,7 +110,9 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
 /// The run folder a checkpoint belongs to.
 pub fn run_dir_of(checkpoint: &Path) -> Option<PathBuf> {
     let parent = checkpoint.parent()?;
-    (parent.file_name()? == "checkpoints").then(|| parent.parent().map(Path::to_path_buf)).flatten()
+    (parent.file_name()? == "checkpoints")
+        .then(|| parent.parent().map(Path::to_path_buf))
+        .flatten()
 }
 
 pub struct CheckpointFiles {
@@ -115,12 +142,16 @@ pub fn save(
     write_tensors(&partial.join("optimizer.safetensors"), &files.optimizer)?;
     let mut state = serde_json::to_value(&files.state)?;
     state["optimizer_step"] = files.optimizer_step.into();
-    std::fs::write(partial.join("trainer_state.json"), serde_json::to_string_pretty(&state)?)?;
+    std::fs::write(
+        partial.join("trainer_state.json"),
+        serde_json::to_string_pretty(&state)?,
+    )?;
     write_adapter(&partial.join("adapter"))?;
     if done.exists() {
         std::fs::remove_dir_all(&done)?;
     }
-    std::fs::rename(&partial, &done).with_context(|| format!("cannot move checkpoint into {}", done.display()))?;
+    std::fs::rename(&partial, &done)
+        .with_context(|| format!("cannot move checkpoint into {}", done.display()))?;
     let all = list(out);
     if keep > 0 && all.len() > keep {
         for (_, old) in &all[..all.len() - keep] {
@@ -132,9 +163,13 @@ pub fn save(
 
 pub fn load(checkpoint: &Path) -> Result<CheckpointFiles> {
     let state_path = checkpoint.join("trainer_state.json");
-    let text = std::fs::read_to_string(&state_path).with_context(|| format!("cannot read {}", state_path.display()))?;
+    let text = std::fs::read_to_string(&state_path)
+        .with_context(|| format!("cannot read {}", state_path.display()))?;
     let json: serde_json::Value = serde_json::from_str(&text)?;
-    let optimizer_step = json.get("optimizer_step").and_then(|v| v.as_u64()).unwrap_or(0);
+    let optimizer_step = json
+        .get("optimizer_step")
+        .and_then(|v| v.as_u64())
+        .unwrap_or(0);
     let state: TrainerState = serde_json::from_value(json)?;
     Ok(CheckpointFiles {
         state,

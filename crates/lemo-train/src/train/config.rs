@@ -121,7 +121,9 @@ impl Default for TrainConfig {
             lora_rank: 8,
             lora_alpha: 16.0,
             lora_dropout: 0.0,
-            lora_targets: ["q_proj", "k_proj", "v_proj", "o_proj"].map(String::from).to_vec(),
+            lora_targets: ["q_proj", "k_proj", "v_proj", "o_proj"]
+                .map(String::from)
+                .to_vec(),
             train_embeddings: None,
             train_norms: None,
             s2_group_size: None,
@@ -159,9 +161,17 @@ impl TrainConfig {
                 min_lr_ratio: 0.1,
                 lora_rank: 16,
                 lora_alpha: 32.0,
-                lora_targets: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-                    .map(String::from)
-                    .to_vec(),
+                lora_targets: [
+                    "q_proj",
+                    "k_proj",
+                    "v_proj",
+                    "o_proj",
+                    "gate_proj",
+                    "up_proj",
+                    "down_proj",
+                ]
+                .map(String::from)
+                .to_vec(),
                 loss_segment: 128,
                 val_fraction: 0.05,
                 val_every: 50,
@@ -175,7 +185,8 @@ impl TrainConfig {
     }
 
     pub fn from_toml_file(path: &Path) -> Result<toml::Table> {
-        let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
         toml::from_str(&text).with_context(|| format!("{}: invalid TOML", path.display()))
     }
 
@@ -193,7 +204,8 @@ impl TrainConfig {
     }
 
     pub fn train_embeddings(&self) -> bool {
-        self.train_embeddings.unwrap_or(self.method == Method::Longlora)
+        self.train_embeddings
+            .unwrap_or(self.method == Method::Longlora)
     }
 
     pub fn train_norms(&self) -> bool {
@@ -364,16 +376,25 @@ impl TrainArgs {
                 t.insert(key.to_string(), v);
             }
         };
-        let path = |p: &Option<PathBuf>| p.as_ref().map(|p| toml::Value::String(p.display().to_string()));
+        let path = |p: &Option<PathBuf>| {
+            p.as_ref()
+                .map(|p| toml::Value::String(p.display().to_string()))
+        };
         let int = |v: Option<usize>| v.map(|v| toml::Value::Integer(v as i64));
         let float = |v: Option<f64>| v.map(toml::Value::Float);
         let enum_value = |v: Option<String>| v.map(toml::Value::String);
         put("model", path(&self.model));
         put("tokenizer", path(&self.tokenizer));
         put("data", path(&self.data));
-        put("token_width", self.token_width.map(|v| toml::Value::Integer(v as i64)));
+        put(
+            "token_width",
+            self.token_width.map(|v| toml::Value::Integer(v as i64)),
+        );
         put("out", path(&self.out));
-        put("method", enum_value(self.method.map(|m| m.name().to_string())));
+        put(
+            "method",
+            enum_value(self.method.map(|m| m.name().to_string())),
+        );
         put("seq_len", int(self.seq_len));
         put("target_context", int(self.target_context));
         put("steps", int(self.steps));
@@ -383,7 +404,10 @@ impl TrainArgs {
         put("warmup_steps", int(self.warmup_steps));
         put(
             "schedule",
-            enum_value(self.schedule.map(|s| s.to_possible_value().expect("named").get_name().to_string())),
+            enum_value(
+                self.schedule
+                    .map(|s| s.to_possible_value().expect("named").get_name().to_string()),
+            ),
         );
         put("min_lr_ratio", float(self.min_lr_ratio));
         put("beta1", float(self.beta1));
@@ -400,7 +424,10 @@ impl TrainArgs {
                 .as_ref()
                 .map(|v| toml::Value::Array(v.iter().cloned().map(toml::Value::String).collect())),
         );
-        put("train_embeddings", self.train_embeddings.map(toml::Value::Boolean));
+        put(
+            "train_embeddings",
+            self.train_embeddings.map(toml::Value::Boolean),
+        );
         put("train_norms", self.train_norms.map(toml::Value::Boolean));
         put("s2_group_size", int(self.s2_group_size));
         if self.checkpointing {
@@ -416,7 +443,13 @@ impl TrainArgs {
         put("append_eos", self.append_eos.map(toml::Value::Boolean));
         put("cache_dir", path(&self.cache_dir));
         put("stop_after", int(self.stop_after));
-        put("device", enum_value(self.device.map(|d| d.to_possible_value().expect("named").get_name().to_string())));
+        put(
+            "device",
+            enum_value(
+                self.device
+                    .map(|d| d.to_possible_value().expect("named").get_name().to_string()),
+            ),
+        );
         Ok(t)
     }
 }

@@ -12,7 +12,9 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use burn::backend::Autodiff;
-use burn::backend::autodiff::checkpoint::strategy::{BalancedCheckpointing, CheckpointStrategy, NoCheckpointing};
+use burn::backend::autodiff::checkpoint::strategy::{
+    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
+};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
@@ -92,26 +94,42 @@ pub fn forward_backward<B: AutodiffBackend + LemoBackend>(
     let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
     for start in (0..rows).step_by(segment.max(1)) {
         let end = (start + segment).min(rows);
-        let leaf = Tensor::<B, 2>::from_inner(detached.clone().slice([start..end, 0..dim])).require_grad();
-        let loss = cross_entropy_sum(leaf.clone(), weight.clone(), targets.clone().slice(start..end), usize::MAX);
+        let leaf =
+            Tensor::<B, 2>::from_inner(detached.clone().slice([start..end, 0..dim])).require_grad();
+        let loss = cross_entropy_sum(
+            leaf.clone(),
+            weight.clone(),
+            targets.clone().slice(start..end),
+            usize::MAX,
+        );
         loss_sum = Some(match loss_sum {
             Some(total) => total + loss.clone().inner(),
             None => loss.clone().inner(),
         });
         let segment_grads = loss.mul_scalar(scale).backward();
-        parts.push(leaf.grad(&segment_grads).expect("the segment leaf requires grad"));
+        parts.push(
+            leaf.grad(&segment_grads)
+                .expect("the segment leaf requires grad"),
+        );
         // A trainable output projection (tied embeddings under LongLoRA) gets its gradient here.
         optim::accumulate_grads(model, &segment_grads, grads);
     }
     let upstream = Tensor::<B, 2>::from_inner(Tensor::cat(parts, 0));
     let model_grads = (inputs * upstream).sum().backward();
     optim::accumulate_grads(model, &model_grads, grads);
-    let loss = loss_sum.expect("at least one segment").into_scalar().elem::<f64>();
+    let loss = loss_sum
+        .expect("at least one segment")
+        .into_scalar()
+        .elem::<f64>();
     (loss, rows, after_forward)
 }
 
 /// Mean next-token loss of `sequences` (evaluation mode: dense attention, no graph).
-pub fn validation_loss<B: LemoBackend>(model: &CausalLm<B>, sequences: &[Vec<u32>], segment: usize) -> f64 {
+pub fn validation_loss<B: LemoBackend>(
+    model: &CausalLm<B>,
+    sequences: &[Vec<u32>],
+    segment: usize,
+) -> f64 {
     let device = model.lm_head_weight().device();
     let (mut sum, mut count) = (0.0, 0usize);
     for sequence in sequences {
@@ -125,7 +143,10 @@ pub fn validation_loss<B: LemoBackend>(model: &CausalLm<B>, sequences: &[Vec<u32
 
 pub fn int_tokens<B: Backend>(sequences: &[Vec<u32>], device: &B::Device) -> Tensor<B, 2, Int> {
     let len = sequences[0].len();
-    let ids: Vec<i32> = sequences.iter().flat_map(|s| s.iter().map(|&t| t as i32)).collect();
+    let ids: Vec<i32> = sequences
+        .iter()
+        .flat_map(|s| s.iter().map(|&t| t as i32))
+        .collect();
     Tensor::from_data(TensorData::new(ids, [sequences.len(), len]), device)
 }
 
@@ -149,7 +170,10 @@ fn prepare_inputs(config: &mut TrainConfig) -> Result<()> {
     Ok(())
 }
 
-fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: TrainJob, device: B::Device) -> Result<TrainSummary> {
+fn run_on<B: LemoBackend, C: CheckpointStrategy>(
+    job: TrainJob,
+    device: B::Device,
+) -> Result<TrainSummary> {
     type AB<B, C> = Autodiff<B, C>;
     let mut config = job.config;
     prepare_inputs(&mut config)?;
@@ -168,9 +192,14 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: TrainJob, device: B::Devic
     {
         model = model.with_rope(&rope)?;
         rope_scaling = Some(json!({"rope_type": "linear", "factor": factor}));
-        eprintln!("rope: linear position interpolation {trained_context} -> {target} tokens (factor {factor})");
+        eprintln!(
+            "rope: linear position interpolation {trained_context} -> {target} tokens (factor {factor})"
+        );
     }
-    let seq_len = config.seq_len.or(config.target_context).unwrap_or(trained_context);
+    let seq_len = config
+        .seq_len
+        .or(config.target_context)
+        .unwrap_or(trained_context);
     if let Some(limit) = model_config.max_sequence_length().filter(|&l| seq_len > l) {
         bail!("--seq-len {seq_len} is longer than this model supports ({limit} positions)");
     }
@@ -186,11 +215,16 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: TrainJob, device: B::Devic
     if config.method == Method::Longlora {
         let group = config.s2_group_size.unwrap_or(seq_len / 4).max(2);
         model.set_shifted_group(Some(group));
-        eprintln!("longlora: S2 attention with groups of {group} tokens while training, dense at evaluation");
+        eprintln!(
+            "longlora: S2 attention with groups of {group} tokens while training, dense at evaluation"
+        );
     }
 
     // Data.
-    let tokenizer_path = config.tokenizer.clone().or_else(|| find_tokenizer(&model_path));
+    let tokenizer_path = config
+        .tokenizer
+        .clone()
+        .or_else(|| find_tokenizer(&model_path));
     let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
     let cache_dir = match &config.cache_dir {
         Some(p) if p.as_os_str() == "none" => None,
@@ -231,13 +265,23 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: TrainJob, device: B::Devic
     );
     let val_sequences: Vec<Vec<u32>> = {
         use burn_dataset::Dataset;
-        let n = if config.val_sequences == 0 { corpus.val.len() } else { config.val_sequences.min(corpus.val.len()) };
-        (0..n).map(|i| corpus.val.get(i).expect("in range")).collect()
+        let n = if config.val_sequences == 0 {
+            corpus.val.len()
+        } else {
+            config.val_sequences.min(corpus.val.len())
+        };
+        (0..n)
+            .map(|i| corpus.val.get(i).expect("in range"))
+            .collect()
     };
 
     // Optimizer and resume.
-    let settings =
-        AdamWSettings { beta1: config.beta1, beta2: config.beta2, eps: config.eps, weight_decay: config.weight_decay };
+    let settings = AdamWSettings {
+        beta1: config.beta1,
+        beta2: config.beta2,
+        eps: config.eps,
+        weight_decay: config.weight_decay,
+    };
     let mut optimizer = AdamW::<B>::new(settings);
     let mut start_step = 0usize;
     let mut tokens_seen = 0u64;
@@ -263,7 +307,10 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: TrainJob, device: B::Devic
             .into_iter()
             .map(|(name, v)| {
                 let len = v.len();
-                (name, Tensor::<B, 1>::from_data(TensorData::new(v, [len]), &device))
+                (
+                    name,
+                    Tensor::<B, 1>::from_data(TensorData::new(v, [len]), &device),
+                )
             })
             .collect();
         model = optim::set_trainable(model, values)?;
@@ -271,11 +318,17 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: TrainJob, device: B::Devic
         start_step = files.state.step;
         tokens_seen = files.state.tokens_seen;
         elapsed_before = files.state.elapsed_s;
-        eprintln!("resume: continuing from step {start_step} ({})", dir.display());
+        eprintln!(
+            "resume: continuing from step {start_step} ({})",
+            dir.display()
+        );
     }
     let mut saved_config = config.clone();
     saved_config.stop_after = None;
-    lemo_models::adapter::write_atomically(&out.join("config.toml"), saved_config.to_toml().as_bytes())?;
+    lemo_models::adapter::write_atomically(
+        &out.join("config.toml"),
+        saved_config.to_toml().as_bytes(),
+    )?;
 
     let trainable = optim::trainable_count::<AB<B, C>, _>(&model);
     eprintln!(
@@ -316,13 +369,21 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: TrainJob, device: B::Devic
     let mut last_loss = None;
     let mut last_val = None;
     let mut last_checkpoint = None;
-    let stop_at = config.stop_after.map_or(config.steps, |n| (start_step + n).min(config.steps));
+    let stop_at = config
+        .stop_after
+        .map_or(config.steps, |n| (start_step + n).min(config.steps));
     let tokens_per_step = (config.grad_accum * config.batch_size * seq_len) as u64;
     for step in start_step..stop_at {
         let step_started = Instant::now();
         // Dropout draws from the backend's generator: seeding it per step makes a resumed run
         // draw what the uninterrupted one did.
-        AB::<B, C>::seed(&device, config.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(step as u64));
+        AB::<B, C>::seed(
+            &device,
+            config
+                .seed
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                .wrapping_add(step as u64),
+        );
         let mut grads = NamedTensors::<B>::new();
         let (mut loss_sum, mut predictions) = (0.0, 0usize);
         let mut after_forward = 0u64;
@@ -330,9 +391,12 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: TrainJob, device: B::Devic
         let scale = 1.0 / (predictions_per_micro * config.grad_accum) as f64;
         for micro in 0..config.grad_accum {
             let first = (step * config.grad_accum + micro) * config.batch_size;
-            let batch: Vec<Vec<u32>> = (first..first + config.batch_size).map(|i| corpus.train_sequence(i)).collect();
+            let batch: Vec<Vec<u32>> = (first..first + config.batch_size)
+                .map(|i| corpus.train_sequence(i))
+                .collect();
             let tokens = int_tokens::<AB<B, C>>(&batch, &device);
-            let (loss, n, mem) = forward_backward(&model, tokens, config.loss_segment, scale, &mut grads);
+            let (loss, n, mem) =
+                forward_backward(&model, tokens, config.loss_segment, scale, &mut grads);
             loss_sum += loss;
             predictions += n;
             after_forward = after_forward.max(mem);
@@ -342,7 +406,10 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: TrainJob, device: B::Devic
         let loss = loss_sum / predictions as f64;
         if !loss.is_finite() {
             bar.abandon();
-            bail!("loss became {loss} at step {}: lower --lr or check the data", step + 1);
+            bail!(
+                "loss became {loss} at step {}: lower --lr or check the data",
+                step + 1
+            );
         }
         let grad_norm = optim::global_norm(&grads);
         if config.max_grad_norm > 0.0 && grad_norm > config.max_grad_norm {
@@ -398,13 +465,20 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: TrainJob, device: B::Devic
             );
         }
         let is_last = done == config.steps;
-        if !val_sequences.is_empty() && ((config.val_every > 0 && done % config.val_every == 0) || is_last) {
+        if !val_sequences.is_empty()
+            && ((config.val_every > 0 && done % config.val_every == 0) || is_last)
+        {
             let mut eval_model = model.valid();
             eval_model.set_shifted_group(None);
             let val = validation_loss(&eval_model, &val_sequences, config.loss_segment);
             last_val = Some(val);
-            metrics.write(&json!({"kind": "val", "step": done, "val_loss": val, "val_ppl": val.exp()}))?;
-            bar.println(format!("step {done}: validation loss {val:.4} (perplexity {:.3})", val.exp()));
+            metrics.write(
+                &json!({"kind": "val", "step": done, "val_loss": val, "val_ppl": val.exp()}),
+            )?;
+            bar.println(format!(
+                "step {done}: validation loss {val:.4} (perplexity {:.3})",
+                val.exp()
+            ));
         }
         if (config.checkpoint_every > 0 && done % config.checkpoint_every == 0) || is_last {
             let files = CheckpointFiles {
@@ -423,7 +497,9 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(job: TrainJob, device: B::Devic
                 optimizer: optimizer.state_tensors(),
                 optimizer_step: optimizer.step,
             };
-            let saved = checkpoint::save(&out, &files, config.keep_checkpoints, |dir| write_adapter(&model, dir))?;
+            let saved = checkpoint::save(&out, &files, config.keep_checkpoints, |dir| {
+                write_adapter(&model, dir)
+            })?;
             last_checkpoint = Some(saved);
         }
     }
@@ -463,15 +539,23 @@ fn special_ids(config: &ModelConfig, tokenizer: &mut LazyTokenizer) -> (Option<u
         ModelConfig::Llama(c) => c.bos_token_id,
         ModelConfig::Opt(c) => c.bos_token_id,
     };
-    (bos.or(model_bos), eos.or(config.eos_token_ids().first().copied()))
+    (
+        bos.or(model_bos),
+        eos.or(config.eos_token_ids().first().copied()),
+    )
 }
 
 fn progress_bar(steps: usize, start: usize) -> indicatif::ProgressBar {
-    let bar = indicatif::ProgressBar::with_draw_target(Some(steps as u64), indicatif::ProgressDrawTarget::stderr());
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(steps as u64),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{bar:30.cyan/blue} step {pos}/{len} | {msg} | ETA {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
+        indicatif::ProgressStyle::with_template(
+            "{bar:30.cyan/blue} step {pos}/{len} | {msg} | ETA {eta}",
+        )
+        .expect("valid template")
+        .progress_chars("=> "),
     );
     bar.set_position(start as u64);
     bar.reset_eta();

@@ -24,7 +24,12 @@ pub struct AdamWSettings {
 
 impl Default for AdamWSettings {
     fn default() -> Self {
-        Self { beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+        Self {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
     }
 }
 
@@ -70,7 +75,9 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradCollector<'_, B> {
         if !value.is_require_grad() {
             return;
         }
-        let Some(grad) = value.grad(self.grads) else { return };
+        let Some(grad) = value.grad(self.grads) else {
+            return;
+        };
         let count = grad.shape().num_elements();
         let grad = grad.reshape([count]);
         let key = self.path.path();
@@ -88,11 +95,17 @@ pub fn accumulate_grads<B: AutodiffBackend, M: Module<B>>(
     grads: &B::Gradients,
     accumulated: &mut NamedTensors<B::InnerBackend>,
 ) {
-    module.visit(&mut GradCollector::<B> { grads, into: accumulated, path: PathTracker::default() });
+    module.visit(&mut GradCollector::<B> {
+        grads,
+        into: accumulated,
+        path: PathTracker::default(),
+    });
 }
 
 /// The trainable parameters' values, flattened, keyed by module path.
-pub fn trainable_values<B: AutodiffBackend, M: Module<B>>(module: &M) -> NamedTensors<B::InnerBackend> {
+pub fn trainable_values<B: AutodiffBackend, M: Module<B>>(
+    module: &M,
+) -> NamedTensors<B::InnerBackend> {
     struct Values<'a, B: AutodiffBackend> {
         into: &'a mut NamedTensors<B::InnerBackend>,
         path: PathTracker,
@@ -114,13 +127,19 @@ pub fn trainable_values<B: AutodiffBackend, M: Module<B>>(module: &M) -> NamedTe
         }
     }
     let mut out = BTreeMap::new();
-    module.visit(&mut Values::<B> { into: &mut out, path: PathTracker::default() });
+    module.visit(&mut Values::<B> {
+        into: &mut out,
+        path: PathTracker::default(),
+    });
     out
 }
 
 /// Number of trainable scalars.
 pub fn trainable_count<B: AutodiffBackend, M: Module<B>>(module: &M) -> usize {
-    trainable_values::<B, M>(module).values().map(|t| t.dims()[0]).sum()
+    trainable_values::<B, M>(module)
+        .values()
+        .map(|t| t.dims()[0])
+        .sum()
 }
 
 /// Replaces each trainable parameter found in `updates` with its new value (same `ParamId`,
@@ -158,7 +177,10 @@ pub fn set_trainable<B: AutodiffBackend, M: Module<B>>(
     module: M,
     mut values: NamedTensors<B::InnerBackend>,
 ) -> Result<M> {
-    let module = module.map(&mut Updater::<B> { updates: &mut values, path: PathTracker::default() });
+    let module = module.map(&mut Updater::<B> {
+        updates: &mut values,
+        path: PathTracker::default(),
+    });
     if let Some(name) = values.keys().next() {
         bail!("no trainable parameter {name} in this model");
     }
@@ -167,7 +189,9 @@ pub fn set_trainable<B: AutodiffBackend, M: Module<B>>(
 
 /// `sqrt(sum of squares)` over all gradients.
 pub fn global_norm<B: burn::tensor::backend::Backend>(grads: &NamedTensors<B>) -> f64 {
-    let Some(first) = grads.values().next() else { return 0.0 };
+    let Some(first) = grads.values().next() else {
+        return 0.0;
+    };
     let mut total = Tensor::<B, 1>::zeros([1], &first.device());
     for grad in grads.values() {
         total = total + grad.clone().square().sum();
@@ -176,8 +200,14 @@ pub fn global_norm<B: burn::tensor::backend::Backend>(grads: &NamedTensors<B>) -
 }
 
 /// Scales every gradient by `factor`.
-pub fn scale_grads<B: burn::tensor::backend::Backend>(grads: NamedTensors<B>, factor: f64) -> NamedTensors<B> {
-    grads.into_iter().map(|(k, g)| (k, g.mul_scalar(factor))).collect()
+pub fn scale_grads<B: burn::tensor::backend::Backend>(
+    grads: NamedTensors<B>,
+    factor: f64,
+) -> NamedTensors<B> {
+    grads
+        .into_iter()
+        .map(|(k, g)| (k, g.mul_scalar(factor)))
+        .collect()
 }
 
 /// AdamW state: step count and the two moments of every trainable parameter.
@@ -191,12 +221,22 @@ pub struct AdamW<B: burn::tensor::backend::Backend> {
 
 impl<B: burn::tensor::backend::Backend> AdamW<B> {
     pub fn new(settings: AdamWSettings) -> Self {
-        Self { settings, step: 0, exp_avg: BTreeMap::new(), exp_avg_sq: BTreeMap::new() }
+        Self {
+            settings,
+            step: 0,
+            exp_avg: BTreeMap::new(),
+            exp_avg_sq: BTreeMap::new(),
+        }
     }
 
     /// One update of `params` with `grads` at learning rate `lr`, as `torch.optim.AdamW` does it:
     /// decoupled weight decay, bias-corrected moments, `eps` added after the square root.
-    pub fn step(&mut self, params: NamedTensors<B>, grads: &NamedTensors<B>, lr: f64) -> NamedTensors<B> {
+    pub fn step(
+        &mut self,
+        params: NamedTensors<B>,
+        grads: &NamedTensors<B>,
+        lr: f64,
+    ) -> NamedTensors<B> {
         let s = self.settings;
         self.step += 1;
         let t = self.step as i32;
@@ -234,7 +274,14 @@ impl<B: burn::tensor::backend::Backend> AdamW<B> {
         let dump = |prefix: &str, map: &NamedTensors<B>| -> Vec<(String, Vec<f32>)> {
             map.iter()
                 .map(|(k, t)| {
-                    (format!("{prefix}/{k}"), t.clone().into_data().convert::<f32>().into_vec().expect("f32"))
+                    (
+                        format!("{prefix}/{k}"),
+                        t.clone()
+                            .into_data()
+                            .convert::<f32>()
+                            .into_vec()
+                            .expect("f32"),
+                    )
                 })
                 .collect()
         };
@@ -244,7 +291,12 @@ impl<B: burn::tensor::backend::Backend> AdamW<B> {
     }
 
     /// Restores moments saved by [`Self::state_tensors`].
-    pub fn load_state(&mut self, step: u64, tensors: Vec<(String, Vec<f32>)>, device: &B::Device) -> Result<()> {
+    pub fn load_state(
+        &mut self,
+        step: u64,
+        tensors: Vec<(String, Vec<f32>)>,
+        device: &B::Device,
+    ) -> Result<()> {
         self.step = step;
         for (name, values) in tensors {
             let len = values.len();
@@ -263,14 +315,23 @@ impl<B: burn::tensor::backend::Backend> AdamW<B> {
 
 /// Learning-rate schedule: linear warm-up from 0, then constant or cosine decay to
 /// `min_lr_ratio * lr` at the last step.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
 #[serde(rename_all = "lowercase")]
 pub enum Schedule {
     Constant,
     Cosine,
 }
 
-pub fn learning_rate(schedule: Schedule, lr: f64, min_lr_ratio: f64, warmup: usize, steps: usize, step: usize) -> f64 {
+pub fn learning_rate(
+    schedule: Schedule,
+    lr: f64,
+    min_lr_ratio: f64,
+    warmup: usize,
+    steps: usize,
+    step: usize,
+) -> f64 {
     // `step` counts from 0; the first update uses (step + 1) / warmup of the rate, as
     // transformers' `get_*_schedule_with_warmup` do after their first scheduler step.
     if warmup > 0 && step < warmup {
@@ -299,10 +360,17 @@ mod tests {
         // torch's formulas, see the module docs).
         type B = NdArray<f32>;
         let device = Default::default();
-        let mut opt = AdamW::<B>::new(AdamWSettings { weight_decay: 0.01, ..Default::default() });
-        let mut params = BTreeMap::from([("p".to_string(), Tensor::<B, 1>::from_floats([1.0, -2.0], &device))]);
+        let mut opt = AdamW::<B>::new(AdamWSettings {
+            weight_decay: 0.01,
+            ..Default::default()
+        });
+        let mut params = BTreeMap::from([(
+            "p".to_string(),
+            Tensor::<B, 1>::from_floats([1.0, -2.0], &device),
+        )]);
         for g in [[0.5f32, -1.0], [0.1, 0.2]] {
-            let grads = BTreeMap::from([("p".to_string(), Tensor::<B, 1>::from_floats(g, &device))]);
+            let grads =
+                BTreeMap::from([("p".to_string(), Tensor::<B, 1>::from_floats(g, &device))]);
             params = opt.step(params, &grads, 0.1);
         }
         let p: Vec<f32> = params["p"].clone().into_data().into_vec().unwrap();

@@ -54,8 +54,12 @@ impl MetricsWriter {
 
 pub fn read_metrics(out: &Path) -> Result<Vec<Value>> {
     let path = out.join(METRICS_FILE);
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    Ok(text.lines().filter_map(|l| serde_json::from_str(l).ok()).collect())
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    Ok(text
+        .lines()
+        .filter_map(|l| serde_json::from_str(l).ok())
+        .collect())
 }
 
 fn series(records: &[Value], kind: &str, key: &str) -> Vec<(f64, f64)> {
@@ -87,7 +91,11 @@ fn line_chart(path: &Path, title: &str, y_label: &str, lines: &[Line]) -> Result
             .x_label_area_size(40)
             .y_label_area_size(70)
             .build_cartesian_2d(0.0..x_max, (y_min - pad)..(y_max + pad))?;
-        chart.configure_mesh().x_desc("step").y_desc(y_label).draw()?;
+        chart
+            .configure_mesh()
+            .x_desc("step")
+            .y_desc(y_label)
+            .draw()?;
         for (name, data, color) in lines {
             if data.is_empty() {
                 continue;
@@ -96,12 +104,18 @@ fn line_chart(path: &Path, title: &str, y_label: &str, lines: &[Line]) -> Result
             chart
                 .draw_series(LineSeries::new(data.iter().copied(), color.stroke_width(2)))?
                 .label(*name)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+                .legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+                });
             if data.len() <= 50 {
                 chart.draw_series(data.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
             }
         }
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()?;
         root.present()?;
         Ok(())
     };
@@ -118,10 +132,18 @@ pub fn plot(out: &Path) -> Result<Vec<PathBuf>> {
         &loss,
         "Loss",
         "cross-entropy (nats/token)",
-        &[("train", series(&records, "train", "loss"), BLUE), ("validation", series(&records, "val", "val_loss"), RED)],
+        &[
+            ("train", series(&records, "train", "loss"), BLUE),
+            ("validation", series(&records, "val", "val_loss"), RED),
+        ],
     )?;
     let lr = dir.join("lr.svg");
-    line_chart(&lr, "Learning rate", "learning rate", &[("lr", series(&records, "train", "lr"), GREEN)])?;
+    line_chart(
+        &lr,
+        "Learning rate",
+        "learning rate",
+        &[("lr", series(&records, "train", "lr"), GREEN)],
+    )?;
     let memory = dir.join("memory.svg");
     line_chart(
         &memory,
@@ -129,7 +151,11 @@ pub fn plot(out: &Path) -> Result<Vec<PathBuf>> {
         "GiB",
         &[
             ("peak", series(&records, "train", "mem_peak_gib"), RED),
-            ("after forward", series(&records, "train", "mem_after_forward_gib"), BLUE),
+            (
+                "after forward",
+                series(&records, "train", "mem_after_forward_gib"),
+                BLUE,
+            ),
         ],
     )?;
     Ok(vec![loss, lr, memory])

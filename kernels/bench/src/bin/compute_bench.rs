@@ -321,13 +321,7 @@ fn fused_parity() -> Vec<Value> {
 
     let logits = random([300, 32000], DType::BF16) * 4.0;
     let targets: Vec<i32> = (0..300)
-        .map(|i| {
-            if i % 9 == 4 {
-                -100
-            } else {
-                i * 101 % 32000
-            }
-        })
+        .map(|i| if i % 9 == 4 { -100 } else { i * 101 % 32000 })
         .collect();
     let targets = Tensor::<B, 1, Int>::from_data(TensorData::new(targets, [300]), &device());
     let (losses, grad) = loss::cross_entropy_rows(logits.clone(), targets.clone(), true);
@@ -621,10 +615,7 @@ fn main() {
     let mut errors = Vec::new();
     let mut parity = Vec::new();
     let mut timings = Vec::new();
-    let write = |parity: &Vec<Value>,
-                 timings: &Vec<Value>,
-                 errors: &Vec<Value>,
-                 extra: Value| {
+    let write = |parity: &Vec<Value>, timings: &Vec<Value>, errors: &Vec<Value>, extra: Value| {
         let mut report = json!({
             "implementation": "lemo-kernels: cuBLASLt GEMM through cudarc on cubecl buffers, CubeCL fused kernels, segment-based loss",
             "parity": parity,
