@@ -66,7 +66,14 @@ impl DeviceKind {
     }
 
     pub fn run<J: BackendJob>(self, job: J) -> Result<J::Output> {
-        match self.resolve() {
+        let kind = self.resolve();
+        if matches!(kind, DeviceKind::Cuda | DeviceKind::Wgpu) {
+            // Compiled kernels and autotune results persist, so only the first run pays for them.
+            if let Some(dir) = lemo_kernels::cache::default_cache_dir() {
+                lemo_kernels::cache::enable_persistent_caches(&dir);
+            }
+        }
+        match kind {
             DeviceKind::Cpu => {
                 keep_freed_memory();
                 job.run::<CpuBackend>(Default::default())
