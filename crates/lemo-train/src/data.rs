@@ -44,45 +44,7 @@ impl LazyTokenizer {
     }
 }
 
-/// Token documents from a file or a folder of files (read in name order). Text files are one
-/// document each; JSONL files one document per line; `.bin` token files one document each.
-pub fn read_documents(
-    path: &Path,
-    width: TokenWidth,
-    tokenizer: &mut LazyTokenizer,
-) -> Result<Vec<Vec<u32>>> {
-    let mut files = Vec::new();
-    if path.is_dir() {
-        let entries =
-            std::fs::read_dir(path).with_context(|| format!("cannot read {}", path.display()))?;
-        files = entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_file())
-            .collect();
-        files.sort();
-    } else {
-        files.push(path.to_path_buf());
-    }
-    let mut documents = Vec::new();
-    for file in &files {
-        let extension = file.extension().and_then(|e| e.to_str()).unwrap_or("");
-        match extension {
-            "jsonl" | "json" => documents.extend(read_jsonl(file, tokenizer)?),
-            "bin" => documents.push(read_token_file(file, width)?),
-            _ => {
-                let text = std::fs::read_to_string(file)
-                    .with_context(|| format!("cannot read {}", file.display()))?;
-                documents.push(tokenizer.get()?.encode(&text)?);
-            }
-        }
-    }
-    documents.retain(|d| !d.is_empty());
-    if documents.is_empty() {
-        bail!("{}: no tokens in this data", path.display());
-    }
-    Ok(documents)
-}
-
+/// One document per non-empty line: `input_ids` used as given, or `text` tokenized.
 pub fn read_jsonl(path: &Path, tokenizer: &mut LazyTokenizer) -> Result<Vec<Vec<u32>>> {
     let text =
         std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;

@@ -20,7 +20,8 @@ use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use lemo_models::tokenizer::Tokenizer;
 
-use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer, read_documents};
+use crate::corpus::{default_cache_dir, read_documents_cached};
+use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer};
 use crate::device::DeviceKind;
 
 #[derive(Parser)]
@@ -304,9 +305,15 @@ fn run(cli: Cli) -> Result<()> {
             ..
         } => {
             let data = data.context("--data is required")?;
-            let mut tokenizer = LazyTokenizer::new(tokenizer.or_else(|| find_tokenizer(&model)));
-            let documents =
-                read_documents(&data, TokenWidth::from_bytes(token_width)?, &mut tokenizer)?;
+            let tokenizer_path = tokenizer.or_else(|| find_tokenizer(&model));
+            let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
+            let documents = read_documents_cached(
+                &data,
+                TokenWidth::from_bytes(token_width)?,
+                &mut tokenizer,
+                tokenizer_path.as_deref(),
+                default_cache_dir().as_deref(),
+            )?;
             let setup = modelio::ModelSetup {
                 adapter,
                 target_context,
