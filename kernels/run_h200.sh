@@ -22,12 +22,12 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$PYTHON" kernels/reference/attention_sdpa.py --seqs "$SEQS" --parity-dir "$PARITY_DIR" \
     --out "$RESULTS/h200_sdpa.json"
 # One process per kernel variant, so a failure of one keeps the other's results.
-for variant in plain tensor-core; do
+for variant in ${VARIANTS:-plain tensor-core}; do
     timeout 240 "$BENCH" --seqs "$SEQS" --parity-dir "$PARITY_DIR" --variants "$variant" \
         --out "$RESULTS/h200_lemo_$variant.json" || echo "attention_bench --variants $variant failed"
 done
 "$PYTHON" kernels/merge_attention.py \
-    --ours "$RESULTS/h200_lemo_plain.json" "$RESULTS/h200_lemo_tensor-core.json" \
+    --ours $(for variant in ${VARIANTS:-plain tensor-core}; do echo "$RESULTS/h200_lemo_$variant.json"; done) \
     --reference "$RESULTS/h200_sdpa.json" --commit "$COMMIT" --command "$COMMAND" \
     --out "$RESULTS/h200.json"
 # The results folder comes back with the call when it is under $OUT.

@@ -21,40 +21,50 @@ import torch
 import torch.nn.functional as F
 
 PARITY_CASES = [
-    # name, batch, q_heads, kv_heads, seq, head_dim, window
-    ("causal_h128", 1, 8, 8, 1000, 128, None),
-    ("gqa_batch2_h64", 2, 8, 2, 777, 64, None),
-    ("window_gqa_h128", 1, 8, 4, 1200, 128, 256),
+    # name, batch, q_heads, kv_heads, seq, head_dim, window, S2 group
+    ("causal_h128", 1, 8, 8, 1000, 128, None, None),
+    ("gqa_batch2_h64", 2, 8, 2, 777, 64, None, None),
+    ("window_gqa_h128", 1, 8, 4, 1200, 128, 256, None),
+    ("s2_gqa_h128", 1, 8, 4, 1100, 128, None, 256),
 ]
 
 
-def hidden_mask(seq, window, device):
+def hidden_mask(seq, heads, window, group, device):
+    """`[heads, seq, seq]` True where a query (row) must not see a key (column): causal, the
+    sliding window, and S2 groups (heads in the second half shifted by half a group, without
+    wrapping around, as lemo-kernels defines them)."""
     pos = torch.arange(seq, device=device)
     distance = pos[:, None] - pos[None, :]
-    hidden = distance < 0
+    hidden = (distance < 0).expand(heads, seq, seq).clone()
     if window is not None:
         hidden |= distance >= window
+    if group is not None:
+        for head in range(heads):
+            shift = group // 2 if head >= heads // 2 else 0
+            bucket = (pos + shift) // group
+            hidden[head] |= bucket[:, None] != bucket[None, :]
     return hidden
 
 
-def reference_attention(q, k, v, window):
+def reference_attention(q, k, v, window, group):
     """Materialized float32 attention with K/V heads repeated for GQA."""
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
+    heads = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(heads, dim=1)
+    v = v.repeat_interleave(heads, dim=1)
     scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    scores = scores.masked_fill(hidden_mask(q.shape[2], window, q.device), float("-inf"))
+    mask = hidden_mask(q.shape[2], q.shape[1], window, group, q.device)
+    scores = scores.masked_fill(mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
 
-def sdpa(q, k, v, window):
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
-    if window is None:
+def sdpa(q, k, v, window, group):
+    heads = q.shape[1] // k.shape[1]
+    if heads > 1:
+        k = k.repeat_interleave(heads, dim=1)
+        v = v.repeat_interleave(heads, dim=1)
+    if window is None and group is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    allowed = ~hidden_mask(q.shape[2], window, q.device)
+    allowed = ~hidden_mask(q.shape[2], q.shape[1], window, group, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
 
 
@@ -73,7 +83,7 @@ def write_parity(directory, seed):
     os.makedirs(directory, exist_ok=True)
     generator = torch.Generator(device="cuda").manual_seed(seed)
     cases = []
-    for name, batch, q_heads, kv_heads, seq, head_dim, window in PARITY_CASES:
+    for name, batch, q_heads, kv_heads, seq, head_dim, window, group in PARITY_CASES:
         def randn(heads):
             return torch.randn(
                 batch, heads, seq, head_dim, device="cuda", generator=generator
@@ -81,11 +91,13 @@ def write_parity(directory, seed):
 
         q, k, v, grad_out = randn(q_heads), randn(kv_heads), randn(kv_heads), randn(q_heads)
         expected = forward_backward(
-            lambda q, k, v: reference_attention(q, k, v, window),
+            lambda q, k, v: reference_attention(q, k, v, window, group),
             [q.float(), k.float(), v.float()],
             grad_out.float(),
         )
-        theirs = forward_backward(lambda q, k, v: sdpa(q, k, v, window), [q, k, v], grad_out)
+        theirs = forward_backward(
+            lambda q, k, v: sdpa(q, k, v, window, group), [q, k, v], grad_out
+        )
         tensors = ("out", "dq", "dk", "dv")
         for tensor_name, tensor in zip(("q", "k", "v", "do"), (q, k, v, grad_out)):
             path = os.path.join(directory, f"{name}_{tensor_name}.bf16")
@@ -104,6 +116,7 @@ def write_parity(directory, seed):
                 "seq": seq,
                 "head_dim": head_dim,
                 "window": window,
+                "group": group,
                 "sdpa_error": sdpa_error,
             }
         )

@@ -160,6 +160,9 @@ fn parity<R: CubeRuntime, BT: BoolElement>(
         if let Some(window) = case["window"].as_u64() {
             options = options.with_sliding_window(window as usize);
         }
+        if let Some(group) = case["group"].as_u64() {
+            options = options.with_shifted_groups(group as usize);
+        }
         let q = load_bf16::<R, BT>(&file("q", "bf16"), q_shape, dtype);
         let k = load_bf16::<R, BT>(&file("k", "bf16"), kv_shape, dtype);
         let v = load_bf16::<R, BT>(&file("v", "bf16"), kv_shape, dtype);

@@ -4,7 +4,7 @@ use burn_cubecl::tensor::CubeTensor;
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 use cubecl::prelude::*;
 
-use super::tensor_core::{self, BackwardTensors};
+use super::mma::{self, BackwardTensors};
 use super::{
     FlashKernel, MaskParams, TileShape, check_inputs, empty_like, first_visible_key, flash_kernel,
     group_shift, is_visible, last_visible_query, load_rows, rows_words, tile_dot,
@@ -422,7 +422,7 @@ where
         dtype.into(),
     );
 
-    if flash_kernel() == FlashKernel::TensorCore && tensor_core::supports(&client, dtype, head_dim)
+    if flash_kernel() == FlashKernel::TensorCore && mma::supports(&client, dtype, head_dim)
     {
         let tensors = BackwardTensors {
             q,
@@ -436,7 +436,7 @@ where
             grad_v: grad_v.clone(),
         };
         let dims = [batch, q_heads, kv_heads, q_len, kv_len, head_dim];
-        tensor_core::launch_backward(tensors, &options, dims);
+        mma::launch_backward(tensors, &options, dims);
         return (grad_q, grad_k, grad_v);
     }
 

@@ -6,7 +6,7 @@ use cubecl::prelude::*;
 
 use super::{
     FlashKernel, HIDDEN, MaskParams, TileShape, check_inputs, empty_like, first_visible_key,
-    flash_kernel, group_shift, is_visible, load_rows, rows_words, tensor_core, tile_dot,
+    flash_kernel, group_shift, is_visible, load_rows, mma, rows_words, tile_dot,
 };
 use crate::attention::AttentionOptions;
 
@@ -193,9 +193,9 @@ where
     }
 
     if flash_kernel() == FlashKernel::TensorCore
-        && tensor_core::supports(&q.client, q.dtype, head_dim)
+        && mma::supports(&q.client, q.dtype, head_dim)
     {
-        tensor_core::launch_forward(
+        mma::launch_forward(
             q,
             k,
             v,

@@ -7,7 +7,7 @@
 
 mod backward;
 mod forward;
-mod tensor_core;
+mod mma;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -22,7 +22,7 @@ use super::AttentionOptions;
 
 pub(crate) use backward::backward;
 pub(crate) use forward::forward;
-pub use tensor_core::supports as tensor_core_supported;
+pub use mma::supports as tensor_core_supported;
 
 /// Which attention kernels (forward and backward) the CubeCL backends run where both apply (16-bit inputs, head dim a
 /// multiple of 16, a device with 16x16x16 cmma and 32-wide planes).

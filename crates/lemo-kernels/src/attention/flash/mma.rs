@@ -1,0 +1,974 @@
+//! FlashAttention-2 on the tensor cores of CUDA devices (sm_80 and later), for bf16/f16 inputs
+//! with head dims 64 and 128: register-level `mma.sync m16n8k16` (16-bit inputs, f32
+//! accumulation) fed by `ldmatrix` from XOR-swizzled shared tiles.
+//!
+//! Every cube has `WARPS` warps and each warp owns a strip of 16 rows (queries in the forward and
+//! the dQ kernel, keys in the dK/dV kernel). A strip's scores against a 64-row tile live in
+//! registers as f32 accumulator fragments; after the softmax they are re-packed in place as the
+//! 16-bit A fragments of the next product (two m16n8 accumulators are exactly one m16k16 A
+//! fragment), so probabilities never touch shared memory. Softmax statistics, the output and
+//! gradient accumulators are f32. Same semantics and outputs as the plain kernels.
+
+use burn::tensor::DType;
+use burn_cubecl::CubeRuntime;
+use burn_cubecl::kernel::into_contiguous;
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::cmma::MmaDefinition;
+use cubecl::ir::features::MmaConfig;
+use cubecl::ir::{FastMath, MatrixIdent};
+use cubecl::prelude::*;
+
+use super::{HIDDEN, MaskParams, first_visible_key, group_shift, is_visible, last_visible_query};
+use crate::attention::AttentionOptions;
+
+const WARP: usize = 32;
+/// Warps per cube, each owning a 16-row strip.
+const WARPS: usize = 4;
+/// Rows of one warp's strip (the mma M dimension).
+const STRIP: usize = 16;
+/// Rows of the cube's own tile.
+const BLOCK: usize = WARPS * STRIP;
+/// Rows of the tiles streamed past the strips (keys in the forward and dQ, queries in dK/dV).
+const STREAM: usize = 64;
+/// 16-bit elements per 16-byte vector: the unit of global loads and of `ldmatrix` rows.
+const CHUNK: usize = 8;
+
+/// Two 16-bit inputs or two f32 accumulators: one register of an mma fragment.
+type Pair<E> = Vector<E, Const<2>>;
+
+/// Whether the tensor-core kernels can run inputs of `dtype` and `head_dim` on this device.
+pub fn supports<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, head_dim: usize) -> bool {
+    let hardware = &client.properties().hardware;
+    let mma = MmaConfig {
+        a_type: dtype.into(),
+        b_type: dtype.into(),
+        cd_type: DType::F32.into(),
+        m: 16,
+        n: 8,
+        k: 16,
+    };
+    let features = &client.features().matmul;
+    matches!(dtype, DType::BF16 | DType::F16)
+        && matches!(head_dim, 64 | 128)
+        && hardware.plane_size_min == WARP as u32
+        && hardware.plane_size_max == WARP as u32
+        && shared_bytes(head_dim, dtype.size()) <= hardware.max_shared_memory_size
+        && features.mma.contains(&mma)
+        && features.ldmatrix.contains(&dtype.into())
+}
+
+/// Shared memory of the largest kernel (dK/dV: K, V, Q and dO tiles plus two f32 rows).
+fn shared_bytes(head_dim: usize, elem_size: usize) -> usize {
+    (2 * BLOCK + 2 * STREAM) * head_dim * elem_size + 2 * STREAM * 4
+}
+
+/// Position of 16-byte chunk `chunk` of `row` in a tile of `chunks` chunks per row. The XOR
+/// swizzle puts the 8 rows one `ldmatrix` reads at the same column in 8 different bank groups.
+#[cube]
+fn swizzle(row: usize, chunk: usize, #[comptime] chunks: usize) -> usize {
+    row * chunks + (chunk ^ (row % 8))
+}
+
+/// Copies rows `first_row..first_row + rows` (zeros past `total_rows`) of the head starting at
+/// element `head_offset` of `source` into a swizzled shared tile, 16 bytes per thread and step.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_tile<F: Float, N: Size>(
+    source: &Tensor<Vector<F, N>>,
+    head_offset: usize,
+    first_row: usize,
+    total_rows: usize,
+    tile: &mut SharedMemory<Vector<F, N>>,
+    thread: usize,
+    #[comptime] rows: usize,
+    #[comptime] head_dim: usize,
+) {
+    let chunks = comptime!(head_dim / CHUNK);
+    let threads = comptime!(WARPS * WARP);
+    let row_stride = source.stride(2);
+    #[unroll]
+    for step in 0..comptime!(rows * chunks / threads) {
+        let element = thread + step * threads;
+        let row = element / chunks;
+        let chunk = element % chunks;
+        let source_row = first_row + row;
+        let mut value = Vector::<F, N>::new(F::new(0.0));
+        if source_row < total_rows {
+            value = source[(head_offset + source_row * row_stride) / CHUNK + chunk];
+        }
+        tile[swizzle(row, chunk, chunks)] = value;
+    }
+}
+
+/// Copies `STREAM` f32 values per head row (`lse` or `delta`, zeros past `total`) into shared
+/// memory.
+#[cube]
+fn load_row_stats(
+    source: &Tensor<f32>,
+    head_offset: usize,
+    first: usize,
+    total: usize,
+    stats: &mut SharedMemory<f32>,
+    thread: usize,
+) {
+    if thread < STREAM {
+        let index = first + thread;
+        let mut value = 0.0f32;
+        if index < total {
+            value = source[head_offset + index * source.stride(2)];
+        }
+        stats[thread] = value;
+    }
+}
+
+/// `ldmatrix.x4` of the 16 x 16 block at rows `row0..row0 + 16`, chunks `chunk0, chunk0 + 1` of a
+/// swizzled tile. Lane `l` addresses row `l % 8` of 8x8 matrix `l / 8`; `rows_first` orders the
+/// four matrices rows-then-chunks (the A fragment of a row-major `[m][k]` block, or with
+/// `transpose` the B fragments of two n8 tiles of a row-major `[k][n]` block) instead of
+/// chunks-then-rows (the B fragments of two n8 tiles of a row-major `[n][k]` block).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn load_block<F: Float, N: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    row0: usize,
+    chunk0: usize,
+    lane: usize,
+    #[comptime] chunks: usize,
+    #[comptime] rows_first: bool,
+    #[comptime] transpose: bool,
+) -> Array<Pair<F>> {
+    let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let matrix = lane / 8usize;
+    let mut row_half = matrix / 2usize;
+    let mut chunk_half = matrix % 2usize;
+    if comptime!(rows_first) {
+        row_half = matrix % 2usize;
+        chunk_half = matrix / 2usize;
+    }
+    let index = swizzle(
+        row0 + lane % 8usize + 8usize * row_half,
+        chunk0 + chunk_half,
+        chunks,
+    );
+    mma.load_matrix::<Vector<F, N>, Const<2>>(
+        &tile.slice(index, index + 1),
+        MatrixIdent::A,
+        4usize,
+        transpose,
+    )
+}
+
+/// The A fragments of a warp's 16-row strip (`head_dim / 16` blocks of 4 registers).
+#[cube]
+fn load_strip<F: Float, N: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    row0: usize,
+    lane: usize,
+    #[comptime] head_dim: usize,
+) -> Array<Pair<F>> {
+    let mut strip = Array::<Pair<F>>::new(comptime!(head_dim / 4));
+    #[unroll]
+    for kk in 0..comptime!(head_dim / 16) {
+        let block = load_block::<F, N>(tile, row0, 2 * kk, lane, head_dim / CHUNK, true, false);
+        #[unroll]
+        for i in 0..4usize {
+            strip[4 * kk + i] = block[i];
+        }
+    }
+    strip
+}
+
+/// `acc[acc_at..acc_at + 2] += a[a_at..a_at + 4] x b[b_at..b_at + 2]`: one m16n8k16 step on
+/// fragments kept in larger register arrays.
+#[cube]
+fn mma_step<F: Float>(
+    a: &Array<Pair<F>>,
+    a_at: usize,
+    b: &Array<Pair<F>>,
+    b_at: usize,
+    acc: &mut Array<Pair<f32>>,
+    acc_at: usize,
+) {
+    let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let mut a_frag = Array::<Pair<F>>::new(4usize);
+    #[unroll]
+    for i in 0..4usize {
+        a_frag[i] = a[a_at + i];
+    }
+    let mut b_frag = Array::<Pair<F>>::new(2usize);
+    #[unroll]
+    for i in 0..2usize {
+        b_frag[i] = b[b_at + i];
+    }
+    let mut c_frag = Array::<Pair<f32>>::new(2usize);
+    #[unroll]
+    for i in 0..2usize {
+        c_frag[i] = acc[acc_at + i];
+    }
+    mma.execute_inplace(&a_frag, &b_frag, &mut c_frag);
+    #[unroll]
+    for i in 0..2usize {
+        acc[acc_at + i] = c_frag[i];
+    }
+}
+
+/// Zeroed accumulator fragments of a `16 x cols` result.
+#[cube]
+fn zeros(#[comptime] cols: usize) -> Array<Pair<f32>> {
+    let mut acc = Array::<Pair<f32>>::new(comptime!(cols / 4));
+    #[unroll]
+    for i in 0..comptime!(cols / 4) {
+        acc[i] = Pair::<f32>::new(0.0);
+    }
+    acc
+}
+
+/// `strip . tile^T`: the `16 x STREAM` scores of a strip (A fragments over `head_dim`) against
+/// the rows of a `STREAM x head_dim` tile. Accumulator `2n + h` holds row `h * 8 + lane / 4`,
+/// columns `8n + 2 (lane % 4) + {0, 1}`.
+#[cube]
+fn strip_times_tile_t<F: Float, N: Size>(
+    strip: &Array<Pair<F>>,
+    tile: &SharedMemory<Vector<F, N>>,
+    lane: usize,
+    #[comptime] head_dim: usize,
+) -> Array<Pair<f32>> {
+    let mut scores = zeros(STREAM);
+    #[unroll]
+    for kk in 0..comptime!(head_dim / 16) {
+        #[unroll]
+        for pair in 0..comptime!(STREAM / 16) {
+            let b = load_block::<F, N>(tile, 16 * pair, 2 * kk, lane, head_dim / CHUNK, false, false);
+            mma_step::<F>(strip, 4 * kk, &b, 0, &mut scores, 4 * pair);
+            mma_step::<F>(strip, 4 * kk, &b, 2, &mut scores, 4 * pair + 2);
+        }
+    }
+    scores
+}
+
+/// `acc += p . tile` for the `16 x STREAM` probabilities `p` (f32 accumulators, packed here to
+/// 16-bit A fragments) and a `STREAM x head_dim` tile.
+#[cube]
+fn accumulate_p_times_tile<F: Float, N: Size>(
+    p: &Array<Pair<f32>>,
+    tile: &SharedMemory<Vector<F, N>>,
+    acc: &mut Array<Pair<f32>>,
+    lane: usize,
+    #[comptime] head_dim: usize,
+) {
+    // Accumulators 4c..4c + 4 (two n8 tiles) are the A fragment of k-block c, in order.
+    let mut packed = Array::<Pair<F>>::new(comptime!(STREAM / 4));
+    #[unroll]
+    for i in 0..comptime!(STREAM / 4) {
+        packed[i] = Pair::<F>::cast_from(p[i]);
+    }
+    #[unroll]
+    for kc in 0..comptime!(STREAM / 16) {
+        #[unroll]
+        for pair in 0..comptime!(head_dim / 16) {
+            let b = load_block::<F, N>(tile, 16 * kc, 2 * pair, lane, head_dim / CHUNK, true, true);
+            mma_step::<F>(&packed, 4 * kc, &b, 0, acc, 4 * pair);
+            mma_step::<F>(&packed, 4 * kc, &b, 2, acc, 4 * pair + 2);
+        }
+    }
+}
+
+/// Writes a warp's `16 x head_dim` accumulator times `scale` (rows past `total_rows` skipped).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn store_strip<F: Float>(
+    acc: &Array<Pair<f32>>,
+    scale_lo: f32,
+    scale_hi: f32,
+    out: &mut Tensor<F>,
+    head_offset: usize,
+    row_lo: usize,
+    total_rows: usize,
+    lane: usize,
+    #[comptime] head_dim: usize,
+) {
+    let row_stride = out.stride(2);
+    let column = 2 * (lane % 4);
+    #[unroll]
+    for n in 0..comptime!(head_dim / 8) {
+        #[unroll]
+        for half in 0..2usize {
+            let row = row_lo + 8 * half;
+            let mut scale = scale_lo;
+            if half == 1 {
+                scale = scale_hi;
+            }
+            if row < total_rows {
+                let at = head_offset + row * row_stride + 8 * n + column;
+                let value = acc[2 * n + half];
+                out[at] = F::cast_from(value[0] * scale);
+                out[at + 1] = F::cast_from(value[1] * scale);
+            }
+        }
+    }
+}
+
+/// Sum over the four lanes that share a row of an accumulator fragment.
+#[cube]
+fn quad_sum(value: f32) -> f32 {
+    let pairs = value + plane_shuffle_xor(value, 1);
+    pairs + plane_shuffle_xor(pairs, 2)
+}
+
+/// Max over the four lanes that share a row of an accumulator fragment.
+#[cube]
+fn quad_max(value: f32) -> f32 {
+    let pairs = max(value, plane_shuffle_xor(value, 1));
+    max(pairs, plane_shuffle_xor(pairs, 2))
+}
+
+/// Forward: one cube per (query tile, query head, batch), the heaviest causal tiles first.
+/// Streams the visible K/V tiles; online softmax in registers.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+fn flash_forward_mma_kernel<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    out: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
+    window: u32,
+    group: u32,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let chunks = comptime!(head_dim / CHUNK);
+    let lane = UNIT_POS_X as usize;
+    let warp = UNIT_POS_Y as usize;
+    let thread = warp * WARP + lane;
+    let batch = CUBE_POS_Z as usize;
+    let head = CUBE_POS_Y as usize;
+    let q_heads = q.shape(1);
+    let kv_head = head / (q_heads / k.shape(1));
+    let q_len = q.shape(2);
+    let kv_len = k.shape(2);
+    let offset = kv_len - q_len;
+    let shift = group_shift(head as u32, q_heads as u32, group);
+    let q_start = (q_len.div_ceil(BLOCK) - 1 - CUBE_POS_X as usize) * BLOCK;
+
+    let mut q_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
+    let mut k_tile = SharedMemory::<Vector<F, N>>::new(comptime!(STREAM * chunks));
+    let mut v_tile = SharedMemory::<Vector<F, N>>::new(comptime!(STREAM * chunks));
+
+    let q_offset = batch * q.stride(0) + head * q.stride(1);
+    let k_offset = batch * k.stride(0) + kv_head * k.stride(1);
+    let v_offset = batch * v.stride(0) + kv_head * v.stride(1);
+    load_tile::<F, N>(q, q_offset, q_start, q_len, &mut q_tile, thread, BLOCK, head_dim);
+    sync_cube();
+    let q_strip = load_strip::<F, N>(&q_tile, warp * STRIP, lane, head_dim);
+
+    let row_lo = q_start + warp * STRIP + lane / 4;
+    let pos_lo = (offset + row_lo) as u32;
+    let pos_hi = pos_lo + 8;
+    let warp_first_pos = offset + q_start + warp * STRIP;
+    let first_pos = (offset + q_start) as u32;
+    let last_pos = (offset + min(q_start + BLOCK, q_len) - 1) as u32;
+    let first_key_tile = first_visible_key(first_pos, window, group, shift) as usize / STREAM;
+    let end_key_tile = last_pos as usize / STREAM + 1;
+
+    let mut max_lo = f32::new(HIDDEN);
+    let mut max_hi = f32::new(HIDDEN);
+    // Per-lane partial row sums; the four lanes of a row are added once at the end.
+    let mut sum_lo = 0.0f32;
+    let mut sum_hi = 0.0f32;
+    let mut acc = zeros(head_dim);
+
+    for key_tile in first_key_tile..end_key_tile {
+        let key_start = key_tile * STREAM;
+        sync_cube();
+        load_tile::<F, N>(k, k_offset, key_start, kv_len, &mut k_tile, thread, STREAM, head_dim);
+        load_tile::<F, N>(v, v_offset, key_start, kv_len, &mut v_tile, thread, STREAM, head_dim);
+        sync_cube();
+
+        let mut scores = strip_times_tile_t::<F, N>(&q_strip, &k_tile, lane, head_dim);
+        let masked = key_start + STREAM > warp_first_pos + 1
+            || key_start + STREAM > kv_len
+            || window > 0
+            || group > 0;
+        let mut tile_max_lo = f32::new(HIDDEN);
+        let mut tile_max_hi = f32::new(HIDDEN);
+        #[unroll]
+        for n in 0..comptime!(STREAM / 8) {
+            let mut lo = scores[2 * n] * Pair::<f32>::new(scale);
+            let mut hi = scores[2 * n + 1] * Pair::<f32>::new(scale);
+            if masked {
+                #[unroll]
+                for j in 0..2usize {
+                    let key = key_start + 8 * n + 2 * (lane % 4) + j;
+                    let in_range = key < kv_len;
+                    if !(in_range && is_visible(pos_lo, key as u32, window, group, shift)) {
+                        lo[j] = f32::new(HIDDEN);
+                    }
+                    if !(in_range && is_visible(pos_hi, key as u32, window, group, shift)) {
+                        hi[j] = f32::new(HIDDEN);
+                    }
+                }
+            }
+            tile_max_lo = max(tile_max_lo, max(lo[0], lo[1]));
+            tile_max_hi = max(tile_max_hi, max(hi[0], hi[1]));
+            scores[2 * n] = lo;
+            scores[2 * n + 1] = hi;
+        }
+        let new_max_lo = max(max_lo, quad_max(tile_max_lo));
+        let new_max_hi = max(max_hi, quad_max(tile_max_hi));
+        // A row with no visible key yet keeps probabilities 0 (exp of HIDDEN - 0).
+        let mut base_lo = new_max_lo;
+        if new_max_lo == f32::new(HIDDEN) {
+            base_lo = 0.0;
+        }
+        let mut base_hi = new_max_hi;
+        if new_max_hi == f32::new(HIDDEN) {
+            base_hi = 0.0;
+        }
+        let correction_lo = (max_lo - base_lo).exp();
+        let correction_hi = (max_hi - base_hi).exp();
+        max_lo = new_max_lo;
+        max_hi = new_max_hi;
+        let mut tile_sum_lo = 0.0f32;
+        let mut tile_sum_hi = 0.0f32;
+        #[unroll]
+        for n in 0..comptime!(STREAM / 8) {
+            let lo = (scores[2 * n] - Pair::<f32>::new(base_lo)).exp();
+            let hi = (scores[2 * n + 1] - Pair::<f32>::new(base_hi)).exp();
+            tile_sum_lo += lo[0] + lo[1];
+            tile_sum_hi += hi[0] + hi[1];
+            scores[2 * n] = lo;
+            scores[2 * n + 1] = hi;
+        }
+        sum_lo = sum_lo * correction_lo + tile_sum_lo;
+        sum_hi = sum_hi * correction_hi + tile_sum_hi;
+        #[unroll]
+        for n in 0..comptime!(head_dim / 8) {
+            acc[2 * n] = acc[2 * n] * Pair::<f32>::new(correction_lo);
+            acc[2 * n + 1] = acc[2 * n + 1] * Pair::<f32>::new(correction_hi);
+        }
+        accumulate_p_times_tile::<F, N>(&scores, &v_tile, &mut acc, lane, head_dim);
+    }
+
+    let total_lo = quad_sum(sum_lo);
+    let total_hi = quad_sum(sum_hi);
+    let out_offset = batch * out.stride(0) + head * out.stride(1);
+    store_strip::<F>(
+        &acc,
+        1.0 / total_lo,
+        1.0 / total_hi,
+        out,
+        out_offset,
+        row_lo,
+        q_len,
+        lane,
+        head_dim,
+    );
+    if lane % 4 == 0 {
+        let lse_offset = batch * lse.stride(0) + head * lse.stride(1);
+        if row_lo < q_len {
+            lse[lse_offset + row_lo * lse.stride(2)] = max_lo + total_lo.ln();
+        }
+        if row_lo + 8 < q_len {
+            lse[lse_offset + (row_lo + 8) * lse.stride(2)] = max_hi + total_hi.ln();
+        }
+    }
+}
+
+/// Probabilities `exp(scores * scale - lse)` of a strip's scores, HIDDEN-masked where the
+/// (query, key) pair is not visible. `row_is_query` says whether the strip's rows are queries
+/// (dQ kernel) or keys (dK/dV kernel, where columns are queries and `lse` comes per column).
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn probabilities(
+    scores: &mut Array<Pair<f32>>,
+    lse_lo: f32,
+    lse_hi: f32,
+    column_lse: &SharedMemory<f32>,
+    row_lo: usize,
+    column_start: usize,
+    offset: usize,
+    q_len: usize,
+    kv_len: usize,
+    masked: bool,
+    window: u32,
+    group: u32,
+    shift: u32,
+    scale: f32,
+    lane: usize,
+    #[comptime] row_is_query: bool,
+) {
+    #[unroll]
+    for n in 0..comptime!(STREAM / 8) {
+        #[unroll]
+        for half in 0..2usize {
+            let row = row_lo + 8 * half;
+            let mut value = scores[2 * n + half] * Pair::<f32>::new(scale);
+            #[unroll]
+            for j in 0..2usize {
+                let local_column = 8 * n + 2 * (lane % 4) + j;
+                let column = column_start + local_column;
+                let mut row_lse = lse_lo;
+                if half == 1 {
+                    row_lse = lse_hi;
+                }
+                let mut query = row;
+                let mut key = column;
+                if comptime!(!row_is_query) {
+                    row_lse = column_lse[local_column];
+                    query = column;
+                    key = row;
+                }
+                let mut score = value[j] - row_lse;
+                if masked
+                    && !(query < q_len
+                        && key < kv_len
+                        && is_visible((offset + query) as u32, key as u32, window, group, shift))
+                {
+                    score = f32::new(HIDDEN);
+                }
+                value[j] = score;
+            }
+            scores[2 * n + half] = value.exp();
+        }
+    }
+}
+
+/// `dS = P * (dP - delta)` in place in `dp` (delta per row or, for key strips, per column).
+#[cube]
+fn score_gradients(
+    p: &Array<Pair<f32>>,
+    dp: &mut Array<Pair<f32>>,
+    delta_lo: f32,
+    delta_hi: f32,
+    column_delta: &SharedMemory<f32>,
+    lane: usize,
+    #[comptime] row_is_query: bool,
+) {
+    #[unroll]
+    for n in 0..comptime!(STREAM / 8) {
+        #[unroll]
+        for half in 0..2usize {
+            let mut delta = Pair::<f32>::new(delta_lo);
+            if half == 1 {
+                delta = Pair::<f32>::new(delta_hi);
+            }
+            if comptime!(!row_is_query) {
+                let column = 8 * n + 2 * (lane % 4);
+                delta[0] = column_delta[column];
+                delta[1] = column_delta[column + 1];
+            }
+            dp[2 * n + half] = p[2 * n + half] * (dp[2 * n + half] - delta);
+        }
+    }
+}
+
+/// dK and dV: one cube per (key tile, kv head, batch). Loops over the query heads sharing this
+/// K/V head (GQA without atomics) and the query tiles that see the key tile, recomputing
+/// `P^T = exp(K Q^T * scale - lse)` per key strip.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+fn flash_backward_kv_mma_kernel<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    grad_out: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    grad_k: &mut Tensor<F>,
+    grad_v: &mut Tensor<F>,
+    window: u32,
+    group: u32,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let chunks = comptime!(head_dim / CHUNK);
+    let lane = UNIT_POS_X as usize;
+    let warp = UNIT_POS_Y as usize;
+    let thread = warp * WARP + lane;
+    let batch = CUBE_POS_Z as usize;
+    let kv_head = CUBE_POS_Y as usize;
+    let q_heads = q.shape(1);
+    let group_heads = q_heads / k.shape(1);
+    let q_len = q.shape(2);
+    let kv_len = k.shape(2);
+    let offset = kv_len - q_len;
+    let key_start = CUBE_POS_X as usize * BLOCK;
+    let key_lo = key_start + warp * STRIP + lane / 4;
+    let warp_last_key = key_start + warp * STRIP + STRIP - 1;
+
+    let mut k_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
+    let mut v_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
+    let mut q_tile = SharedMemory::<Vector<F, N>>::new(comptime!(STREAM * chunks));
+    let mut grad_out_tile = SharedMemory::<Vector<F, N>>::new(comptime!(STREAM * chunks));
+    let mut lse_tile = SharedMemory::<f32>::new(STREAM);
+    let mut delta_tile = SharedMemory::<f32>::new(STREAM);
+
+    let k_offset = batch * k.stride(0) + kv_head * k.stride(1);
+    let v_offset = batch * v.stride(0) + kv_head * v.stride(1);
+    load_tile::<F, N>(k, k_offset, key_start, kv_len, &mut k_tile, thread, BLOCK, head_dim);
+    load_tile::<F, N>(v, v_offset, key_start, kv_len, &mut v_tile, thread, BLOCK, head_dim);
+
+    let mut grad_k_acc = zeros(head_dim);
+    let mut grad_v_acc = zeros(head_dim);
+    let last_key = (min(key_start + BLOCK, kv_len) - 1) as u32;
+
+    for head_in_group in 0..group_heads {
+        let head = kv_head * group_heads + head_in_group;
+        let shift = group_shift(head as u32, q_heads as u32, group);
+        let q_offset = batch * q.stride(0) + head * q.stride(1);
+        let grad_out_offset = batch * grad_out.stride(0) + head * grad_out.stride(1);
+        let lse_offset = batch * lse.stride(0) + head * lse.stride(1);
+        let delta_offset = batch * delta.stride(0) + head * delta.stride(1);
+        // Queries (absolute positions) that see some key of this tile.
+        let first_pos = key_start as u32;
+        let last_pos = last_visible_query(last_key, (kv_len - 1) as u32, window, group, shift);
+        let mut first_query = 0usize;
+        if first_pos as usize > offset {
+            first_query = first_pos as usize - offset;
+        }
+        let end_query = last_pos as usize + 1 - offset;
+        let first_query_tile = first_query / STREAM;
+        let end_query_tile = end_query.div_ceil(STREAM);
+
+        for query_tile in first_query_tile..end_query_tile {
+            let query_start = query_tile * STREAM;
+            sync_cube();
+            load_tile::<F, N>(q, q_offset, query_start, q_len, &mut q_tile, thread, STREAM, head_dim);
+            load_tile::<F, N>(
+                grad_out,
+                grad_out_offset,
+                query_start,
+                q_len,
+                &mut grad_out_tile,
+                thread,
+                STREAM,
+                head_dim,
+            );
+            load_row_stats(lse, lse_offset, query_start, q_len, &mut lse_tile, thread);
+            load_row_stats(delta, delta_offset, query_start, q_len, &mut delta_tile, thread);
+            sync_cube();
+
+            let masked = offset + query_start < warp_last_key
+                || query_start + STREAM > q_len
+                || key_start + BLOCK > kv_len
+                || window > 0
+                || group > 0;
+            let k_strip = load_strip::<F, N>(&k_tile, warp * STRIP, lane, head_dim);
+            let mut p = strip_times_tile_t::<F, N>(&k_strip, &q_tile, lane, head_dim);
+            probabilities(
+                &mut p,
+                0.0,
+                0.0,
+                &lse_tile,
+                key_lo,
+                query_start,
+                offset,
+                q_len,
+                kv_len,
+                masked,
+                window,
+                group,
+                shift,
+                scale,
+                lane,
+                false,
+            );
+            accumulate_p_times_tile::<F, N>(&p, &grad_out_tile, &mut grad_v_acc, lane, head_dim);
+            let v_strip = load_strip::<F, N>(&v_tile, warp * STRIP, lane, head_dim);
+            let mut ds = strip_times_tile_t::<F, N>(&v_strip, &grad_out_tile, lane, head_dim);
+            score_gradients(&p, &mut ds, 0.0, 0.0, &delta_tile, lane, false);
+            accumulate_p_times_tile::<F, N>(&ds, &q_tile, &mut grad_k_acc, lane, head_dim);
+        }
+    }
+
+    let grad_k_offset = batch * grad_k.stride(0) + kv_head * grad_k.stride(1);
+    let grad_v_offset = batch * grad_v.stride(0) + kv_head * grad_v.stride(1);
+    store_strip::<F>(
+        &grad_k_acc,
+        scale,
+        scale,
+        grad_k,
+        grad_k_offset,
+        key_lo,
+        kv_len,
+        lane,
+        head_dim,
+    );
+    store_strip::<F>(
+        &grad_v_acc,
+        1.0,
+        1.0,
+        grad_v,
+        grad_v_offset,
+        key_lo,
+        kv_len,
+        lane,
+        head_dim,
+    );
+}
+
+/// dQ: one cube per (query tile, query head, batch), the heaviest causal tiles first. Streams
+/// the visible K/V tiles recomputing `P` and `dP = dO V^T`.
+#[cube(launch_unchecked, fast_math = FastMath::all())]
+#[allow(clippy::too_many_arguments)]
+fn flash_backward_q_mma_kernel<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    grad_out: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    grad_q: &mut Tensor<F>,
+    window: u32,
+    group: u32,
+    scale: f32,
+    #[comptime] head_dim: usize,
+    #[define(F)] _dtype: StorageType,
+) {
+    let chunks = comptime!(head_dim / CHUNK);
+    let lane = UNIT_POS_X as usize;
+    let warp = UNIT_POS_Y as usize;
+    let thread = warp * WARP + lane;
+    let batch = CUBE_POS_Z as usize;
+    let head = CUBE_POS_Y as usize;
+    let q_heads = q.shape(1);
+    let kv_head = head / (q_heads / k.shape(1));
+    let q_len = q.shape(2);
+    let kv_len = k.shape(2);
+    let offset = kv_len - q_len;
+    let shift = group_shift(head as u32, q_heads as u32, group);
+    let q_start = (q_len.div_ceil(BLOCK) - 1 - CUBE_POS_X as usize) * BLOCK;
+
+    let mut q_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
+    let mut grad_out_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
+    let mut k_tile = SharedMemory::<Vector<F, N>>::new(comptime!(STREAM * chunks));
+    let mut v_tile = SharedMemory::<Vector<F, N>>::new(comptime!(STREAM * chunks));
+
+    let q_offset = batch * q.stride(0) + head * q.stride(1);
+    let grad_out_offset = batch * grad_out.stride(0) + head * grad_out.stride(1);
+    let k_offset = batch * k.stride(0) + kv_head * k.stride(1);
+    let v_offset = batch * v.stride(0) + kv_head * v.stride(1);
+    load_tile::<F, N>(q, q_offset, q_start, q_len, &mut q_tile, thread, BLOCK, head_dim);
+    load_tile::<F, N>(
+        grad_out,
+        grad_out_offset,
+        q_start,
+        q_len,
+        &mut grad_out_tile,
+        thread,
+        BLOCK,
+        head_dim,
+    );
+
+    let row_lo = q_start + warp * STRIP + lane / 4;
+    let lse_offset = batch * lse.stride(0) + head * lse.stride(1);
+    let delta_offset = batch * delta.stride(0) + head * delta.stride(1);
+    let mut lse_lo = 0.0f32;
+    let mut lse_hi = 0.0f32;
+    let mut delta_lo = 0.0f32;
+    let mut delta_hi = 0.0f32;
+    if row_lo < q_len {
+        lse_lo = lse[lse_offset + row_lo * lse.stride(2)];
+        delta_lo = delta[delta_offset + row_lo * delta.stride(2)];
+    }
+    if row_lo + 8 < q_len {
+        lse_hi = lse[lse_offset + (row_lo + 8) * lse.stride(2)];
+        delta_hi = delta[delta_offset + (row_lo + 8) * delta.stride(2)];
+    }
+    let warp_first_pos = offset + q_start + warp * STRIP;
+    let first_pos = (offset + q_start) as u32;
+    let last_pos = (offset + min(q_start + BLOCK, q_len) - 1) as u32;
+    let first_key_tile = first_visible_key(first_pos, window, group, shift) as usize / STREAM;
+    let end_key_tile = last_pos as usize / STREAM + 1;
+    let unused_stats = SharedMemory::<f32>::new(1usize);
+
+    let mut grad_q_acc = zeros(head_dim);
+    for key_tile in first_key_tile..end_key_tile {
+        let key_start = key_tile * STREAM;
+        sync_cube();
+        load_tile::<F, N>(k, k_offset, key_start, kv_len, &mut k_tile, thread, STREAM, head_dim);
+        load_tile::<F, N>(v, v_offset, key_start, kv_len, &mut v_tile, thread, STREAM, head_dim);
+        sync_cube();
+
+        let masked = key_start + STREAM > warp_first_pos + 1
+            || key_start + STREAM > kv_len
+            || window > 0
+            || group > 0;
+        let q_strip = load_strip::<F, N>(&q_tile, warp * STRIP, lane, head_dim);
+        let mut p = strip_times_tile_t::<F, N>(&q_strip, &k_tile, lane, head_dim);
+        probabilities(
+            &mut p,
+            lse_lo,
+            lse_hi,
+            &unused_stats,
+            row_lo,
+            key_start,
+            offset,
+            q_len,
+            kv_len,
+            masked,
+            window,
+            group,
+            shift,
+            scale,
+            lane,
+            true,
+        );
+        let grad_out_strip = load_strip::<F, N>(&grad_out_tile, warp * STRIP, lane, head_dim);
+        let mut ds = strip_times_tile_t::<F, N>(&grad_out_strip, &v_tile, lane, head_dim);
+        score_gradients(&p, &mut ds, delta_lo, delta_hi, &unused_stats, lane, true);
+        accumulate_p_times_tile::<F, N>(&ds, &k_tile, &mut grad_q_acc, lane, head_dim);
+    }
+
+    let grad_q_offset = batch * grad_q.stride(0) + head * grad_q.stride(1);
+    store_strip::<F>(
+        &grad_q_acc,
+        scale,
+        scale,
+        grad_q,
+        grad_q_offset,
+        row_lo,
+        q_len,
+        lane,
+        head_dim,
+    );
+}
+
+fn cube_dim() -> CubeDim {
+    CubeDim::new_2d(WARP as u32, WARPS as u32)
+}
+
+/// The kernels read 16-byte vectors along the head dim: make every input dense there, with
+/// row and head strides that keep the vectors aligned.
+fn vector_ready<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+    let strides = tensor.meta.strides();
+    let aligned = strides[3] == 1 && strides[..3].iter().all(|s| s % CHUNK == 0);
+    if aligned {
+        tensor
+    } else {
+        into_contiguous(tensor)
+    }
+}
+
+/// Tensor-core forward (see [`supports`]) into `out` and `lse`.
+/// Work O(batch * q_heads * q_len * visible_keys * head_dim) on the matrix units; memory
+/// O(output).
+pub(crate) fn launch_forward<R: CubeRuntime>(
+    q: CubeTensor<R>,
+    k: CubeTensor<R>,
+    v: CubeTensor<R>,
+    out: &CubeTensor<R>,
+    lse: &CubeTensor<R>,
+    options: &AttentionOptions,
+    [batch, q_heads, q_len, head_dim]: [usize; 4],
+) {
+    let mask = MaskParams::new(options);
+    let client = q.client.clone();
+    let dtype = q.dtype;
+    // SAFETY: every global read is bounds-checked against the tensor shapes in the kernel, and
+    // the inputs are dense along the head dim (`vector_ready`).
+    unsafe {
+        flash_forward_mma_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(q_len.div_ceil(BLOCK) as u32, q_heads as u32, batch as u32),
+            cube_dim(),
+            CHUNK,
+            vector_ready(q).into_tensor_arg(),
+            vector_ready(k).into_tensor_arg(),
+            vector_ready(v).into_tensor_arg(),
+            out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            mask.window,
+            mask.group,
+            options.scale,
+            head_dim,
+            dtype.into(),
+        );
+    }
+}
+
+/// The inputs and outputs of the backward kernels.
+pub(crate) struct BackwardTensors<R: CubeRuntime> {
+    pub q: CubeTensor<R>,
+    pub k: CubeTensor<R>,
+    pub v: CubeTensor<R>,
+    pub grad_out: CubeTensor<R>,
+    pub lse: CubeTensor<R>,
+    pub delta: CubeTensor<R>,
+    pub grad_q: CubeTensor<R>,
+    pub grad_k: CubeTensor<R>,
+    pub grad_v: CubeTensor<R>,
+}
+
+/// Tensor-core dK/dV and dQ (see [`supports`]), given `delta = rowsum(dO * O)`.
+/// Work O(batch * q_heads * q_len * visible_keys * head_dim) on the matrix units; memory
+/// O(inputs).
+pub(crate) fn launch_backward<R: CubeRuntime>(
+    tensors: BackwardTensors<R>,
+    options: &AttentionOptions,
+    [batch, q_heads, kv_heads, q_len, kv_len, head_dim]: [usize; 6],
+) {
+    let BackwardTensors {
+        q,
+        k,
+        v,
+        grad_out,
+        lse,
+        delta,
+        grad_q,
+        grad_k,
+        grad_v,
+    } = tensors;
+    let mask = MaskParams::new(options);
+    let client = q.client.clone();
+    let dtype = q.dtype;
+    let (q, k, v, grad_out) = (
+        vector_ready(q),
+        vector_ready(k),
+        vector_ready(v),
+        vector_ready(grad_out),
+    );
+    // SAFETY: as in `launch_forward`.
+    unsafe {
+        flash_backward_kv_mma_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(kv_len.div_ceil(BLOCK) as u32, kv_heads as u32, batch as u32),
+            cube_dim(),
+            CHUNK,
+            q.clone().into_tensor_arg(),
+            k.clone().into_tensor_arg(),
+            v.clone().into_tensor_arg(),
+            grad_out.clone().into_tensor_arg(),
+            lse.clone().into_tensor_arg(),
+            delta.clone().into_tensor_arg(),
+            grad_k.into_tensor_arg(),
+            grad_v.into_tensor_arg(),
+            mask.window,
+            mask.group,
+            options.scale,
+            head_dim,
+            dtype.into(),
+        );
+        flash_backward_q_mma_kernel::launch_unchecked::<R>(
+            &client,
+            CubeCount::Static(q_len.div_ceil(BLOCK) as u32, q_heads as u32, batch as u32),
+            cube_dim(),
+            CHUNK,
+            q.into_tensor_arg(),
+            k.into_tensor_arg(),
+            v.into_tensor_arg(),
+            grad_out.into_tensor_arg(),
+            lse.into_tensor_arg(),
+            delta.into_tensor_arg(),
+            grad_q.into_tensor_arg(),
+            mask.window,
+            mask.group,
+            options.scale,
+            head_dim,
+            dtype.into(),
+        );
+    }
+}
