@@ -16,6 +16,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::cmma::MmaDefinition;
 use cubecl::ir::features::MmaConfig;
 use cubecl::ir::{FastMath, MatrixIdent};
+use cubecl::prelude::barrier::{Barrier, copy_async_checked};
 use cubecl::prelude::*;
 
 use super::{HIDDEN, MaskParams, first_visible_key, group_shift, is_visible, last_visible_query};
@@ -57,9 +58,10 @@ pub fn supports<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, head_di
         && features.ldmatrix.contains(&dtype.into())
 }
 
-/// Shared memory of the largest kernel (dK/dV: K, V, Q and dO tiles plus two f32 rows).
+/// Shared memory of the largest kernel (dK/dV: K and V tiles, two stages of Q and dO tiles and
+/// of their f32 `lse`/`delta` rows, two barriers).
 fn shared_bytes(head_dim: usize, elem_size: usize) -> usize {
-    (2 * BLOCK + 2 * STREAM) * head_dim * elem_size + 2 * STREAM * 4
+    (2 * BLOCK + 4 * STREAM) * head_dim * elem_size + 4 * STREAM * 4 + 2 * 8
 }
 
 /// Position of 16-byte chunk `chunk` of `row` in a tile of `chunks` chunks per row. The XOR
@@ -100,29 +102,152 @@ fn load_tile<F: Float, N: Size>(
     }
 }
 
-/// Copies `STREAM` f32 values per head row (`lse` or `delta`, zeros past `total`) into shared
-/// memory.
+/// Starts asynchronous copies (`cp.async`, 16 bytes per thread and step) of rows
+/// `first_row..first_row + STREAM` (zero-filled past `total_rows`) of one head into the swizzled
+/// tile at vector `base` of `tiles`. A barrier's `commit_copy_async` then tracks them.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn prefetch_tile<F: Float, N: Size>(
+    source: &Tensor<Vector<F, N>>,
+    head_offset: usize,
+    first_row: usize,
+    total_rows: usize,
+    tiles: &mut SharedMemory<Vector<F, N>>,
+    base: usize,
+    thread: usize,
+    #[comptime] head_dim: usize,
+) {
+    let chunks = comptime!(head_dim / CHUNK);
+    let threads = comptime!(WARPS * WARP);
+    let row_stride = source.stride(2);
+    #[unroll]
+    for step in 0..comptime!(STREAM * chunks / threads) {
+        let element = thread + step * threads;
+        let row = element / chunks;
+        let source_row = first_row + row;
+        // Rows past the end copy nothing from a valid address and are zero-filled.
+        let mut start = head_offset / CHUNK;
+        let mut length = 0usize;
+        if source_row < total_rows {
+            start = (head_offset + source_row * row_stride) / CHUNK + element % chunks;
+            length = 1;
+        }
+        let destination = base + swizzle(row, element % chunks, chunks);
+        copy_async_checked(
+            &source.slice(start, start + length),
+            &mut tiles.slice_mut(destination, destination + 1),
+            CHUNK as u32,
+        );
+    }
+}
+
+/// Starts copying stage `stage` of the forward's and dQ kernel's stream: the K and V tiles from
+/// key `key_start`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn prefetch_key_step<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    k_offset: usize,
+    v_offset: usize,
+    key_start: usize,
+    k_tiles: &mut SharedMemory<Vector<F, N>>,
+    v_tiles: &mut SharedMemory<Vector<F, N>>,
+    stage: usize,
+    thread: usize,
+    #[comptime] head_dim: usize,
+) {
+    let kv_len = k.shape(2);
+    let base = stage * comptime!(STREAM * head_dim / CHUNK);
+    prefetch_tile::<F, N>(k, k_offset, key_start, kv_len, k_tiles, base, thread, head_dim);
+    prefetch_tile::<F, N>(v, v_offset, key_start, kv_len, v_tiles, base, thread, head_dim);
+}
+
+/// Makes the barrier of `stage` track this thread's pending `cp.async` copies.
+#[cube]
+fn commit_stage(stage: usize, ready_0: &Shared<Barrier>, ready_1: &Shared<Barrier>) {
+    if stage == 0 {
+        ready_0.commit_copy_async();
+    } else {
+        ready_1.commit_copy_async();
+    }
+}
+
+/// Waits until the copies of `stage` have landed and every thread has arrived.
+#[cube]
+fn wait_stage(stage: usize, ready_0: &Shared<Barrier>, ready_1: &Shared<Barrier>) {
+    if stage == 0 {
+        ready_0.arrive_and_wait();
+    } else {
+        ready_1.arrive_and_wait();
+    }
+}
+
+/// Copies the `STREAM` f32 values (`lse` or `delta`, zeros past the end) of one head's rows
+/// `first..first + STREAM` to `stats[base..]`.
 #[cube]
 fn load_row_stats(
     source: &Tensor<f32>,
-    head_offset: usize,
+    batch: usize,
+    head: usize,
     first: usize,
-    total: usize,
     stats: &mut SharedMemory<f32>,
+    base: usize,
     thread: usize,
 ) {
     if thread < STREAM {
         let index = first + thread;
         let mut value = 0.0f32;
-        if index < total {
-            value = source[head_offset + index * source.stride(2)];
+        if index < source.shape(2) {
+            value = source[batch * source.stride(0)
+                + head * source.stride(1)
+                + index * source.stride(2)];
         }
-        stats[thread] = value;
+        stats[base + thread] = value;
     }
 }
 
-/// `ldmatrix.x4` of the 16 x 16 block at rows `row0..row0 + 16`, chunks `chunk0, chunk0 + 1` of a
-/// swizzled tile. Lane `l` addresses row `l % 8` of 8x8 matrix `l / 8`; `rows_first` orders the
+/// Starts loading stage `stage` of the dK/dV kernel's stream: the Q and dO tiles of query head
+/// `head` from query `query_start` (asynchronous copies) and their `lse` and `delta` rows.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn prefetch_query_step<F: Float, N: Size>(
+    q: &Tensor<Vector<F, N>>,
+    grad_out: &Tensor<Vector<F, N>>,
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    batch: usize,
+    head: usize,
+    query_start: usize,
+    q_tiles: &mut SharedMemory<Vector<F, N>>,
+    grad_out_tiles: &mut SharedMemory<Vector<F, N>>,
+    lse_tiles: &mut SharedMemory<f32>,
+    delta_tiles: &mut SharedMemory<f32>,
+    stage: usize,
+    thread: usize,
+    #[comptime] head_dim: usize,
+) {
+    let q_len = q.shape(2);
+    let base = stage * comptime!(STREAM * head_dim / CHUNK);
+    let q_offset = batch * q.stride(0) + head * q.stride(1);
+    let grad_out_offset = batch * grad_out.stride(0) + head * grad_out.stride(1);
+    prefetch_tile::<F, N>(q, q_offset, query_start, q_len, q_tiles, base, thread, head_dim);
+    prefetch_tile::<F, N>(
+        grad_out,
+        grad_out_offset,
+        query_start,
+        q_len,
+        grad_out_tiles,
+        base,
+        thread,
+        head_dim,
+    );
+    load_row_stats(lse, batch, head, query_start, lse_tiles, stage * STREAM, thread);
+    load_row_stats(delta, batch, head, query_start, delta_tiles, stage * STREAM, thread);
+}
+
+/// `ldmatrix.x4` of the 16 x 16 block at rows `row0..row0 + 16`, chunks `chunk0, chunk0 + 1` of the
+/// swizzled tile starting at vector `base` of `tile`. Lane `l` addresses row `l % 8` of 8x8 matrix `l / 8`; `rows_first` orders the
 /// four matrices rows-then-chunks (the A fragment of a row-major `[m][k]` block, or with
 /// `transpose` the B fragments of two n8 tiles of a row-major `[k][n]` block) instead of
 /// chunks-then-rows (the B fragments of two n8 tiles of a row-major `[n][k]` block).
@@ -130,6 +255,7 @@ fn load_row_stats(
 #[allow(clippy::too_many_arguments)]
 fn load_block<F: Float, N: Size>(
     tile: &SharedMemory<Vector<F, N>>,
+    base: usize,
     row0: usize,
     chunk0: usize,
     lane: usize,
@@ -145,11 +271,12 @@ fn load_block<F: Float, N: Size>(
         row_half = matrix % 2usize;
         chunk_half = matrix / 2usize;
     }
-    let index = swizzle(
-        row0 + lane % 8usize + 8usize * row_half,
-        chunk0 + chunk_half,
-        chunks,
-    );
+    let index = base
+        + swizzle(
+            row0 + lane % 8usize + 8usize * row_half,
+            chunk0 + chunk_half,
+            chunks,
+        );
     mma.load_matrix::<Vector<F, N>, Const<2>>(
         &tile.slice(index, index + 1),
         MatrixIdent::A,
@@ -169,7 +296,7 @@ fn load_strip<F: Float, N: Size>(
     let mut strip = Array::<Pair<F>>::new(comptime!(head_dim / 4));
     #[unroll]
     for kk in 0..comptime!(head_dim / 16) {
-        let block = load_block::<F, N>(tile, row0, 2 * kk, lane, head_dim / CHUNK, true, false);
+        let block = load_block::<F, N>(tile, 0, row0, 2 * kk, lane, head_dim / CHUNK, true, false);
         #[unroll]
         for i in 0..4usize {
             strip[4 * kk + i] = block[i];
@@ -230,6 +357,7 @@ fn zeros(#[comptime] cols: usize) -> Array<Pair<f32>> {
 fn strip_times_tile_t<F: Float, N: Size>(
     strip: &Array<Pair<F>>,
     tile: &SharedMemory<Vector<F, N>>,
+    base: usize,
     lane: usize,
     #[comptime] head_dim: usize,
 ) -> Array<Pair<f32>> {
@@ -238,7 +366,16 @@ fn strip_times_tile_t<F: Float, N: Size>(
     for kk in 0..comptime!(head_dim / 16) {
         #[unroll]
         for pair in 0..comptime!(STREAM / 16) {
-            let b = load_block::<F, N>(tile, 16 * pair, 2 * kk, lane, head_dim / CHUNK, false, false);
+            let b = load_block::<F, N>(
+                tile,
+                base,
+                16 * pair,
+                2 * kk,
+                lane,
+                head_dim / CHUNK,
+                false,
+                false,
+            );
             mma_step::<F>(strip, 4 * kk, &b, 0, &mut scores, 4 * pair);
             mma_step::<F>(strip, 4 * kk, &b, 2, &mut scores, 4 * pair + 2);
         }
@@ -252,6 +389,7 @@ fn strip_times_tile_t<F: Float, N: Size>(
 fn accumulate_p_times_tile<F: Float, N: Size>(
     p: &Array<Pair<f32>>,
     tile: &SharedMemory<Vector<F, N>>,
+    base: usize,
     acc: &mut Array<Pair<f32>>,
     lane: usize,
     #[comptime] head_dim: usize,
@@ -266,7 +404,16 @@ fn accumulate_p_times_tile<F: Float, N: Size>(
     for kc in 0..comptime!(STREAM / 16) {
         #[unroll]
         for pair in 0..comptime!(head_dim / 16) {
-            let b = load_block::<F, N>(tile, 16 * kc, 2 * pair, lane, head_dim / CHUNK, true, true);
+            let b = load_block::<F, N>(
+                tile,
+                base,
+                16 * kc,
+                2 * pair,
+                lane,
+                head_dim / CHUNK,
+                true,
+                true,
+            );
             mma_step::<F>(&packed, 4 * kc, &b, 0, acc, 4 * pair);
             mma_step::<F>(&packed, 4 * kc, &b, 2, acc, 4 * pair + 2);
         }
@@ -352,9 +499,13 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
     let shift = group_shift(head as u32, q_heads as u32, group);
     let q_start = (q_len.div_ceil(BLOCK) - 1 - CUBE_POS_X as usize) * BLOCK;
 
+    let stage_words = comptime!(STREAM * chunks);
     let mut q_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
-    let mut k_tile = SharedMemory::<Vector<F, N>>::new(comptime!(STREAM * chunks));
-    let mut v_tile = SharedMemory::<Vector<F, N>>::new(comptime!(STREAM * chunks));
+    // Two stages: the next K/V tiles are copied while the current ones are used.
+    let mut k_tiles = SharedMemory::<Vector<F, N>>::new(comptime!(2 * STREAM * chunks));
+    let mut v_tiles = SharedMemory::<Vector<F, N>>::new(comptime!(2 * STREAM * chunks));
+    let ready_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let ready_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
     let q_offset = batch * q.stride(0) + head * q.stride(1);
     let k_offset = batch * k.stride(0) + kv_head * k.stride(1);
@@ -379,14 +530,41 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
     let mut sum_hi = 0.0f32;
     let mut acc = zeros(head_dim);
 
+    prefetch_key_step::<F, N>(
+        k,
+        v,
+        k_offset,
+        v_offset,
+        first_key_tile * STREAM,
+        &mut k_tiles,
+        &mut v_tiles,
+        0,
+        thread,
+        head_dim,
+    );
+    commit_stage(0, &ready_0, &ready_1);
     for key_tile in first_key_tile..end_key_tile {
         let key_start = key_tile * STREAM;
-        sync_cube();
-        load_tile::<F, N>(k, k_offset, key_start, kv_len, &mut k_tile, thread, STREAM, head_dim);
-        load_tile::<F, N>(v, v_offset, key_start, kv_len, &mut v_tile, thread, STREAM, head_dim);
-        sync_cube();
+        let stage = (key_tile - first_key_tile) % 2;
+        if key_tile + 1 < end_key_tile {
+            prefetch_key_step::<F, N>(
+                k,
+                v,
+                k_offset,
+                v_offset,
+                key_start + STREAM,
+                &mut k_tiles,
+                &mut v_tiles,
+                1 - stage,
+                thread,
+                head_dim,
+            );
+            commit_stage(1 - stage, &ready_0, &ready_1);
+        }
+        wait_stage(stage, &ready_0, &ready_1);
+        let base = stage * stage_words;
 
-        let mut scores = strip_times_tile_t::<F, N>(&q_strip, &k_tile, lane, head_dim);
+        let mut scores = strip_times_tile_t::<F, N>(&q_strip, &k_tiles, base, lane, head_dim);
         let masked = key_start + STREAM > warp_first_pos + 1
             || key_start + STREAM > kv_len
             || window > 0
@@ -448,7 +626,9 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
             acc[2 * n] = acc[2 * n] * Pair::<f32>::new(correction_lo);
             acc[2 * n + 1] = acc[2 * n + 1] * Pair::<f32>::new(correction_hi);
         }
-        accumulate_p_times_tile::<F, N>(&scores, &v_tile, &mut acc, lane, head_dim);
+        accumulate_p_times_tile::<F, N>(&scores, &v_tiles, base, &mut acc, lane, head_dim);
+        // Every warp is done with this stage before the next iteration refills it.
+        sync_cube();
     }
 
     let total_lo = quad_sum(sum_lo);
@@ -486,6 +666,7 @@ fn probabilities(
     lse_lo: f32,
     lse_hi: f32,
     column_lse: &SharedMemory<f32>,
+    stats_base: usize,
     row_lo: usize,
     column_start: usize,
     offset: usize,
@@ -516,7 +697,7 @@ fn probabilities(
                 let mut query = row;
                 let mut key = column;
                 if comptime!(!row_is_query) {
-                    row_lse = column_lse[local_column];
+                    row_lse = column_lse[stats_base + local_column];
                     query = column;
                     key = row;
                 }
@@ -543,6 +724,7 @@ fn score_gradients(
     delta_lo: f32,
     delta_hi: f32,
     column_delta: &SharedMemory<f32>,
+    stats_base: usize,
     lane: usize,
     #[comptime] row_is_query: bool,
 ) {
@@ -555,7 +737,7 @@ fn score_gradients(
                 delta = Pair::<f32>::new(delta_hi);
             }
             if comptime!(!row_is_query) {
-                let column = 8 * n + 2 * (lane % 4);
+                let column = stats_base + 8 * n + 2 * (lane % 4);
                 delta[0] = column_delta[column];
                 delta[1] = column_delta[column + 1];
             }
@@ -599,12 +781,16 @@ fn flash_backward_kv_mma_kernel<F: Float, N: Size>(
     let key_lo = key_start + warp * STRIP + lane / 4;
     let warp_last_key = key_start + warp * STRIP + STRIP - 1;
 
+    let stage_words = comptime!(STREAM * chunks);
     let mut k_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
     let mut v_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
-    let mut q_tile = SharedMemory::<Vector<F, N>>::new(comptime!(STREAM * chunks));
-    let mut grad_out_tile = SharedMemory::<Vector<F, N>>::new(comptime!(STREAM * chunks));
-    let mut lse_tile = SharedMemory::<f32>::new(STREAM);
-    let mut delta_tile = SharedMemory::<f32>::new(STREAM);
+    // Two stages of the streamed Q/dO tiles and their lse/delta rows.
+    let mut q_tiles = SharedMemory::<Vector<F, N>>::new(comptime!(2 * STREAM * chunks));
+    let mut grad_out_tiles = SharedMemory::<Vector<F, N>>::new(comptime!(2 * STREAM * chunks));
+    let mut lse_tiles = SharedMemory::<f32>::new(comptime!(2 * STREAM));
+    let mut delta_tiles = SharedMemory::<f32>::new(comptime!(2 * STREAM));
+    let ready_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let ready_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
     let k_offset = batch * k.stride(0) + kv_head * k.stride(1);
     let v_offset = batch * v.stride(0) + kv_head * v.stride(1);
@@ -613,75 +799,109 @@ fn flash_backward_kv_mma_kernel<F: Float, N: Size>(
 
     let mut grad_k_acc = zeros(head_dim);
     let mut grad_v_acc = zeros(head_dim);
+    // Query tiles that see some key of this tile, for both S2 shifts (masks handle the rest),
+    // so every query head of the group walks the same steps.
     let last_key = (min(key_start + BLOCK, kv_len) - 1) as u32;
+    let max_pos = (kv_len - 1) as u32;
+    let last_pos = max(
+        last_visible_query(last_key, max_pos, window, group, 0),
+        last_visible_query(last_key, max_pos, window, group, group / 2),
+    ) as usize;
+    let mut first_query = 0usize;
+    if key_start > offset {
+        first_query = key_start - offset;
+    }
+    let mut end_query = 0usize;
+    if last_pos + 1 > offset {
+        end_query = min(last_pos + 1 - offset, q_len);
+    }
+    let first_query_tile = first_query / STREAM;
+    let mut tiles = 0usize;
+    if end_query > first_query {
+        tiles = end_query.div_ceil(STREAM) - first_query_tile;
+    }
+    let steps = group_heads * tiles;
 
-    for head_in_group in 0..group_heads {
-        let head = kv_head * group_heads + head_in_group;
-        let shift = group_shift(head as u32, q_heads as u32, group);
-        let q_offset = batch * q.stride(0) + head * q.stride(1);
-        let grad_out_offset = batch * grad_out.stride(0) + head * grad_out.stride(1);
-        let lse_offset = batch * lse.stride(0) + head * lse.stride(1);
-        let delta_offset = batch * delta.stride(0) + head * delta.stride(1);
-        // Queries (absolute positions) that see some key of this tile.
-        let first_pos = key_start as u32;
-        let last_pos = last_visible_query(last_key, (kv_len - 1) as u32, window, group, shift);
-        let mut first_query = 0usize;
-        if first_pos as usize > offset {
-            first_query = first_pos as usize - offset;
-        }
-        let end_query = last_pos as usize + 1 - offset;
-        let first_query_tile = first_query / STREAM;
-        let end_query_tile = end_query.div_ceil(STREAM);
-
-        for query_tile in first_query_tile..end_query_tile {
-            let query_start = query_tile * STREAM;
-            sync_cube();
-            load_tile::<F, N>(q, q_offset, query_start, q_len, &mut q_tile, thread, STREAM, head_dim);
-            load_tile::<F, N>(
+    if steps > 0 {
+        prefetch_query_step::<F, N>(
+            q,
+            grad_out,
+            lse,
+            delta,
+            batch,
+            kv_head * group_heads,
+            first_query_tile * STREAM,
+            &mut q_tiles,
+            &mut grad_out_tiles,
+            &mut lse_tiles,
+            &mut delta_tiles,
+            0,
+            thread,
+            head_dim,
+        );
+        commit_stage(0, &ready_0, &ready_1);
+    }
+    for step in 0..steps {
+        let stage = step % 2;
+        if step + 1 < steps {
+            prefetch_query_step::<F, N>(
+                q,
                 grad_out,
-                grad_out_offset,
-                query_start,
-                q_len,
-                &mut grad_out_tile,
+                lse,
+                delta,
+                batch,
+                kv_head * group_heads + (step + 1) / tiles,
+                (first_query_tile + (step + 1) % tiles) * STREAM,
+                &mut q_tiles,
+                &mut grad_out_tiles,
+                &mut lse_tiles,
+                &mut delta_tiles,
+                1 - stage,
                 thread,
-                STREAM,
                 head_dim,
             );
-            load_row_stats(lse, lse_offset, query_start, q_len, &mut lse_tile, thread);
-            load_row_stats(delta, delta_offset, query_start, q_len, &mut delta_tile, thread);
-            sync_cube();
-
-            let masked = offset + query_start < warp_last_key
-                || query_start + STREAM > q_len
-                || key_start + BLOCK > kv_len
-                || window > 0
-                || group > 0;
-            let k_strip = load_strip::<F, N>(&k_tile, warp * STRIP, lane, head_dim);
-            let mut p = strip_times_tile_t::<F, N>(&k_strip, &q_tile, lane, head_dim);
-            probabilities(
-                &mut p,
-                0.0,
-                0.0,
-                &lse_tile,
-                key_lo,
-                query_start,
-                offset,
-                q_len,
-                kv_len,
-                masked,
-                window,
-                group,
-                shift,
-                scale,
-                lane,
-                false,
-            );
-            accumulate_p_times_tile::<F, N>(&p, &grad_out_tile, &mut grad_v_acc, lane, head_dim);
-            let v_strip = load_strip::<F, N>(&v_tile, warp * STRIP, lane, head_dim);
-            let mut ds = strip_times_tile_t::<F, N>(&v_strip, &grad_out_tile, lane, head_dim);
-            score_gradients(&p, &mut ds, 0.0, 0.0, &delta_tile, lane, false);
-            accumulate_p_times_tile::<F, N>(&ds, &q_tile, &mut grad_k_acc, lane, head_dim);
+            commit_stage(1 - stage, &ready_0, &ready_1);
         }
+        wait_stage(stage, &ready_0, &ready_1);
+        let head = kv_head * group_heads + step / tiles;
+        let shift = group_shift(head as u32, q_heads as u32, group);
+        let query_start = (first_query_tile + step % tiles) * STREAM;
+        let base = stage * stage_words;
+        let stats_base = stage * STREAM;
+
+        let masked = offset + query_start < warp_last_key
+            || query_start + STREAM > q_len
+            || key_start + BLOCK > kv_len
+            || window > 0
+            || group > 0;
+        let k_strip = load_strip::<F, N>(&k_tile, warp * STRIP, lane, head_dim);
+        let mut p = strip_times_tile_t::<F, N>(&k_strip, &q_tiles, base, lane, head_dim);
+        probabilities(
+            &mut p,
+            0.0,
+            0.0,
+            &lse_tiles,
+            stats_base,
+            key_lo,
+            query_start,
+            offset,
+            q_len,
+            kv_len,
+            masked,
+            window,
+            group,
+            shift,
+            scale,
+            lane,
+            false,
+        );
+        accumulate_p_times_tile::<F, N>(&p, &grad_out_tiles, base, &mut grad_v_acc, lane, head_dim);
+        let v_strip = load_strip::<F, N>(&v_tile, warp * STRIP, lane, head_dim);
+        let mut ds = strip_times_tile_t::<F, N>(&v_strip, &grad_out_tiles, base, lane, head_dim);
+        score_gradients(&p, &mut ds, 0.0, 0.0, &delta_tiles, stats_base, lane, false);
+        accumulate_p_times_tile::<F, N>(&ds, &q_tiles, base, &mut grad_k_acc, lane, head_dim);
+        // Every warp is done with this stage before the next step refills it.
+        sync_cube();
     }
 
     let grad_k_offset = batch * grad_k.stride(0) + kv_head * grad_k.stride(1);
@@ -744,8 +964,11 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
 
     let mut q_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
     let mut grad_out_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
-    let mut k_tile = SharedMemory::<Vector<F, N>>::new(comptime!(STREAM * chunks));
-    let mut v_tile = SharedMemory::<Vector<F, N>>::new(comptime!(STREAM * chunks));
+    let stage_words = comptime!(STREAM * chunks);
+    let mut k_tiles = SharedMemory::<Vector<F, N>>::new(comptime!(2 * STREAM * chunks));
+    let mut v_tiles = SharedMemory::<Vector<F, N>>::new(comptime!(2 * STREAM * chunks));
+    let ready_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
+    let ready_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
     let q_offset = batch * q.stride(0) + head * q.stride(1);
     let grad_out_offset = batch * grad_out.stride(0) + head * grad_out.stride(1);
@@ -786,24 +1009,52 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
     let unused_stats = SharedMemory::<f32>::new(1usize);
 
     let mut grad_q_acc = zeros(head_dim);
+    prefetch_key_step::<F, N>(
+        k,
+        v,
+        k_offset,
+        v_offset,
+        first_key_tile * STREAM,
+        &mut k_tiles,
+        &mut v_tiles,
+        0,
+        thread,
+        head_dim,
+    );
+    commit_stage(0, &ready_0, &ready_1);
     for key_tile in first_key_tile..end_key_tile {
         let key_start = key_tile * STREAM;
-        sync_cube();
-        load_tile::<F, N>(k, k_offset, key_start, kv_len, &mut k_tile, thread, STREAM, head_dim);
-        load_tile::<F, N>(v, v_offset, key_start, kv_len, &mut v_tile, thread, STREAM, head_dim);
-        sync_cube();
+        let stage = (key_tile - first_key_tile) % 2;
+        if key_tile + 1 < end_key_tile {
+            prefetch_key_step::<F, N>(
+                k,
+                v,
+                k_offset,
+                v_offset,
+                key_start + STREAM,
+                &mut k_tiles,
+                &mut v_tiles,
+                1 - stage,
+                thread,
+                head_dim,
+            );
+            commit_stage(1 - stage, &ready_0, &ready_1);
+        }
+        wait_stage(stage, &ready_0, &ready_1);
+        let base = stage * stage_words;
 
         let masked = key_start + STREAM > warp_first_pos + 1
             || key_start + STREAM > kv_len
             || window > 0
             || group > 0;
         let q_strip = load_strip::<F, N>(&q_tile, warp * STRIP, lane, head_dim);
-        let mut p = strip_times_tile_t::<F, N>(&q_strip, &k_tile, lane, head_dim);
+        let mut p = strip_times_tile_t::<F, N>(&q_strip, &k_tiles, base, lane, head_dim);
         probabilities(
             &mut p,
             lse_lo,
             lse_hi,
             &unused_stats,
+            0,
             row_lo,
             key_start,
             offset,
@@ -818,9 +1069,11 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
             true,
         );
         let grad_out_strip = load_strip::<F, N>(&grad_out_tile, warp * STRIP, lane, head_dim);
-        let mut ds = strip_times_tile_t::<F, N>(&grad_out_strip, &v_tile, lane, head_dim);
-        score_gradients(&p, &mut ds, delta_lo, delta_hi, &unused_stats, lane, true);
-        accumulate_p_times_tile::<F, N>(&ds, &k_tile, &mut grad_q_acc, lane, head_dim);
+        let mut ds = strip_times_tile_t::<F, N>(&grad_out_strip, &v_tiles, base, lane, head_dim);
+        score_gradients(&p, &mut ds, delta_lo, delta_hi, &unused_stats, 0, lane, true);
+        accumulate_p_times_tile::<F, N>(&ds, &k_tiles, base, &mut grad_q_acc, lane, head_dim);
+        // Every warp is done with this stage before the next iteration refills it.
+        sync_cube();
     }
 
     let grad_q_offset = batch * grad_q.stride(0) + head * grad_q.stride(1);
