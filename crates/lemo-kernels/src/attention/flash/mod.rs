@@ -24,13 +24,13 @@ pub(crate) use backward::backward;
 pub(crate) use forward::forward;
 pub use mma::supports as tensor_core_supported;
 
-/// Which attention kernels (forward and backward) the CubeCL backends run where both apply (16-bit inputs, head dim a
-/// multiple of 16, a device with 16x16x16 cmma and 32-wide planes).
+/// Which attention kernels (forward and backward) the CubeCL backends run where both apply
+/// (16-bit inputs, head dim 64 or 128, a CUDA device with `mma.sync m16n8k16` and `ldmatrix`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlashKernel {
     /// The plain tiled kernel (f32 arithmetic), the reference implementation.
     Plain,
-    /// Tensor-core matmuls (cmma), f32 softmax and accumulation.
+    /// Register-level tensor-core matmuls (`mma.sync`), f32 softmax and accumulation.
     TensorCore,
 }
 
@@ -38,8 +38,8 @@ pub enum FlashKernel {
 static FLASH_KERNEL: AtomicU8 = AtomicU8::new(0);
 
 /// Chooses the attention kernels for the whole process (default: the `LEMO_FLASH_KERNEL`
-/// environment variable, `plain` or `tensor-core`, else plain until the tensor-core path has
-/// passed the GPU parity run).
+/// environment variable, `plain` or `tensor-core`, else the tensor-core kernels wherever they
+/// apply).
 pub fn set_flash_kernel(kernel: FlashKernel) {
     FLASH_KERNEL.store(kernel as u8 + 1, Ordering::Relaxed);
 }
@@ -50,8 +50,8 @@ pub fn flash_kernel() -> FlashKernel {
         2 => FlashKernel::TensorCore,
         _ => {
             let kernel = match std::env::var("LEMO_FLASH_KERNEL").as_deref() {
-                Ok("tensor-core") => FlashKernel::TensorCore,
-                _ => FlashKernel::Plain,
+                Ok("plain") => FlashKernel::Plain,
+                _ => FlashKernel::TensorCore,
             };
             set_flash_kernel(kernel);
             kernel
