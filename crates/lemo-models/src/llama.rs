@@ -9,17 +9,19 @@
 //! Attention is causal, grouped-query (each K/V head serves `heads / kv_heads` query heads), and
 //! for Mistral limited to a sliding window.
 
+use std::ops::Range;
+
 use burn::module::{Module, Param};
-use burn::tensor::activation::silu;
 use burn::tensor::{Int, Tensor, backend::Backend};
-use lemo_kernels::{AttentionOptions, LemoBackend, attention::attention};
+use lemo_kernels::fused::swiglu;
+use lemo_kernels::{AttentionOptions, ComputeBackend, LemoBackend, attention::attention};
 
 use crate::Result;
 use crate::config::LlamaConfig;
 use crate::lora::Linear;
 use crate::model::{KvCache, LayerCache, append_to_cache, embed};
 use crate::norm::RmsNorm;
-use crate::rope::RotaryEmbedding;
+use crate::rope::{RotaryEmbedding, Rotation};
 use crate::weights::Loader;
 
 #[derive(Module, Debug)]
@@ -41,23 +43,14 @@ impl<B: LemoBackend> LlamaAttention<B> {
     fn forward(
         &self,
         x: Tensor<B, 3>,
-        cos_sin: &(Tensor<B, 2>, Tensor<B, 2>),
+        rotation: &Rotation<B>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let [batch, len, _] = x.dims();
         let heads =
             |t: Tensor<B, 3>, n: usize| t.reshape([batch, len, n, self.head_dim]).swap_dims(1, 2);
-        let (cos, sin) = cos_sin;
-        let q = RotaryEmbedding::apply(
-            heads(self.q_proj.forward(x.clone()), self.num_heads),
-            cos,
-            sin,
-        );
-        let k = RotaryEmbedding::apply(
-            heads(self.k_proj.forward(x.clone()), self.num_kv_heads),
-            cos,
-            sin,
-        );
+        let q = rotation.apply(heads(self.q_proj.forward(x.clone()), self.num_heads));
+        let k = rotation.apply(heads(self.k_proj.forward(x.clone()), self.num_kv_heads));
         let v = heads(self.v_proj.forward(x), self.num_kv_heads);
         let (k, v) = append_to_cache(cache, k, v);
         let options = AttentionOptions {
@@ -81,10 +74,12 @@ pub struct LlamaMlp<B: Backend> {
     pub down_proj: Linear<B>,
 }
 
-impl<B: Backend> LlamaMlp<B> {
+impl<B: ComputeBackend> LlamaMlp<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.down_proj
-            .forward(silu(self.gate_proj.forward(x.clone())) * self.up_proj.forward(x))
+        self.down_proj.forward(swiglu(
+            self.gate_proj.forward(x.clone()),
+            self.up_proj.forward(x),
+        ))
     }
 }
 
@@ -100,13 +95,13 @@ impl<B: LemoBackend> LlamaLayer<B> {
     fn forward(
         &self,
         h: Tensor<B, 3>,
-        cos_sin: &(Tensor<B, 2>, Tensor<B, 2>),
+        rotation: &Rotation<B>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let a = h.clone()
             + self
                 .self_attn
-                .forward(self.input_layernorm.forward(h), cos_sin, cache);
+                .forward(self.input_layernorm.forward(h), rotation, cache);
         a.clone() + self.mlp.forward(self.post_attention_layernorm.forward(a))
     }
 }
@@ -120,6 +115,8 @@ pub struct Llama<B: Backend> {
     /// `[vocab, hidden]`; `None` when tied to `embed_tokens`.
     pub lm_head: Option<Param<Tensor<B, 2>>>,
     pub rotary: RotaryEmbedding<B>,
+    /// The context the model was trained for (`max_position_embeddings`).
+    pub trained_context: usize,
 }
 
 impl<B: LemoBackend> Llama<B> {
@@ -193,22 +190,29 @@ impl<B: LemoBackend> Llama<B> {
                 config.rms_norm_eps,
             ),
             lm_head: lm_head.map(|w| Param::from_tensor(w).set_require_grad(false)),
-            rotary: RotaryEmbedding::new(&config.rope, head_dim, &loader.device),
+            rotary: RotaryEmbedding::new(
+                &config.rope,
+                head_dim,
+                config.max_position_embeddings,
+                &loader.device,
+            ),
+            trained_context: config.max_position_embeddings,
         })
     }
 
     /// Final normalized hidden states `[batch, len, hidden]` of `tokens: [batch, len]` at
-    /// `positions: [len]`; with a cache, the tokens continue the cached sequence.
+    /// `positions` (`len` of them); with a cache, the tokens continue the cached sequence.
     pub fn hidden_states(
         &self,
         tokens: Tensor<B, 2, Int>,
-        positions: Tensor<B, 1, Int>,
+        positions: Range<usize>,
         mut cache: Option<&mut KvCache<B>>,
     ) -> Tensor<B, 3> {
-        let cos_sin = self.rotary.cos_sin(positions);
+        let [batch, _] = tokens.dims();
+        let rotation = self.rotary.rotation(positions, batch);
         let mut h = embed(&self.embed_tokens.val(), tokens);
         for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(h, &cos_sin, cache.as_deref_mut().map(|c| &mut c.layers[i]));
+            h = layer.forward(h, &rotation, cache.as_deref_mut().map(|c| &mut c.layers[i]));
         }
         self.norm.forward(h)
     }

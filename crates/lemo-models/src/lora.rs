@@ -1,10 +1,15 @@
 //! Linear layers with frozen base weights and an optional low-rank adapter:
 //! `y = x W^T + b + (alpha / r) * dropout(x) A^T B^T`, with `A: [r, in]` and `B: [out, r]`
-//! named and shaped as in Hugging Face PEFT (`lora_A`, `lora_B`).
+//! named and shaped as in Hugging Face PEFT (`lora_A`, `lora_B`). The frozen product runs in the
+//! weight's dtype (bf16 or f32, f32 accumulation); the adapter is f32 and its term is computed in
+//! f32, as PEFT does for a bf16 model.
 
 use burn::module::{Module, Param};
 use burn::nn::{Dropout, DropoutConfig};
-use burn::tensor::{Distribution, Tensor, backend::Backend};
+use burn::tensor::{DType, Distribution, Tensor, backend::Backend};
+use lemo_kernels::ComputeBackend;
+use lemo_kernels::gemm::matmul;
+use lemo_kernels::precision::lora_delta;
 
 /// Where adapters go, how large they are, and what else trains with them.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -48,9 +53,9 @@ impl LoraConfig {
 
 #[derive(Module, Debug)]
 pub struct Lora<B: Backend> {
-    /// `lora_A`: `[rank, in]`, Kaiming-uniform initialized as PEFT does.
+    /// `lora_A`: `[rank, in]`, f32, Kaiming-uniform initialized as PEFT does.
     pub a: Param<Tensor<B, 2>>,
-    /// `lora_B`: `[out, rank]`, zero at initialization so training starts from the base model.
+    /// `lora_B`: `[out, rank]`, f32, zero at initialization so training starts from the base model.
     pub b: Param<Tensor<B, 2>>,
     pub scaling: f64,
     pub dropout: Dropout,
@@ -89,9 +94,9 @@ impl<B: Backend> Linear<B> {
         let a = Tensor::random(
             [config.rank, self.in_features()],
             Distribution::Uniform(-bound, bound),
-            &device,
+            (&device, DType::F32),
         );
-        let b = Tensor::zeros([self.out_features(), config.rank], &device);
+        let b = Tensor::zeros([self.out_features(), config.rank], (&device, DType::F32));
         self.with_lora(a, b, config)
     }
 
@@ -105,12 +110,17 @@ impl<B: Backend> Linear<B> {
         });
         self
     }
+}
 
-    /// Folds the adapter into the base weight: `W + scaling * B A`.
+impl<B: ComputeBackend> Linear<B> {
+    /// Folds the adapter into the base weight: `W + scaling * B A`, summed in f32 and stored in
+    /// the weight's dtype.
     pub fn merge_lora(mut self) -> Self {
         if let Some(lora) = self.lora.take() {
-            let delta = lora.b.val().matmul(lora.a.val()).mul_scalar(lora.scaling);
-            let merged = self.weight.val() + delta;
+            let weight = self.weight.val();
+            let dtype = weight.dtype();
+            let delta = matmul(lora.b.val(), lora.a.val()).mul_scalar(lora.scaling);
+            let merged = (weight.cast(DType::F32) + delta).cast(dtype);
             self.weight = Param::from_tensor(merged.detach()).set_require_grad(false);
         }
         self
@@ -121,16 +131,14 @@ impl<B: Backend> Linear<B> {
         let mut out_dims = x.dims();
         out_dims[D - 1] = self.out_features();
         let rows: usize = x.dims()[..D - 1].iter().product();
-        let x2 = x.reshape([rows, self.in_features()]);
-        let mut y = x2.clone().matmul(self.weight.val().transpose());
+        let x = x.reshape([rows, self.in_features()]);
+        let mut y = matmul(x.clone(), self.weight.val().transpose());
         if let Some(bias) = &self.bias {
             y = y + bias.val().unsqueeze_dim(0);
         }
         if let Some(lora) = &self.lora {
-            let low_rank = lora.dropout.forward(x2).matmul(lora.a.val().transpose());
-            y = y + low_rank
-                .matmul(lora.b.val().transpose())
-                .mul_scalar(lora.scaling);
+            let (a, b) = (lora.a.val(), lora.b.val());
+            y = y + lora_delta(lora.dropout.forward(x), a, b, lora.scaling as f32);
         }
         y.reshape(out_dims)
     }

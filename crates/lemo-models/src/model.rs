@@ -7,7 +7,7 @@ use burn::module::Module;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use lemo_kernels::LemoBackend;
 
-use crate::config::{ModelConfig, RopeConfig};
+use crate::config::{ModelConfig, RopeConfig, RopeScaling};
 use crate::llama::Llama;
 use crate::llama2c::Llama2cCheckpoint;
 use crate::lora::{Linear, LoraConfig};
@@ -157,8 +157,8 @@ impl<B: LemoBackend> CausalLm<B> {
         mut cache: Option<&mut KvCache<B>>,
     ) -> Tensor<B, 3> {
         let [_, len] = tokens.dims();
-        let start = cache.as_ref().map_or(0, |c| c.len) as i64;
-        let positions = Tensor::arange(start..start + len as i64, &tokens.device());
+        let start = cache.as_ref().map_or(0, |c| c.len);
+        let positions = start..start + len;
         let out = match self {
             CausalLm::Llama(m) => m.hidden_states(tokens, positions, cache.as_deref_mut()),
             CausalLm::Opt(m) => m.hidden_states(tokens, positions, cache.as_deref_mut()),
@@ -292,8 +292,14 @@ impl<B: LemoBackend> CausalLm<B> {
         match &mut self {
             CausalLm::Llama(m) => {
                 let head_dim = m.layers.first().map_or(0, |l| l.self_attn.head_dim);
-                let device = m.rotary.inverse_frequencies.device();
-                m.rotary = RotaryEmbedding::new(rope, head_dim, &device);
+                let device = m.rotary.cos.device();
+                let context = match rope.scaling {
+                    RopeScaling::Linear { factor } => {
+                        (m.trained_context as f64 * factor).ceil() as usize
+                    }
+                    _ => m.trained_context,
+                };
+                m.rotary = RotaryEmbedding::new(rope, head_dim, context, &device);
             }
             CausalLm::Opt(_) => {
                 return Err(Error::Config(

@@ -1,7 +1,10 @@
-//! Normalizations, computed in the input's precision with f32 statistics on f32 backends.
+//! Normalizations: statistics and arithmetic in f32 whatever the storage dtype, the output in the
+//! input's dtype (as transformers computes them for bf16 models).
 
 use burn::module::{Module, Param};
-use burn::tensor::{Tensor, backend::Backend};
+use burn::tensor::{DType, Tensor, backend::Backend};
+use lemo_kernels::ComputeBackend;
+use lemo_kernels::fused::rms_norm;
 
 /// `x / sqrt(mean(x^2) + eps) * weight` (Llama).
 #[derive(Module, Debug)]
@@ -17,10 +20,13 @@ impl<B: Backend> RmsNorm<B> {
             eps,
         }
     }
+}
 
+impl<B: ComputeBackend> RmsNorm<B> {
+    /// The fused kernel; a trainable (f32) weight is cast to `x`'s dtype on use.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let mean_square = x.clone().square().mean_dim(D - 1);
-        x.div(mean_square.add_scalar(self.eps).sqrt()) * self.weight.val().unsqueeze()
+        let weight = self.weight.val().cast(x.dtype());
+        rms_norm(x, weight, self.eps as f32)
     }
 }
 
@@ -44,16 +50,18 @@ impl<B: Backend> LayerNorm<B> {
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let dtype = x.dtype();
+        let x = x.cast(DType::F32);
         let mean = x.clone().mean_dim(D - 1);
         let centered = x - mean;
         let variance = centered.clone().square().mean_dim(D - 1);
         let mut y = centered.div(variance.add_scalar(self.eps).sqrt());
         if let Some(weight) = &self.weight {
-            y = y * weight.val().unsqueeze();
+            y = y * weight.val().cast(DType::F32).unsqueeze();
         }
         if let Some(bias) = &self.bias {
-            y = y + bias.val().unsqueeze();
+            y = y + bias.val().cast(DType::F32).unsqueeze();
         }
-        y
+        y.cast(dtype)
     }
 }

@@ -8,6 +8,8 @@
 //! ```
 //! Every projection has a bias (`enable_bias`); attention is causal multi-head.
 
+use std::ops::Range;
+
 use burn::module::{Module, Param};
 use burn::tensor::activation::relu;
 use burn::tensor::{Int, Tensor, backend::Backend};
@@ -177,19 +179,24 @@ impl<B: LemoBackend> Opt<B> {
     }
 
     /// Final hidden states `[batch, len, word_embed_proj_dim]` of `tokens: [batch, len]` at
-    /// `positions: [len]`; with a cache, the tokens continue the cached sequence.
+    /// `positions` (`len` of them); with a cache, the tokens continue the cached sequence.
     pub fn hidden_states(
         &self,
         tokens: Tensor<B, 2, Int>,
-        positions: Tensor<B, 1, Int>,
+        positions: Range<usize>,
         mut cache: Option<&mut KvCache<B>>,
     ) -> Tensor<B, 3> {
         let [batch, len] = tokens.dims();
+        let device = tokens.device();
         let mut h = embed(&self.embed_tokens.val(), tokens);
         if let Some(project_in) = &self.project_in {
             h = project_in.forward(h);
         }
-        let position_rows = positions.add_scalar(OptConfig::POSITION_OFFSET as i64);
+        let offset = OptConfig::POSITION_OFFSET;
+        let position_rows = Tensor::<B, 1, Int>::arange(
+            (positions.start + offset) as i64..(positions.end + offset) as i64,
+            &device,
+        );
         let [_, hidden] = self.embed_positions.dims();
         h = h + self
             .embed_positions

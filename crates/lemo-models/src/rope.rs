@@ -1,7 +1,12 @@
-//! Rotary position embeddings in Hugging Face's rotate-half layout, at explicit positions (LeMo
-//! keeps the original positions of the tokens it keeps, so positions need not be contiguous).
+//! Rotary position embeddings in Hugging Face's rotate-half layout, through the fused RoPE kernel.
+//! The kernel takes explicit positions (LeMo keeps the original positions of the tokens it keeps);
+//! a dense forward pass rotates a contiguous range of them.
+
+use std::ops::Range;
 
 use burn::tensor::{Int, Tensor, backend::Backend};
+use lemo_kernels::ComputeBackend;
+use lemo_kernels::fused::{rope, rope_tables};
 
 use crate::config::{RopeConfig, RopeScaling};
 
@@ -45,41 +50,64 @@ pub fn inverse_frequencies(config: &RopeConfig, head_dim: usize) -> Vec<f32> {
     }
 }
 
-/// Cached inverse frequencies; produces `cos`/`sin` for any positions.
+/// The model's rotation frequencies and their f32 `cos`/`sin` tables for positions
+/// `0..positions` (`[positions, head_dim / 2]` each, see [`lemo_kernels::fused::rope_tables`]),
+/// built once for the context the model runs at.
 #[derive(burn::module::Module, Debug)]
 pub struct RotaryEmbedding<B: Backend> {
-    /// `[head_dim / 2]`
-    pub inverse_frequencies: Tensor<B, 1>,
+    pub inverse_frequencies: Vec<f32>,
+    pub cos: Tensor<B, 2>,
+    pub sin: Tensor<B, 2>,
 }
 
-impl<B: Backend> RotaryEmbedding<B> {
-    pub fn new(config: &RopeConfig, head_dim: usize, device: &B::Device) -> Self {
-        let freqs = inverse_frequencies(config, head_dim);
+/// The tables and positions `[batch, len]` one forward pass rotates its queries and keys by.
+pub struct Rotation<B: Backend> {
+    cos: Tensor<B, 2>,
+    sin: Tensor<B, 2>,
+    positions: Tensor<B, 2, Int>,
+}
+
+impl<B: ComputeBackend> RotaryEmbedding<B> {
+    pub fn new(config: &RopeConfig, head_dim: usize, positions: usize, device: &B::Device) -> Self {
+        let inverse_frequencies = inverse_frequencies(config, head_dim);
+        let (cos, sin) = rope_tables::<B>(&inverse_frequencies, positions, device);
         Self {
-            inverse_frequencies: Tensor::from_floats(freqs.as_slice(), device),
+            inverse_frequencies,
+            cos,
+            sin,
         }
     }
 
-    /// `(cos, sin)`, each `[len, head_dim]`, for `positions: [len]`.
-    pub fn cos_sin(&self, positions: Tensor<B, 1, Int>) -> (Tensor<B, 2>, Tensor<B, 2>) {
-        let [len] = positions.dims();
-        let [half] = self.inverse_frequencies.dims();
-        let angles = positions.float().reshape([len, 1])
-            * self.inverse_frequencies.clone().reshape([1, half]);
-        let angles = Tensor::cat(vec![angles.clone(), angles], 1);
-        (angles.clone().cos(), angles.sin())
+    /// The rotation of `batch` sequences at `positions`; past the tables' end (a sequence longer
+    /// than the context they were built for) tables are made for this call.
+    pub fn rotation(&self, positions: Range<usize>, batch: usize) -> Rotation<B> {
+        let device = self.cos.device();
+        let (cos, sin) = if positions.end <= self.cos.dims()[0] {
+            (self.cos.clone(), self.sin.clone())
+        } else {
+            rope_tables::<B>(&self.inverse_frequencies, positions.end, &device)
+        };
+        let len = positions.len();
+        let positions =
+            Tensor::<B, 1, Int>::arange(positions.start as i64..positions.end as i64, &device)
+                .reshape([1, len])
+                .repeat_dim(0, batch);
+        Rotation {
+            cos,
+            sin,
+            positions,
+        }
     }
+}
 
-    /// Rotates `x: [batch, heads, len, head_dim]`: `x * cos + rotate_half(x) * sin`, where
-    /// `rotate_half([x1, x2]) = [-x2, x1]` over the two halves of the head dimension.
-    pub fn apply(x: Tensor<B, 4>, cos: &Tensor<B, 2>, sin: &Tensor<B, 2>) -> Tensor<B, 4> {
-        let [batch, heads, len, head_dim] = x.dims();
-        let half = head_dim / 2;
-        let x1 = x.clone().slice([0..batch, 0..heads, 0..len, 0..half]);
-        let x2 = x
-            .clone()
-            .slice([0..batch, 0..heads, 0..len, half..head_dim]);
-        let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-        x * cos.clone().unsqueeze::<4>() + rotated * sin.clone().unsqueeze::<4>()
+impl<B: ComputeBackend> Rotation<B> {
+    /// Rotates `x: [batch, heads, len, head_dim]` (rotate-half); contiguous, in `x`'s dtype.
+    pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {
+        rope(
+            x,
+            self.cos.clone(),
+            self.sin.clone(),
+            self.positions.clone(),
+        )
     }
 }
