@@ -6,6 +6,8 @@ use std::path::Path;
 use burn::module::Module;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use lemo_kernels::LemoBackend;
+use lemo_kernels::gemm::matmul;
+use lemo_kernels::loss::segment_cross_entropy;
 
 use crate::config::{ModelConfig, RopeConfig, RopeScaling};
 use crate::llama::Llama;
@@ -187,15 +189,13 @@ impl<B: LemoBackend> CausalLm<B> {
         let [batch, len, dim] = hidden.dims();
         let weight = self.lm_head_weight();
         let [vocab, _] = weight.dims();
-        hidden
-            .reshape([batch * len, dim])
-            .matmul(weight.transpose())
-            .reshape([batch, len, vocab])
+        matmul(hidden.reshape([batch * len, dim]), weight.transpose()).reshape([batch, len, vocab])
     }
 
-    /// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])`, and the
-    /// number of terms. The vocabulary projection runs `chunk_rows` positions at a time, so the
-    /// full `[len, vocab]` logits never exist at once.
+    /// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])` (f32, `[1]`),
+    /// and the number of terms, by the segment-based loss: the vocabulary projection and the
+    /// cross-entropy run `chunk_rows` positions at a time, so the full `[len, vocab]` logits never
+    /// exist at once (under autodiff, neither do their gradients).
     pub fn next_token_loss_sum(
         &self,
         tokens: Tensor<B, 2, Int>,
@@ -204,16 +204,11 @@ impl<B: LemoBackend> CausalLm<B> {
         let [batch, len] = tokens.dims();
         let hidden = self.hidden_states(tokens.clone(), None);
         let [_, _, dim] = hidden.dims();
-        let inputs = hidden
-            .slice([0..batch, 0..len - 1])
-            .reshape([batch * (len - 1), dim]);
-        let targets = tokens
-            .slice([0..batch, 1..len])
-            .reshape([batch * (len - 1)]);
-        (
-            cross_entropy_sum(inputs, self.lm_head_weight(), targets, chunk_rows),
-            batch * (len - 1),
-        )
+        let rows = batch * (len - 1);
+        let inputs = hidden.slice([0..batch, 0..len - 1]).reshape([rows, dim]);
+        let targets = tokens.slice([0..batch, 1..len]).reshape([rows]);
+        let loss = segment_cross_entropy(inputs, self.lm_head_weight(), targets, chunk_rows);
+        (loss, rows)
     }
 
     /// Every linear projection with its Hugging Face module path (`model.layers.3.self_attn.q_proj`).
@@ -437,32 +432,4 @@ impl<B: LemoBackend> CausalLm<B> {
         }
         Ok(found)
     }
-}
-
-/// `sum_i logsumexp(x_i W^T) - (x_i W^T)[target_i]` over rows `x: [n, dim]`, `W: [vocab, dim]`,
-/// computed `chunk_rows` rows at a time.
-pub fn cross_entropy_sum<B: Backend>(
-    inputs: Tensor<B, 2>,
-    weight: Tensor<B, 2>,
-    targets: Tensor<B, 1, Int>,
-    chunk_rows: usize,
-) -> Tensor<B, 1> {
-    let [rows, dim] = inputs.dims();
-    let weight_t = weight.transpose();
-    let mut total = Tensor::zeros([1], &inputs.device());
-    for start in (0..rows).step_by(chunk_rows.max(1)) {
-        let end = (start + chunk_rows).min(rows);
-        let logits = inputs
-            .clone()
-            .slice([start..end, 0..dim])
-            .matmul(weight_t.clone());
-        let max = logits.clone().max_dim(1).detach();
-        let log_sum_exp = (logits.clone() - max.clone()).exp().sum_dim(1).log() + max;
-        let target_logit = logits.gather(
-            1,
-            targets.clone().slice(start..end).reshape([end - start, 1]),
-        );
-        total = total + (log_sum_exp - target_logit).sum();
-    }
-    total
 }

@@ -19,7 +19,7 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use lemo_kernels::LemoBackend;
-use lemo_models::model::{ModelFormat, cross_entropy_sum};
+use lemo_models::model::ModelFormat;
 use lemo_models::{CausalLm, LoraConfig, ModelConfig};
 use serde_json::json;
 
@@ -65,15 +65,14 @@ impl BackendJob for TrainJob {
     }
 }
 
-/// Loss and gradient of one micro-batch, by the segment-based loss: the model runs once up to
-/// its final hidden states; the vocabulary projection and cross-entropy then run (forward and
-/// backward) one segment of positions at a time on a detached copy of the hidden states, so at
-/// most one segment's logits exist at once; the hidden-state gradients assembled from the
-/// segments are then back-propagated through the model in one pass.
+/// Loss and gradient of one micro-batch. The model's next-token loss is the segment-based one:
+/// the vocabulary projection and cross-entropy run (forward and backward) one segment of
+/// `segment` positions at a time during the forward pass, so at most one segment's logits exist
+/// at once; the backward pass then starts from the hidden-state gradients they left.
 ///
 /// `scale` multiplies the loss (1 / predicted tokens / accumulation steps). Gradients of the
 /// trainable parameters are added into `grads`; returns the unscaled loss sum, the number of
-/// predictions and the memory in use right after the forward pass.
+/// predictions and the memory in use at the end of the forward pass.
 pub fn forward_backward<B: AutodiffBackend + LemoBackend>(
     model: &CausalLm<B>,
     tokens: Tensor<B, 2, Int>,
@@ -81,47 +80,16 @@ pub fn forward_backward<B: AutodiffBackend + LemoBackend>(
     scale: f64,
     grads: &mut NamedTensors<B::InnerBackend>,
 ) -> (f64, usize, u64) {
-    let [batch, len] = tokens.dims();
-    let hidden = model.hidden_states(tokens.clone(), None);
+    let (loss, predictions) = model.next_token_loss_sum(tokens, segment);
     let after_forward = memory::sample().in_use;
-    let [_, _, dim] = hidden.dims();
-    let rows = batch * (len - 1);
-    let inputs = hidden.slice([0..batch, 0..len - 1]).reshape([rows, dim]);
-    let targets = tokens.slice([0..batch, 1..len]).reshape([rows]);
-    let weight = model.lm_head_weight();
-    let detached = inputs.clone().inner();
-    let mut parts = Vec::new();
-    let mut loss_sum: Option<Tensor<B::InnerBackend, 1>> = None;
-    for start in (0..rows).step_by(segment.max(1)) {
-        let end = (start + segment).min(rows);
-        let leaf =
-            Tensor::<B, 2>::from_inner(detached.clone().slice([start..end, 0..dim])).require_grad();
-        let loss = cross_entropy_sum(
-            leaf.clone(),
-            weight.clone(),
-            targets.clone().slice(start..end),
-            usize::MAX,
-        );
-        loss_sum = Some(match loss_sum {
-            Some(total) => total + loss.clone().inner(),
-            None => loss.clone().inner(),
-        });
-        let segment_grads = loss.mul_scalar(scale).backward();
-        parts.push(
-            leaf.grad(&segment_grads)
-                .expect("the segment leaf requires grad"),
-        );
-        // A trainable output projection (tied embeddings under LongLoRA) gets its gradient here.
-        optim::accumulate_grads(model, &segment_grads, grads);
-    }
-    let upstream = Tensor::<B, 2>::from_inner(Tensor::cat(parts, 0));
-    let model_grads = (inputs * upstream).sum().backward();
+    let loss_sum = loss.clone().inner();
+    let model_grads = loss.mul_scalar(scale).backward();
     optim::accumulate_grads(model, &model_grads, grads);
-    let loss = loss_sum
-        .expect("at least one segment")
-        .into_scalar()
-        .elem::<f64>();
-    (loss, rows, after_forward)
+    (
+        loss_sum.into_scalar().elem::<f64>(),
+        predictions,
+        after_forward,
+    )
 }
 
 /// Mean next-token loss of `sequences` (evaluation mode: dense attention, no graph).
