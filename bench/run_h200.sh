@@ -7,7 +7,8 @@
 #   CONFIGS="llama-2-7b llama-3-8b" SEQ_LENS=4096,8192 METHODS="lora longlora" bench/run_h200.sh
 #
 # env: LEMO (binary, default target/release/lemo-train), PYTHON (default python3), STEPS, WARMUP,
-#      CHECKPOINTING=1 (both sides recompute activations), OUT (default bench/results/h200.json).
+#      CHECKPOINTING=1 (both sides recompute activations), OUT (default bench/results/h200.json),
+#      PRECISION (ours: bf16, as the reference runs, or f32; default bf16).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LEMO=${LEMO:-target/release/lemo-train}
@@ -17,6 +18,7 @@ METHODS=${METHODS:-lora}
 SEQ_LENS=${SEQ_LENS:-4096,8192,16384,32768}
 STEPS=${STEPS:-5}
 WARMUP=${WARMUP:-2}
+PRECISION=${PRECISION:-bf16}
 OUT=${OUT:-bench/results/h200.json}
 CK=""
 [ "${CHECKPOINTING:-0}" = "1" ] && CK="--checkpointing"
@@ -25,7 +27,7 @@ mkdir -p "$(dirname "$OUT")"
 COMMANDS=()
 for config in $CONFIGS; do
   for method in $METHODS; do
-    ours="$LEMO bench --model bench/configs/$config.json --method $method --seq-lens $SEQ_LENS --steps $STEPS --warmup $WARMUP --device cuda $CK --out $WORK/ours-$config-$method.json"
+    ours="$LEMO bench --model bench/configs/$config.json --method $method --seq-lens $SEQ_LENS --steps $STEPS --warmup $WARMUP --device cuda --precision $PRECISION $CK --out $WORK/ours-$config-$method.json"
     ref="$PYTHON bench/reference/peft_bench.py --model bench/configs/$config.json --method $method --seq-lens $SEQ_LENS --steps $STEPS --warmup $WARMUP $CK --out $WORK/ref-$config-$method.json"
     COMMANDS+=("$ours" "$ref")
     echo "+ $ours" >&2; $ours || echo "lemo-train bench failed (status $?)" >&2
@@ -53,6 +55,7 @@ for ours_path in sorted(glob.glob(os.path.join(work, "ours-*.json"))):
             return a / b if a and b else None
         rows.append({
             "model": o["model"], "method": o["method"], "seq_len": o["seq_len"], "checkpointing": o["checkpointing"],
+            "precision": o.get("precision"),
             "ours": o, "peft": r or None,
             "ratio_step_time": ratio("step_time_s_median"),
             "ratio_peak_memory": ratio("peak_gib"),
@@ -60,7 +63,7 @@ for ours_path in sorted(glob.glob(os.path.join(work, "ours-*.json"))):
             "within_1.3x": (lambda t, m: None if t is None or m is None else (t <= 1.3 and m <= 1.3))(ratio("step_time_s_median"), ratio("peak_gib")),
         })
 result = {
-    "description": "lemo-train bench vs PyTorch + PEFT (LoRA r=8 alpha=16 q/k/v/o, AdamW, batch 1, random init); ratios are ours / PEFT",
+    "description": "lemo-train bench vs PyTorch + PEFT (LoRA r=8 alpha=16 q/k/v/o, AdamW, batch 1, random init, PEFT in bf16); ratios are ours / PEFT",
     "date": datetime.datetime.utcnow().isoformat() + "Z",
     "commit": commit, "uncommitted_tracked_changes": int(dirty), "gpu": gpu,
     "commands": open(os.path.join(work, "commands.txt")).read().splitlines(),

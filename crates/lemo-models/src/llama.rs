@@ -12,7 +12,7 @@
 use std::ops::Range;
 
 use burn::module::{Module, Param};
-use burn::tensor::{Int, Tensor, backend::Backend};
+use burn::tensor::{DType, Int, Tensor, backend::Backend};
 use lemo_kernels::fused::swiglu;
 use lemo_kernels::{AttentionOptions, ComputeBackend, LemoBackend, attention::attention};
 
@@ -117,11 +117,14 @@ pub struct Llama<B: Backend> {
     pub rotary: RotaryEmbedding<B>,
     /// The context the model was trained for (`max_position_embeddings`).
     pub trained_context: usize,
+    /// Storage type of the hidden states (a trainable f32 embedding is cast to it).
+    pub activations: DType,
 }
 
 impl<B: LemoBackend> Llama<B> {
-    /// Builds the model from Hugging Face tensor names (`model.layers.{i}.self_attn.q_proj.weight`, ...).
-    pub fn load(config: &LlamaConfig, loader: &mut Loader<B>) -> Result<Self> {
+    /// Builds the model from Hugging Face tensor names (`model.layers.{i}.self_attn.q_proj.weight`,
+    /// ...); hidden states will flow as `activations`.
+    pub fn load(config: &LlamaConfig, loader: &mut Loader<B>, activations: DType) -> Result<Self> {
         let (hidden, head_dim) = (config.hidden_size, config.head_dim);
         let q_width = config.num_attention_heads * head_dim;
         let kv_width = config.num_key_value_heads * head_dim;
@@ -197,6 +200,7 @@ impl<B: LemoBackend> Llama<B> {
                 &loader.device,
             ),
             trained_context: config.max_position_embeddings,
+            activations,
         })
     }
 
@@ -210,15 +214,17 @@ impl<B: LemoBackend> Llama<B> {
     ) -> Tensor<B, 3> {
         let [batch, _] = tokens.dims();
         let rotation = self.rotary.rotation(positions, batch);
-        let mut h = embed(&self.embed_tokens.val(), tokens);
+        let mut h = embed(&self.embed_tokens.val(), tokens).cast(self.activations);
         for (i, layer) in self.layers.iter().enumerate() {
             h = layer.forward(h, &rotation, cache.as_deref_mut().map(|c| &mut c.layers[i]));
         }
         self.norm.forward(h)
     }
 
-    /// `[vocab, hidden]`: the output projection (the embedding when tied).
+    /// `[vocab, hidden]`: the output projection (the embedding when tied), in the activations'
+    /// dtype.
     pub fn lm_head_weight(&self) -> Tensor<B, 2> {
-        self.lm_head.as_ref().unwrap_or(&self.embed_tokens).val()
+        let weight = self.lm_head.as_ref().unwrap_or(&self.embed_tokens).val();
+        weight.cast(self.activations)
     }
 }

@@ -4,10 +4,12 @@
 use std::path::Path;
 
 use burn::module::Module;
-use burn::tensor::{Int, Tensor, backend::Backend};
+use burn::tensor::backend::{Backend, DTypeUsage};
+use burn::tensor::{DType, Int, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::gemm::matmul;
 use lemo_kernels::loss::segment_cross_entropy;
+use lemo_kernels::precision::Precision;
 
 use crate::config::{ModelConfig, RopeConfig, RopeScaling};
 use crate::llama::Llama;
@@ -107,39 +109,59 @@ impl ModelFormat {
 }
 
 impl<B: LemoBackend> CausalLm<B> {
-    /// Loads a Hugging Face folder or a llama2.c checkpoint onto `device`.
-    pub fn from_path(path: &Path, device: &B::Device) -> Result<(Self, ModelConfig)> {
+    /// Loads a Hugging Face folder or a llama2.c checkpoint onto `device`, its weights stored
+    /// and its hidden states computed as `precision` says (see [`Self::build`]).
+    pub fn from_path(
+        path: &Path,
+        device: &B::Device,
+        precision: Precision,
+    ) -> Result<(Self, ModelConfig)> {
         match ModelFormat::detect(path)? {
             ModelFormat::HuggingFace => {
                 let config = ModelConfig::from_file(path)?;
                 let mut weights = SafetensorsWeights::open(path)?;
-                let model = Self::build(&config, &mut weights, device).map_err(|e| match e {
-                    Error::Shape(message) => Error::format(path, message),
-                    other => other,
-                })?;
+                let model =
+                    Self::build(&config, &mut weights, device, precision).map_err(|e| match e {
+                        Error::Shape(message) => Error::format(path, message),
+                        other => other,
+                    })?;
                 Ok((model, config))
             }
             ModelFormat::Llama2c => {
                 let mut checkpoint = Llama2cCheckpoint::open(path)?;
                 let config = ModelConfig::Llama(checkpoint.config().clone());
-                let model = Self::build(&config, &mut checkpoint, device)?;
+                let model = Self::build(&config, &mut checkpoint, device, precision)?;
                 Ok((model, config))
             }
         }
     }
 
-    /// Builds a model of `config` from any weight source (a checkpoint, or random weights).
+    /// Builds a model of `config` from any weight source (a checkpoint, or random weights). The
+    /// pretrained weights are stored as `precision.frozen` and the hidden states flow as
+    /// `precision.activations`; adapters added later, and weights made trainable, are f32.
     pub fn build(
         config: &ModelConfig,
         source: &mut dyn WeightSource,
         device: &B::Device,
+        precision: Precision,
     ) -> Result<Self> {
+        for dtype in [precision.frozen, precision.activations] {
+            if !B::dtype_usage(device, dtype).contains(DTypeUsage::Storage) {
+                return Err(Error::Config(format!(
+                    "the {} backend has no {dtype:?} tensors: use f32",
+                    B::name(device)
+                )));
+            }
+        }
         let mut loader = Loader {
             source,
             device: device.clone(),
+            dtype: precision.frozen,
         };
         Ok(match config {
-            ModelConfig::Llama(c) => CausalLm::Llama(Llama::load(c, &mut loader)?),
+            ModelConfig::Llama(c) => {
+                CausalLm::Llama(Llama::load(c, &mut loader, precision.activations)?)
+            }
             ModelConfig::Opt(c) => CausalLm::Opt(Opt::load(c, &mut loader)?),
         })
     }
@@ -179,7 +201,7 @@ impl<B: LemoBackend> CausalLm<B> {
         }
     }
 
-    /// Logits `[batch, len, vocab]`.
+    /// Logits `[batch, len, vocab]`, in f32 whatever the model's precision.
     pub fn forward(
         &self,
         tokens: Tensor<B, 2, Int>,
@@ -189,7 +211,9 @@ impl<B: LemoBackend> CausalLm<B> {
         let [batch, len, dim] = hidden.dims();
         let weight = self.lm_head_weight();
         let [vocab, _] = weight.dims();
-        matmul(hidden.reshape([batch * len, dim]), weight.transpose()).reshape([batch, len, vocab])
+        matmul(hidden.reshape([batch * len, dim]), weight.transpose())
+            .cast(DType::F32)
+            .reshape([batch, len, vocab])
     }
 
     /// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])` (f32, `[1]`),
@@ -321,7 +345,10 @@ impl<B: LemoBackend> CausalLm<B> {
     }
 
     /// Marks the token embedding and/or the normalization weights trainable (LongLoRA), as
-    /// `config.train_embeddings` and `config.train_norms` say.
+    /// `config.train_embeddings` and `config.train_norms` say. Trainable weights are f32 whatever
+    /// the model's precision, and are cast to the activations' dtype where they are used: the f32
+    /// master weights LongLoRA's bf16 training keeps (DeepSpeed), so gradients and AdamW state
+    /// are f32.
     pub fn set_extra_trainable(mut self, config: &LoraConfig) -> Result<Self> {
         if !(config.train_embeddings || config.train_norms) {
             return Ok(self);
@@ -332,19 +359,15 @@ impl<B: LemoBackend> CausalLm<B> {
             ));
         };
         if config.train_embeddings {
-            m.embed_tokens = m.embed_tokens.clone().set_require_grad(true);
+            m.embed_tokens = trainable(m.embed_tokens.clone());
         }
         if config.train_norms {
             for layer in &mut m.layers {
-                layer.input_layernorm.weight =
-                    layer.input_layernorm.weight.clone().set_require_grad(true);
-                layer.post_attention_layernorm.weight = layer
-                    .post_attention_layernorm
-                    .weight
-                    .clone()
-                    .set_require_grad(true);
+                layer.input_layernorm.weight = trainable(layer.input_layernorm.weight.clone());
+                layer.post_attention_layernorm.weight =
+                    trainable(layer.post_attention_layernorm.weight.clone());
             }
-            m.norm.weight = m.norm.weight.clone().set_require_grad(true);
+            m.norm.weight = trainable(m.norm.weight.clone());
         }
         Ok(self)
     }
@@ -392,24 +415,24 @@ impl<B: LemoBackend> CausalLm<B> {
         out
     }
 
-    /// Replaces the named non-LoRA weights (see [`Self::extra_trainable_weights`]); returns how
-    /// many names matched.
+    /// Replaces the named non-LoRA weights (see [`Self::extra_trainable_weights`]), each kept in
+    /// the dtype of the weight it replaces; returns how many names matched.
     pub fn set_extra_weights(&mut self, weights: &mut dyn WeightSource) -> Result<usize> {
         let CausalLm::Llama(m) = self else {
             return Ok(0);
         };
         let mut found = 0;
-        let mut replace1 = |name: &str,
-                            param: &mut burn::module::Param<Tensor<B, 1>>|
-         -> Result<()> {
-            let shape = param.dims();
-            if let Some(v) = weights.fetch(name, &shape)? {
-                let t = Tensor::from_data(burn::tensor::TensorData::new(v, shape), &param.device());
-                *param = burn::module::Param::from_tensor(t).set_require_grad(false);
-                found += 1;
-            }
-            Ok(())
-        };
+        let mut replace1 =
+            |name: &str, param: &mut burn::module::Param<Tensor<B, 1>>| -> Result<()> {
+                let shape = param.dims();
+                if let Some(v) = weights.fetch(name, &shape)? {
+                    let data = burn::tensor::TensorData::new(v, shape);
+                    let t = Tensor::from_data(data, (&param.device(), param.dtype()));
+                    *param = burn::module::Param::from_tensor(t).set_require_grad(false);
+                    found += 1;
+                }
+                Ok(())
+            };
         for (i, layer) in m.layers.iter_mut().enumerate() {
             replace1(
                 &format!("model.layers.{i}.input_layernorm.weight"),
@@ -423,13 +446,18 @@ impl<B: LemoBackend> CausalLm<B> {
         replace1("model.norm.weight", &mut m.norm.weight)?;
         let shape = m.embed_tokens.dims();
         if let Some(v) = weights.fetch("model.embed_tokens.weight", &shape)? {
-            let t = Tensor::from_data(
-                burn::tensor::TensorData::new(v, shape),
-                &m.embed_tokens.device(),
-            );
+            let data = burn::tensor::TensorData::new(v, shape);
+            let t = Tensor::from_data(data, (&m.embed_tokens.device(), m.embed_tokens.dtype()));
             m.embed_tokens = burn::module::Param::from_tensor(t).set_require_grad(false);
             found += 1;
         }
         Ok(found)
     }
+}
+
+/// `param` as a trainable f32 weight (same id).
+fn trainable<B: Backend, const D: usize>(
+    param: burn::module::Param<Tensor<B, D>>,
+) -> burn::module::Param<Tensor<B, D>> {
+    param.map(|t| t.cast(DType::F32).detach().require_grad())
 }

@@ -6,7 +6,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
-use burn::tensor::{Distribution, Tensor, TensorData, backend::Backend};
+use burn::tensor::{DType, Distribution, Tensor, TensorData, backend::Backend};
 use half::{bf16, f16};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors, tensor::Metadata};
@@ -20,10 +20,12 @@ pub trait WeightSource {
     fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>>;
 }
 
-/// Builds Burn tensors on `device` from a [`WeightSource`].
+/// Builds Burn tensors on `device` from a [`WeightSource`], stored as `dtype` (converted on the
+/// host one tensor at a time, so a bf16 model never exists in f32 on the device).
 pub struct Loader<'a, B: Backend> {
     pub source: &'a mut dyn WeightSource,
     pub device: B::Device,
+    pub dtype: DType,
 }
 
 impl<B: Backend> Loader<'_, B> {
@@ -32,10 +34,9 @@ impl<B: Backend> Loader<'_, B> {
         name: &str,
         shape: [usize; D],
     ) -> Result<Option<Tensor<B, D>>> {
-        Ok(self
-            .source
-            .fetch(name, &shape)?
-            .map(|values| Tensor::from_data(TensorData::new(values, shape), &self.device)))
+        Ok(self.source.fetch(name, &shape)?.map(|values| {
+            Tensor::from_data(TensorData::new(values, shape), (&self.device, self.dtype))
+        }))
     }
 
     /// A projection `{name}.weight: [out, inp]` with an optional `{name}.bias: [out]`.

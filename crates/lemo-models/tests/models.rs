@@ -7,6 +7,7 @@ use burn::module::Param;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use lemo_kernels::CpuBackend;
+use lemo_kernels::precision::Precision;
 use lemo_models::{CausalLm, KvCache, LoraConfig};
 use serde_json::Value;
 
@@ -68,7 +69,8 @@ fn per_token_nll(model: &CausalLm<B>, ids: &[i32]) -> Vec<f32> {
 /// Every next-token log-loss of every sequence within 1e-3 of transformers' (a much finer
 /// check than the mean loss, in which per-token errors partly cancel).
 fn check_against_transformers(case: &str) {
-    let (model, _) = CausalLm::<B>::from_path(&fixture(case), &Default::default()).unwrap();
+    let (model, _) =
+        CausalLm::<B>::from_path(&fixture(case), &Default::default(), Precision::F32).unwrap();
     let expected = read_json(&fixture(case).join("expected.json"));
     let expected_nll: Vec<Vec<f64>> =
         serde_json::from_value(expected["per_token_nll"].clone()).unwrap();
@@ -152,7 +154,8 @@ fn greedy(model: &CausalLm<B>, prompt: &[i32], new_tokens: usize) -> Vec<i32> {
 #[test]
 fn greedy_decoding_with_kv_cache_matches_transformers() {
     let case = "llama_gqa_tied";
-    let (model, _) = CausalLm::<B>::from_path(&fixture(case), &Default::default()).unwrap();
+    let (model, _) =
+        CausalLm::<B>::from_path(&fixture(case), &Default::default(), Precision::F32).unwrap();
     let reference = &read_json(&fixture(case).join("expected.json"))["greedy"];
     let prompt: Vec<i32> = serde_json::from_value(reference["prompt"].clone()).unwrap();
     let expected: Vec<i32> = serde_json::from_value(reference["new_tokens"].clone()).unwrap();
@@ -163,8 +166,12 @@ fn greedy_decoding_with_kv_cache_matches_transformers() {
 fn stories260k_logits_match_llama2c() {
     let Some(data) = shared_data() else { return };
     let dir = data.join("models/stories260K");
-    let (model, _) =
-        CausalLm::<B>::from_path(&dir.join("stories260K.bin"), &Default::default()).unwrap();
+    let (model, _) = CausalLm::<B>::from_path(
+        &dir.join("stories260K.bin"),
+        &Default::default(),
+        Precision::F32,
+    )
+    .unwrap();
     let golden = read_json(&dir.join("golden_logits_once_upon_a_time.json"));
     let ids: Vec<i32> = serde_json::from_value(golden["tokens"].clone()).unwrap();
     let expected: Vec<Vec<f32>> = serde_json::from_value(golden["logits"].clone()).unwrap();
@@ -186,8 +193,12 @@ fn stories260k_logits_match_llama2c() {
 fn stories260k_greedy_text_matches_llama2c() {
     let Some(data) = shared_data() else { return };
     let dir = data.join("models/stories260K");
-    let (model, _) =
-        CausalLm::<B>::from_path(&dir.join("stories260K.bin"), &Default::default()).unwrap();
+    let (model, _) = CausalLm::<B>::from_path(
+        &dir.join("stories260K.bin"),
+        &Default::default(),
+        Precision::F32,
+    )
+    .unwrap();
     let tokenizer = lemo_models::tokenizer::Tokenizer::from_file(&dir.join("tok512.bin")).unwrap();
     let expected = std::fs::read_to_string(dir.join("expected_greedy_once_upon.txt")).unwrap();
     let generated = greedy(&model, &[1], 80);
@@ -202,8 +213,12 @@ fn stories260k_greedy_text_matches_llama2c() {
 
 /// A model with LoRA on every Llama projection and a random (non-zero) `lora_B`.
 fn model_with_random_lora(config: &LoraConfig) -> CausalLm<B> {
-    let (model, _) =
-        CausalLm::<B>::from_path(&fixture("llama_gqa_tied"), &Default::default()).unwrap();
+    let (model, _) = CausalLm::<B>::from_path(
+        &fixture("llama_gqa_tied"),
+        &Default::default(),
+        Precision::F32,
+    )
+    .unwrap();
     let mut model = model.with_new_lora(config).unwrap();
     for lora in model
         .projections_mut()
@@ -244,8 +259,12 @@ fn max_difference(a: Tensor<B, 3>, b: Tensor<B, 3>) -> f32 {
 #[test]
 fn fresh_lora_starts_at_the_base_model_and_merging_preserves_outputs() {
     let ids = &sequences("llama_gqa_tied")[0];
-    let (base, _) =
-        CausalLm::<B>::from_path(&fixture("llama_gqa_tied"), &Default::default()).unwrap();
+    let (base, _) = CausalLm::<B>::from_path(
+        &fixture("llama_gqa_tied"),
+        &Default::default(),
+        Precision::F32,
+    )
+    .unwrap();
     let fresh = base.clone().with_new_lora(&all_projections()).unwrap();
     assert!(
         max_difference(
@@ -286,8 +305,12 @@ fn adapters_round_trip_through_the_peft_layout() {
     assert_eq!(a.shape(), [4, 48]);
     assert_eq!(tensors.len(), 2 * 2 * 4, "A and B for q/k/v/o in 2 layers");
 
-    let (base, _) =
-        CausalLm::<B>::from_path(&fixture("llama_gqa_tied"), &Default::default()).unwrap();
+    let (base, _) = CausalLm::<B>::from_path(
+        &fixture("llama_gqa_tied"),
+        &Default::default(),
+        Precision::F32,
+    )
+    .unwrap();
     let (loaded, loaded_config) = base.load_adapter(&dir).unwrap();
     assert_eq!(loaded_config.rank, 4);
     let ids = &sequences("llama_gqa_tied")[1];
@@ -311,9 +334,20 @@ fn copy_fixture(case: &str, name: &str) -> PathBuf {
 }
 
 fn load_error(path: &Path) -> String {
-    CausalLm::<B>::from_path(path, &Default::default())
+    CausalLm::<B>::from_path(path, &Default::default(), Precision::F32)
         .expect_err("loading should fail")
         .to_string()
+}
+
+#[test]
+fn bf16_on_a_backend_without_it_is_an_error() {
+    let error = CausalLm::<B>::from_path(
+        &fixture("llama_gqa_tied"),
+        &Default::default(),
+        Precision::MIXED_BF16,
+    )
+    .expect_err("ndarray has no bf16");
+    assert!(error.to_string().contains("BF16"), "{error}");
 }
 
 #[test]

@@ -18,7 +18,7 @@ use lemo_models::weights::WeightSource;
 use lemo_models::{CausalLm, LoraConfig, ModelConfig};
 use serde::Serialize;
 
-use crate::device::BackendJob;
+use crate::device::{BackendJob, PrecisionKind};
 use crate::memory::{self, gib};
 use crate::train::config::Method;
 use crate::train::optim::{self, AdamW, AdamWSettings, NamedTensors};
@@ -61,6 +61,8 @@ pub struct BenchResult {
     pub method: String,
     pub seq_len: usize,
     pub checkpointing: bool,
+    /// "bf16" or "f32" (`--precision`).
+    pub precision: String,
     pub backend: String,
     pub oom: bool,
     pub error: Option<String>,
@@ -84,6 +86,7 @@ pub struct BenchJob {
     pub warmup: usize,
     pub lora_rank: usize,
     pub seed: u64,
+    pub precision: PrecisionKind,
 }
 
 impl BackendJob for BenchJob {
@@ -132,8 +135,12 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
         .map_or("model".into(), |s| s.to_string_lossy().to_string());
     let started = Instant::now();
     AB::<B, C>::seed(&device, job.seed);
-    let base =
-        CausalLm::<AB<B, C>>::build(&config, &mut FastRandomWeights { seed: job.seed }, &device)?;
+    let base = CausalLm::<AB<B, C>>::build(
+        &config,
+        &mut FastRandomWeights { seed: job.seed },
+        &device,
+        job.precision.policy(),
+    )?;
     let lora = LoraConfig {
         rank: job.lora_rank,
         alpha: 2.0 * job.lora_rank as f64,
@@ -144,8 +151,9 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
     let mut model = base.with_new_lora(&lora)?.set_extra_trainable(&lora)?;
     let trainable = optim::trainable_count::<AB<B, C>, _>(&model);
     eprintln!(
-        "bench: {name} built in {:.1}s ({trainable} trainable parameters)",
-        started.elapsed().as_secs_f64()
+        "bench: {name} built in {:.1}s ({trainable} trainable parameters, {})",
+        started.elapsed().as_secs_f64(),
+        job.precision.name()
     );
     let mut results = Vec::new();
     let mut ran_out = false;
@@ -155,6 +163,7 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
             method: job.method.name().into(),
             seq_len,
             checkpointing: job.checkpointing,
+            precision: job.precision.name().into(),
             backend: B::name(&device),
             oom: false,
             error: None,

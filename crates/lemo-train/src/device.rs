@@ -1,7 +1,9 @@
-//! `--device auto|cuda|wgpu|cpu`: choosing a Burn backend at run time and running a job on it.
+//! `--device auto|cuda|wgpu|cpu`: choosing a Burn backend at run time and running a job on it;
+//! `--precision bf16|f32`: the storage type of the model on it.
 
 use anyhow::{Result, bail};
 use clap::ValueEnum;
+use lemo_kernels::precision::Precision;
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
@@ -15,6 +17,34 @@ pub enum DeviceKind {
     Wgpu,
     /// Pure-CPU backend (ndarray).
     Cpu,
+}
+
+/// `--precision`: how the pretrained weights and the hidden states are stored. LoRA adapters,
+/// trainable embeddings and norms, their gradients, the optimizer state and the loss are f32 in
+/// both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PrecisionKind {
+    /// bf16 model and activations (f32 accumulation), as PEFT trains a bf16 model.
+    Bf16,
+    /// Everything in f32.
+    F32,
+}
+
+impl PrecisionKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            PrecisionKind::Bf16 => "bf16",
+            PrecisionKind::F32 => "f32",
+        }
+    }
+
+    pub fn policy(self) -> Precision {
+        match self {
+            PrecisionKind::Bf16 => Precision::MIXED_BF16,
+            PrecisionKind::F32 => Precision::F32,
+        }
+    }
 }
 
 /// Work that runs on whichever backend the user picked.
@@ -62,6 +92,22 @@ impl DeviceKind {
             DeviceKind::Cuda => "cuda",
             DeviceKind::Wgpu => "wgpu",
             DeviceKind::Cpu => "cpu",
+        }
+    }
+
+    /// The precision to run at on this (resolved) device: the one asked for, else bf16 on CUDA
+    /// and f32 elsewhere; an error for bf16 on a backend without it.
+    pub fn precision(self, asked: Option<PrecisionKind>) -> Result<PrecisionKind> {
+        match (self, asked) {
+            (DeviceKind::Cuda, asked) => Ok(asked.unwrap_or(PrecisionKind::Bf16)),
+            (DeviceKind::Cpu, Some(PrecisionKind::Bf16)) => bail!(
+                "--precision bf16 needs --device cuda: the CPU backend (ndarray) has no bf16; use --precision f32"
+            ),
+            (DeviceKind::Wgpu, Some(PrecisionKind::Bf16)) => bail!(
+                "--precision bf16 needs --device cuda: the wgpu backend (WGSL) has no bf16; use --precision f32"
+            ),
+            (DeviceKind::Auto, _) => self.resolve().precision(asked),
+            (_, asked) => Ok(asked.unwrap_or(PrecisionKind::F32)),
         }
     }
 

@@ -22,7 +22,7 @@ use lemo_models::tokenizer::Tokenizer;
 
 use crate::corpus::{default_cache_dir, read_documents_cached};
 use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer};
-use crate::device::DeviceKind;
+use crate::device::{DeviceKind, PrecisionKind};
 
 #[derive(Parser)]
 #[command(
@@ -87,6 +87,10 @@ enum Command {
         /// Linear RoPE position interpolation for this context (overrides the adapter's).
         #[arg(long)]
         target_context: Option<usize>,
+        /// bf16 (model and activations; LoRA, gradients and optimizer f32) or f32
+        /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
+        #[arg(long, value_enum)]
+        precision: Option<PrecisionKind>,
         #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
         device: DeviceKind,
     },
@@ -117,6 +121,10 @@ enum Command {
         /// Also write all results as one JSON array to this file.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// bf16 (model and activations; LoRA, gradients and optimizer f32) or f32
+        /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
+        #[arg(long, value_enum)]
+        precision: Option<PrecisionKind>,
         #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
         device: DeviceKind,
     },
@@ -152,6 +160,10 @@ enum Command {
         temperature: f64,
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// bf16 (model and activations; LoRA, gradients and optimizer f32) or f32
+        /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
+        #[arg(long, value_enum)]
+        precision: Option<PrecisionKind>,
         #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
         device: DeviceKind,
     },
@@ -189,8 +201,11 @@ fn run(cli: Cli) -> Result<()> {
             lora_rank,
             seed,
             out,
+            precision,
             device,
         } => {
+            let device = device.resolve();
+            let precision = device.precision(precision)?;
             let job = bench::BenchJob {
                 config: model,
                 method,
@@ -200,6 +215,7 @@ fn run(cli: Cli) -> Result<()> {
                 warmup,
                 lora_rank,
                 seed,
+                precision,
             };
             let results = device.run(job)?;
             if let Some(path) = out {
@@ -239,11 +255,14 @@ fn run(cli: Cli) -> Result<()> {
             max_tokens,
             adapter,
             target_context,
+            precision,
             device,
             tokenizer,
             json,
             ..
         } if passkey || longbench => {
+            let device = device.resolve();
+            let precision = device.precision(precision)?;
             let path = tokenizer
                 .or_else(|| find_tokenizer(&model))
                 .context("no tokenizer beside the model: pass --tokenizer")?;
@@ -251,6 +270,7 @@ fn run(cli: Cli) -> Result<()> {
             let setup = modelio::ModelSetup {
                 adapter,
                 target_context,
+                precision,
             };
             if passkey {
                 let results = device.run(passkey::PasskeyJob {
@@ -301,9 +321,12 @@ fn run(cli: Cli) -> Result<()> {
             json,
             adapter,
             target_context,
+            precision,
             device,
             ..
         } => {
+            let device = device.resolve();
+            let precision = device.precision(precision)?;
             let data = data.context("--data is required")?;
             let tokenizer_path = tokenizer.or_else(|| find_tokenizer(&model));
             let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
@@ -317,6 +340,7 @@ fn run(cli: Cli) -> Result<()> {
             let setup = modelio::ModelSetup {
                 adapter,
                 target_context,
+                precision,
             };
             let report = device.run(eval::EvalJob {
                 model,
@@ -341,8 +365,11 @@ fn run(cli: Cli) -> Result<()> {
             max_new_tokens,
             temperature,
             seed,
+            precision,
             device,
         } => {
+            let device = device.resolve();
+            let precision = device.precision(precision)?;
             let path = tokenizer
                 .or_else(|| find_tokenizer(&model))
                 .context("no tokenizer beside the model: pass --tokenizer")?;
@@ -354,6 +381,7 @@ fn run(cli: Cli) -> Result<()> {
                 max_new_tokens,
                 temperature,
                 seed,
+                precision,
             })?;
         }
         Command::Tokenize {
@@ -402,8 +430,13 @@ fn run_train(args: train::config::TrainArgs) -> Result<train::TrainSummary> {
         }
         (config.merged(&overrides)?, None)
     };
-    let device = config.device;
-    device.run(train::TrainJob { config, resume })
+    let device = config.device.resolve();
+    let precision = device.precision(config.precision)?;
+    device.run(train::TrainJob {
+        config,
+        resume,
+        precision,
+    })
 }
 
 fn print_train_summary(summary: &train::TrainSummary) {

@@ -10,6 +10,8 @@ use lemo_models::config::{RopeConfig, RopeScaling};
 use lemo_models::{CausalLm, ModelConfig};
 use serde::{Deserialize, Serialize};
 
+use crate::device::PrecisionKind;
+
 pub const TRAINING_INFO_FILE: &str = "lemo_training.json";
 
 /// What `train` records beside an adapter.
@@ -95,11 +97,12 @@ pub fn with_linear_factor<B: LemoBackend>(
 }
 
 /// How `eval` (and friends) should set the model up.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct ModelSetup {
     pub adapter: Option<PathBuf>,
     /// Overrides the adapter's recorded scaling.
     pub target_context: Option<usize>,
+    pub precision: PrecisionKind,
 }
 
 /// Loads `path` with `setup` applied; says on stderr what was applied.
@@ -108,7 +111,7 @@ pub fn load<B: LemoBackend>(
     setup: &ModelSetup,
     device: &B::Device,
 ) -> Result<(CausalLm<B>, ModelConfig)> {
-    let (mut model, config) = CausalLm::<B>::from_path(path, device)?;
+    let (mut model, config) = CausalLm::<B>::from_path(path, device, setup.precision.policy())?;
     let info = match &setup.adapter {
         Some(dir) => TrainingInfo::read(dir)?,
         None => None,

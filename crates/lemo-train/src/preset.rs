@@ -99,7 +99,12 @@ pub fn write_tiny_model(dir: &Path, seed: u64) -> Result<()> {
         inner: RandomWeights { std: 0.02, seed },
         tensors: Vec::new(),
     };
-    CausalLm::<lemo_kernels::CpuBackend>::build(&config, &mut recording, &Default::default())?;
+    CausalLm::<lemo_kernels::CpuBackend>::build(
+        &config,
+        &mut recording,
+        &Default::default(),
+        lemo_kernels::precision::Precision::F32,
+    )?;
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = recording
         .tensors
         .into_iter()

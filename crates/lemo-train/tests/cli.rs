@@ -331,6 +331,18 @@ fn bad_inputs_give_one_line_errors() {
         "unsupported architecture",
     );
 
+    for command in ["eval", "bench", "generate", "train"] {
+        let mut args = vec![command, "--model", model, "--device", "cpu"];
+        args.extend(match command {
+            "eval" => vec!["--data", tokens],
+            "generate" => vec!["--prompt", "hi"],
+            "train" => vec!["--data", tokens, "--steps", "1"],
+            _ => vec![],
+        });
+        args.extend(["--precision", "bf16"]);
+        assert_clean_error(&args, "--precision bf16 needs --device cuda");
+    }
+
     let corrupt_tokenizer = dir.join("tokenizer.json");
     std::fs::write(&corrupt_tokenizer, "{ not a tokenizer").unwrap();
     assert_clean_error(

@@ -12,6 +12,7 @@ use anyhow::{Context, Result};
 use burn::tensor::activation::softmax;
 use burn::tensor::{Int, Tensor, TensorData};
 use lemo_kernels::CpuBackend;
+use lemo_kernels::precision::Precision;
 use lemo_models::CausalLm;
 use lemo_models::tokenizer::Tokenizer;
 
@@ -23,7 +24,7 @@ fn main() -> Result<()> {
     let prompt = args.next().context(usage)?;
 
     let device = Default::default();
-    let (model, _config) = CausalLm::<CpuBackend>::from_path(&model_path, &device)?;
+    let (model, _config) = CausalLm::<CpuBackend>::from_path(&model_path, &device, Precision::F32)?;
     let ids: Vec<i32> = tokenizer
         .encode(&prompt)?
         .into_iter()

@@ -8,7 +8,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use serde::{Deserialize, Serialize};
 
-use crate::device::DeviceKind;
+use crate::device::{DeviceKind, PrecisionKind};
 use crate::train::optim::Schedule;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
@@ -90,6 +90,8 @@ pub struct TrainConfig {
     /// Tokenized-data cache; "none" turns caching off.
     pub cache_dir: Option<PathBuf>,
     pub device: DeviceKind,
+    /// Unset: bf16 on cuda, f32 elsewhere.
+    pub precision: Option<PrecisionKind>,
     pub preset: Option<Preset>,
     /// Stop after this many steps in this process (a deliberate interruption, for testing resume).
     pub stop_after: Option<usize>,
@@ -138,6 +140,7 @@ impl Default for TrainConfig {
             append_eos: None,
             cache_dir: None,
             device: DeviceKind::Auto,
+            precision: None,
             preset: None,
             stop_after: None,
         }
@@ -365,6 +368,10 @@ pub struct TrainArgs {
     pub stop_after: Option<usize>,
     #[arg(long, value_enum)]
     pub device: Option<DeviceKind>,
+    /// bf16 (model and activations; LoRA, gradients and optimizer f32) or f32
+    /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
+    #[arg(long, value_enum)]
+    pub precision: Option<PrecisionKind>,
 }
 
 impl TrainArgs {
@@ -449,6 +456,10 @@ impl TrainArgs {
                 self.device
                     .map(|d| d.to_possible_value().expect("named").get_name().to_string()),
             ),
+        );
+        put(
+            "precision",
+            enum_value(self.precision.map(|p| p.name().to_string())),
         );
         Ok(t)
     }

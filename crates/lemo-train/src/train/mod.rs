@@ -25,7 +25,7 @@ use serde_json::json;
 
 use crate::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
 use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer};
-use crate::device::BackendJob;
+use crate::device::{BackendJob, PrecisionKind};
 use crate::memory::{self, PeakTracker, gib};
 use crate::modelio::{TRAINING_INFO_FILE, TrainingInfo, interpolated_rope};
 use burn_dataset::Dataset;
@@ -51,6 +51,8 @@ pub struct TrainJob {
     pub config: TrainConfig,
     /// Checkpoint folder to continue from.
     pub resume: Option<PathBuf>,
+    /// `config.precision` resolved for the device.
+    pub precision: PrecisionKind,
 }
 
 impl BackendJob for TrainJob {
@@ -152,7 +154,9 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
     let data_path = config.data.clone().expect("validated");
 
     AB::<B, C>::seed(&device, config.seed);
-    let (mut model, model_config) = CausalLm::<AB<B, C>>::from_path(&model_path, &device)?;
+    let precision = job.precision;
+    let (mut model, model_config) =
+        CausalLm::<AB<B, C>>::from_path(&model_path, &device, precision.policy())?;
     let trained_context = model_config.max_position_embeddings();
     let mut rope_scaling = None;
     if let Some(target) = config.target_context
@@ -300,10 +304,11 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
 
     let trainable = optim::trainable_count::<AB<B, C>, _>(&model);
     eprintln!(
-        "train: {} on {} ({} trainable parameters), {} steps x {} micro-batches x {} sequences, device {}",
+        "train: {} on {} ({} trainable parameters, {}), {} steps x {} micro-batches x {} sequences, device {}",
         config.method.name(),
         model_path.display(),
         trainable,
+        precision.name(),
         config.steps,
         config.grad_accum,
         config.batch_size,
@@ -415,6 +420,7 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
             "mem_after_forward_gib": gib(after_forward),
             "mem_peak_gib": gib(peak.peak),
             "mem_source": memory::source(),
+            "precision": precision.name(),
             "elapsed_s": elapsed_before + run_started.elapsed().as_secs_f64(),
         }))?;
         bar.set_position(done as u64);
