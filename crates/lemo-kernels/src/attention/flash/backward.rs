@@ -422,8 +422,7 @@ where
         dtype.into(),
     );
 
-    if flash_kernel() == FlashKernel::TensorCore && mma::supports(&client, dtype, head_dim)
-    {
+    if flash_kernel() == FlashKernel::TensorCore && mma::supports(&client, dtype, head_dim) {
         let tensors = BackwardTensors {
             q,
             k,

@@ -159,8 +159,12 @@ fn prefetch_key_step<F: Float, N: Size>(
 ) {
     let kv_len = k.shape(2);
     let base = stage * comptime!(STREAM * head_dim / CHUNK);
-    prefetch_tile::<F, N>(k, k_offset, key_start, kv_len, k_tiles, base, thread, head_dim);
-    prefetch_tile::<F, N>(v, v_offset, key_start, kv_len, v_tiles, base, thread, head_dim);
+    prefetch_tile::<F, N>(
+        k, k_offset, key_start, kv_len, k_tiles, base, thread, head_dim,
+    );
+    prefetch_tile::<F, N>(
+        v, v_offset, key_start, kv_len, v_tiles, base, thread, head_dim,
+    );
 }
 
 /// Makes the barrier of `stage` track this thread's pending `cp.async` copies.
@@ -199,9 +203,8 @@ fn load_row_stats(
         let index = first + thread;
         let mut value = 0.0f32;
         if index < source.shape(2) {
-            value = source[batch * source.stride(0)
-                + head * source.stride(1)
-                + index * source.stride(2)];
+            value = source
+                [batch * source.stride(0) + head * source.stride(1) + index * source.stride(2)];
         }
         stats[base + thread] = value;
     }
@@ -231,7 +234,16 @@ fn prefetch_query_step<F: Float, N: Size>(
     let base = stage * comptime!(STREAM * head_dim / CHUNK);
     let q_offset = batch * q.stride(0) + head * q.stride(1);
     let grad_out_offset = batch * grad_out.stride(0) + head * grad_out.stride(1);
-    prefetch_tile::<F, N>(q, q_offset, query_start, q_len, q_tiles, base, thread, head_dim);
+    prefetch_tile::<F, N>(
+        q,
+        q_offset,
+        query_start,
+        q_len,
+        q_tiles,
+        base,
+        thread,
+        head_dim,
+    );
     prefetch_tile::<F, N>(
         grad_out,
         grad_out_offset,
@@ -242,8 +254,24 @@ fn prefetch_query_step<F: Float, N: Size>(
         thread,
         head_dim,
     );
-    load_row_stats(lse, batch, head, query_start, lse_tiles, stage * STREAM, thread);
-    load_row_stats(delta, batch, head, query_start, delta_tiles, stage * STREAM, thread);
+    load_row_stats(
+        lse,
+        batch,
+        head,
+        query_start,
+        lse_tiles,
+        stage * STREAM,
+        thread,
+    );
+    load_row_stats(
+        delta,
+        batch,
+        head,
+        query_start,
+        delta_tiles,
+        stage * STREAM,
+        thread,
+    );
 }
 
 /// `ldmatrix.x4` of the 16 x 16 block at rows `row0..row0 + 16`, chunks `chunk0, chunk0 + 1` of the
@@ -473,6 +501,10 @@ fn quad_max(value: f32) -> f32 {
 /// Streams the visible K/V tiles; online softmax in registers.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
+#[allow(
+    clippy::manual_is_multiple_of,
+    reason = "cube code has no is_multiple_of"
+)]
 fn flash_forward_mma_kernel<F: Float, N: Size>(
     q: &Tensor<Vector<F, N>>,
     k: &Tensor<Vector<F, N>>,
@@ -510,7 +542,16 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
     let q_offset = batch * q.stride(0) + head * q.stride(1);
     let k_offset = batch * k.stride(0) + kv_head * k.stride(1);
     let v_offset = batch * v.stride(0) + kv_head * v.stride(1);
-    load_tile::<F, N>(q, q_offset, q_start, q_len, &mut q_tile, thread, BLOCK, head_dim);
+    load_tile::<F, N>(
+        q,
+        q_offset,
+        q_start,
+        q_len,
+        &mut q_tile,
+        thread,
+        BLOCK,
+        head_dim,
+    );
     sync_cube();
     let q_strip = load_strip::<F, N>(&q_tile, warp * STRIP, lane, head_dim);
 
@@ -794,8 +835,26 @@ fn flash_backward_kv_mma_kernel<F: Float, N: Size>(
 
     let k_offset = batch * k.stride(0) + kv_head * k.stride(1);
     let v_offset = batch * v.stride(0) + kv_head * v.stride(1);
-    load_tile::<F, N>(k, k_offset, key_start, kv_len, &mut k_tile, thread, BLOCK, head_dim);
-    load_tile::<F, N>(v, v_offset, key_start, kv_len, &mut v_tile, thread, BLOCK, head_dim);
+    load_tile::<F, N>(
+        k,
+        k_offset,
+        key_start,
+        kv_len,
+        &mut k_tile,
+        thread,
+        BLOCK,
+        head_dim,
+    );
+    load_tile::<F, N>(
+        v,
+        v_offset,
+        key_start,
+        kv_len,
+        &mut v_tile,
+        thread,
+        BLOCK,
+        head_dim,
+    );
 
     let mut grad_k_acc = zeros(head_dim);
     let mut grad_v_acc = zeros(head_dim);
@@ -974,7 +1033,16 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
     let grad_out_offset = batch * grad_out.stride(0) + head * grad_out.stride(1);
     let k_offset = batch * k.stride(0) + kv_head * k.stride(1);
     let v_offset = batch * v.stride(0) + kv_head * v.stride(1);
-    load_tile::<F, N>(q, q_offset, q_start, q_len, &mut q_tile, thread, BLOCK, head_dim);
+    load_tile::<F, N>(
+        q,
+        q_offset,
+        q_start,
+        q_len,
+        &mut q_tile,
+        thread,
+        BLOCK,
+        head_dim,
+    );
     load_tile::<F, N>(
         grad_out,
         grad_out_offset,
@@ -1070,7 +1138,16 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
         );
         let grad_out_strip = load_strip::<F, N>(&grad_out_tile, warp * STRIP, lane, head_dim);
         let mut ds = strip_times_tile_t::<F, N>(&grad_out_strip, &v_tiles, base, lane, head_dim);
-        score_gradients(&p, &mut ds, delta_lo, delta_hi, &unused_stats, 0, lane, true);
+        score_gradients(
+            &p,
+            &mut ds,
+            delta_lo,
+            delta_hi,
+            &unused_stats,
+            0,
+            lane,
+            true,
+        );
         accumulate_p_times_tile::<F, N>(&ds, &k_tiles, base, &mut grad_q_acc, lane, head_dim);
         // Every warp is done with this stage before the next iteration refills it.
         sync_cube();
