@@ -7,7 +7,7 @@
 #   CONFIGS="llama-2-7b llama-3-8b" SEQ_LENS=4096,8192 METHODS="lora longlora" bench/run_h200.sh
 #
 # env: LEMO (binary, default target/release/lemo-train), PYTHON (default python3), STEPS, WARMUP,
-#      CHECKPOINTING=1 (both sides recompute activations), OUT (default bench/results/h200.json),
+#      CHECKPOINTING=1 (both sides recompute activations), RESULTS (default bench/results/h200.json; not OUT, which the device runner sets to its output folder),
 #      PRECISION (ours: bf16, as the reference runs, or f32; default bf16).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,11 +19,11 @@ SEQ_LENS=${SEQ_LENS:-4096,8192,16384,32768}
 STEPS=${STEPS:-5}
 WARMUP=${WARMUP:-2}
 PRECISION=${PRECISION:-bf16}
-OUT=${OUT:-bench/results/h200.json}
+RESULTS=${RESULTS:-bench/results/h200.json}
 CK=""
 [ "${CHECKPOINTING:-0}" = "1" ] && CK="--checkpointing"
 WORK=$(mktemp -d)
-mkdir -p "$(dirname "$OUT")"
+mkdir -p "$(dirname "$RESULTS")"
 COMMANDS=()
 for config in $CONFIGS; do
   for method in $METHODS; do
@@ -38,7 +38,7 @@ COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
 DIRTY=$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l)
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
 printf '%s\n' "${COMMANDS[@]}" > "$WORK/commands.txt"
-"$PYTHON" - "$WORK" "$OUT" "$COMMIT" "$DIRTY" "$GPU" <<'PY'
+"$PYTHON" - "$WORK" "$RESULTS" "$COMMIT" "$DIRTY" "$GPU" <<'PY'
 import glob, json, os, sys, datetime
 work, out, commit, dirty, gpu = sys.argv[1:6]
 rows = []
