@@ -167,6 +167,46 @@ fn prefetch_key_step<F: Float, N: Size>(
     );
 }
 
+/// One step of the forward's and dQ kernel's K/V stream: starts copying the next key tile (if
+/// any) into the other stage, waits until this tile's stage has landed, and returns the stage's
+/// vector offset in `k_tiles`/`v_tiles`.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn advance_key_stream<F: Float, N: Size>(
+    k: &Tensor<Vector<F, N>>,
+    v: &Tensor<Vector<F, N>>,
+    k_offset: usize,
+    v_offset: usize,
+    key_tile: usize,
+    first_key_tile: usize,
+    end_key_tile: usize,
+    k_tiles: &mut SharedMemory<Vector<F, N>>,
+    v_tiles: &mut SharedMemory<Vector<F, N>>,
+    ready_0: &Shared<Barrier>,
+    ready_1: &Shared<Barrier>,
+    thread: usize,
+    #[comptime] head_dim: usize,
+) -> usize {
+    let stage = (key_tile - first_key_tile) % 2;
+    if key_tile + 1 < end_key_tile {
+        prefetch_key_step::<F, N>(
+            k,
+            v,
+            k_offset,
+            v_offset,
+            (key_tile + 1) * STREAM,
+            k_tiles,
+            v_tiles,
+            1 - stage,
+            thread,
+            head_dim,
+        );
+        commit_stage(1 - stage, ready_0, ready_1);
+    }
+    wait_stage(stage, ready_0, ready_1);
+    stage * comptime!(STREAM * head_dim / CHUNK)
+}
+
 /// Makes the barrier of `stage` track this thread's pending `cp.async` copies.
 #[cube]
 fn commit_stage(stage: usize, ready_0: &Shared<Barrier>, ready_1: &Shared<Barrier>) {
@@ -531,7 +571,6 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
     let shift = group_shift(head as u32, q_heads as u32, group);
     let q_start = (q_len.div_ceil(BLOCK) - 1 - CUBE_POS_X as usize) * BLOCK;
 
-    let stage_words = comptime!(STREAM * chunks);
     let mut q_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
     // Two stages: the next K/V tiles are copied while the current ones are used.
     let mut k_tiles = SharedMemory::<Vector<F, N>>::new(comptime!(2 * STREAM * chunks));
@@ -586,24 +625,21 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
     commit_stage(0, &ready_0, &ready_1);
     for key_tile in first_key_tile..end_key_tile {
         let key_start = key_tile * STREAM;
-        let stage = (key_tile - first_key_tile) % 2;
-        if key_tile + 1 < end_key_tile {
-            prefetch_key_step::<F, N>(
-                k,
-                v,
-                k_offset,
-                v_offset,
-                key_start + STREAM,
-                &mut k_tiles,
-                &mut v_tiles,
-                1 - stage,
-                thread,
-                head_dim,
-            );
-            commit_stage(1 - stage, &ready_0, &ready_1);
-        }
-        wait_stage(stage, &ready_0, &ready_1);
-        let base = stage * stage_words;
+        let base = advance_key_stream::<F, N>(
+            k,
+            v,
+            k_offset,
+            v_offset,
+            key_tile,
+            first_key_tile,
+            end_key_tile,
+            &mut k_tiles,
+            &mut v_tiles,
+            &ready_0,
+            &ready_1,
+            thread,
+            head_dim,
+        );
 
         let mut scores = strip_times_tile_t::<F, N>(&q_strip, &k_tiles, base, lane, head_dim);
         let masked = key_start + STREAM > warp_first_pos + 1
@@ -1023,7 +1059,6 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
 
     let mut q_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
     let mut grad_out_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
-    let stage_words = comptime!(STREAM * chunks);
     let mut k_tiles = SharedMemory::<Vector<F, N>>::new(comptime!(2 * STREAM * chunks));
     let mut v_tiles = SharedMemory::<Vector<F, N>>::new(comptime!(2 * STREAM * chunks));
     let ready_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
@@ -1092,24 +1127,21 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
     commit_stage(0, &ready_0, &ready_1);
     for key_tile in first_key_tile..end_key_tile {
         let key_start = key_tile * STREAM;
-        let stage = (key_tile - first_key_tile) % 2;
-        if key_tile + 1 < end_key_tile {
-            prefetch_key_step::<F, N>(
-                k,
-                v,
-                k_offset,
-                v_offset,
-                key_start + STREAM,
-                &mut k_tiles,
-                &mut v_tiles,
-                1 - stage,
-                thread,
-                head_dim,
-            );
-            commit_stage(1 - stage, &ready_0, &ready_1);
-        }
-        wait_stage(stage, &ready_0, &ready_1);
-        let base = stage * stage_words;
+        let base = advance_key_stream::<F, N>(
+            k,
+            v,
+            k_offset,
+            v_offset,
+            key_tile,
+            first_key_tile,
+            end_key_tile,
+            &mut k_tiles,
+            &mut v_tiles,
+            &ready_0,
+            &ready_1,
+            thread,
+            head_dim,
+        );
 
         let masked = key_start + STREAM > warp_first_pos + 1
             || key_start + STREAM > kv_len
