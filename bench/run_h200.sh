@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs `lemo-train bench` and the PyTorch + PEFT reference (bench/reference/peft_bench.py) on the
-# same configs and lengths, side by side, and writes bench/results/h200.json with both sides,
-# their ratios (ours / reference: < 1 is better for time and memory), the commit and the commands.
+# same configs and lengths, side by side, and merges into bench/results/h200.json both sides,
+# their ratios (ours / reference: < 1 is better for time and memory), the commit and the commands:
+# each row (model, method, length, checkpointing, precision) replaces the one measured before.
 #
 #   bench/run_h200.sh                      # Llama-2-7B dense LoRA at 4K, 8K, 16K, 32K
 #   CONFIGS="llama-2-7b llama-3-8b" SEQ_LENS=4096,8192 METHODS="lora longlora" bench/run_h200.sh
@@ -42,6 +43,8 @@ printf '%s\n' "${COMMANDS[@]}" > "$WORK/commands.txt"
 import glob, json, os, sys, datetime
 work, out, commit, dirty, gpu = sys.argv[1:6]
 rows = []
+commands = open(os.path.join(work, "commands.txt")).read().splitlines()
+date = datetime.datetime.now(datetime.timezone.utc).isoformat()
 for ours_path in sorted(glob.glob(os.path.join(work, "ours-*.json"))):
     key = os.path.basename(ours_path)[len("ours-"):]
     ref_path = os.path.join(work, "ref-" + key)
@@ -56,18 +59,26 @@ for ours_path in sorted(glob.glob(os.path.join(work, "ours-*.json"))):
         rows.append({
             "model": o["model"], "method": o["method"], "seq_len": o["seq_len"], "checkpointing": o["checkpointing"],
             "precision": o.get("precision"),
+            "commit": commit, "uncommitted_tracked_changes": int(dirty), "date": date, "commands": commands,
             "ours": o, "peft": r or None,
             "ratio_step_time": ratio("step_time_s_median"),
             "ratio_peak_memory": ratio("peak_gib"),
             "ratio_after_forward_memory": ratio("after_forward_gib"),
             "within_1.3x": (lambda t, m: None if t is None or m is None else (t <= 1.3 and m <= 1.3))(ratio("step_time_s_median"), ratio("peak_gib")),
         })
+row_key = lambda r: (r["model"], r["method"], r["seq_len"], r["checkpointing"], r.get("precision"))
+previous = json.load(open(out)) if os.path.exists(out) else {"results": []}
+for old in previous["results"]:
+    # Rows from before rows carried their own provenance get the file's.
+    for field in ("commit", "uncommitted_tracked_changes", "date", "commands"):
+        old.setdefault(field, previous.get(field))
+new_keys = {row_key(r) for r in rows}
+merged = [r for r in previous["results"] if row_key(r) not in new_keys] + rows
+merged.sort(key=lambda r: tuple(str(v) for v in row_key(r)[:2]) + (r["seq_len"], r["checkpointing"]))
 result = {
-    "description": "lemo-train bench vs PyTorch + PEFT (LoRA r=8 alpha=16 q/k/v/o, AdamW, batch 1, random init, PEFT in bf16); ratios are ours / PEFT",
-    "date": datetime.datetime.utcnow().isoformat() + "Z",
-    "commit": commit, "uncommitted_tracked_changes": int(dirty), "gpu": gpu,
-    "commands": open(os.path.join(work, "commands.txt")).read().splitlines(),
-    "results": rows,
+    "description": "lemo-train bench vs PyTorch + PEFT (LoRA r=8 alpha=16 q/k/v/o, AdamW, batch 1, random init, PEFT in bf16); ratios are ours / PEFT; each row records the commit and commands that measured it",
+    "gpu": gpu,
+    "results": merged,
 }
 json.dump(result, open(out, "w"), indent=2)
 for r in rows:

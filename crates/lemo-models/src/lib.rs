@@ -3,6 +3,7 @@
 
 pub mod adapter;
 pub mod config;
+pub mod decoder;
 pub mod error;
 pub mod llama;
 pub mod llama2c;

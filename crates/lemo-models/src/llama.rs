@@ -18,8 +18,9 @@ use lemo_kernels::{AttentionOptions, ComputeBackend, LemoBackend, attention::att
 
 use crate::Result;
 use crate::config::LlamaConfig;
+use crate::decoder::Decoder;
 use crate::lora::Linear;
-use crate::model::{KvCache, LayerCache, append_to_cache, embed};
+use crate::model::{LayerCache, append_to_cache, embed};
 use crate::norm::RmsNorm;
 use crate::rope::{RotaryEmbedding, Rotation};
 use crate::weights::Loader;
@@ -203,27 +204,39 @@ impl<B: LemoBackend> Llama<B> {
             activations,
         })
     }
+}
 
-    /// Final normalized hidden states `[batch, len, hidden]` of `tokens: [batch, len]` at
-    /// `positions` (`len` of them); with a cache, the tokens continue the cached sequence.
-    pub fn hidden_states(
+impl<B: LemoBackend> Decoder<B> for Llama<B> {
+    type Shared = Rotation<B>;
+
+    fn embed(&self, tokens: Tensor<B, 2, Int>, _positions: Range<usize>) -> Tensor<B, 3> {
+        embed(&self.embed_tokens.val(), tokens).cast(self.activations)
+    }
+
+    fn shared(&self, positions: Range<usize>, batch: usize) -> Rotation<B> {
+        self.rotary.rotation(positions, batch)
+    }
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn layer(
         &self,
-        tokens: Tensor<B, 2, Int>,
-        positions: Range<usize>,
-        mut cache: Option<&mut KvCache<B>>,
+        index: usize,
+        h: Tensor<B, 3>,
+        rotation: &Rotation<B>,
+        cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
-        let [batch, _] = tokens.dims();
-        let rotation = self.rotary.rotation(positions, batch);
-        let mut h = embed(&self.embed_tokens.val(), tokens).cast(self.activations);
-        for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(h, &rotation, cache.as_deref_mut().map(|c| &mut c.layers[i]));
-        }
+        self.layers[index].forward(h, rotation, cache)
+    }
+
+    fn output_norm(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
         self.norm.forward(h)
     }
 
-    /// `[vocab, hidden]`: the output projection (the embedding when tied), in the activations'
-    /// dtype.
-    pub fn lm_head_weight(&self) -> Tensor<B, 2> {
+    /// The output projection (the embedding when tied), in the activations' dtype.
+    fn lm_head_weight(&self) -> Tensor<B, 2> {
         let weight = self.lm_head.as_ref().unwrap_or(&self.embed_tokens).val();
         weight.cast(self.activations)
     }

@@ -4,14 +4,14 @@
 use std::path::Path;
 
 use burn::module::Module;
-use burn::tensor::backend::{Backend, DTypeUsage};
+use burn::tensor::backend::{AutodiffBackend, Backend, DTypeUsage};
 use burn::tensor::{DType, Int, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::gemm::matmul;
-use lemo_kernels::loss::segment_cross_entropy;
 use lemo_kernels::precision::Precision;
 
 use crate::config::{ModelConfig, RopeConfig, RopeScaling};
+use crate::decoder::{self, Decoder};
 use crate::llama::Llama;
 use crate::llama2c::Llama2cCheckpoint;
 use crate::lora::{Linear, LoraConfig};
@@ -184,8 +184,10 @@ impl<B: LemoBackend> CausalLm<B> {
         let start = cache.as_ref().map_or(0, |c| c.len);
         let positions = start..start + len;
         let out = match self {
-            CausalLm::Llama(m) => m.hidden_states(tokens, positions, cache.as_deref_mut()),
-            CausalLm::Opt(m) => m.hidden_states(tokens, positions, cache.as_deref_mut()),
+            CausalLm::Llama(m) => {
+                decoder::hidden_states(m, tokens, positions, cache.as_deref_mut())
+            }
+            CausalLm::Opt(m) => decoder::hidden_states(m, tokens, positions, cache.as_deref_mut()),
         };
         if let Some(cache) = cache {
             cache.len += len;
@@ -217,22 +219,14 @@ impl<B: LemoBackend> CausalLm<B> {
     }
 
     /// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])` (f32, `[1]`),
-    /// and the number of terms, by the segment-based loss: the vocabulary projection and the
-    /// cross-entropy run `chunk_rows` positions at a time, so the full `[len, vocab]` logits never
-    /// exist at once (under autodiff, neither do their gradients).
+    /// and the number of terms (see [`decoder::next_token_loss`]).
     pub fn next_token_loss_sum(
         &self,
         tokens: Tensor<B, 2, Int>,
         chunk_rows: usize,
     ) -> (Tensor<B, 1>, usize) {
-        let [batch, len] = tokens.dims();
         let hidden = self.hidden_states(tokens.clone(), None);
-        let [_, _, dim] = hidden.dims();
-        let rows = batch * (len - 1);
-        let inputs = hidden.slice([0..batch, 0..len - 1]).reshape([rows, dim]);
-        let targets = tokens.slice([0..batch, 1..len]).reshape([rows]);
-        let loss = segment_cross_entropy(inputs, self.lm_head_weight(), targets, chunk_rows);
-        (loss, rows)
+        decoder::next_token_loss(hidden, self.lm_head_weight(), tokens, chunk_rows)
     }
 
     /// Every linear projection with its Hugging Face module path (`model.layers.3.self_attn.q_proj`).
@@ -301,6 +295,32 @@ impl<B: LemoBackend> CausalLm<B> {
             *linear = linear.clone().merge_lora();
         }
         self
+    }
+}
+
+impl<B: AutodiffBackend + LemoBackend> CausalLm<B>
+where
+    B::InnerBackend: LemoBackend,
+{
+    /// [`Self::next_token_loss_sum`] and the gradients of `scale` times it, recomputing each
+    /// layer's activations in the backward pass (see [`decoder::recomputed_loss_backward`]):
+    /// the partial backward passes' gradients go to `on_gradients`. Returns the unscaled loss
+    /// sum and the number of predictions.
+    pub fn next_token_loss_backward_recomputed(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        chunk_rows: usize,
+        scale: f64,
+        on_gradients: &mut dyn FnMut(&B::Gradients),
+    ) -> (Tensor<B::InnerBackend, 1>, usize) {
+        match self {
+            CausalLm::Llama(m) => {
+                decoder::recomputed_loss_backward(m, tokens, chunk_rows, scale, on_gradients)
+            }
+            CausalLm::Opt(m) => {
+                decoder::recomputed_loss_backward(m, tokens, chunk_rows, scale, on_gradients)
+            }
+        }
     }
 }
 

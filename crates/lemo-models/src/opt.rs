@@ -17,8 +17,9 @@ use lemo_kernels::{AttentionOptions, LemoBackend, attention::attention};
 
 use crate::Result;
 use crate::config::OptConfig;
+use crate::decoder::Decoder;
 use crate::lora::Linear;
-use crate::model::{KvCache, LayerCache, append_to_cache, embed};
+use crate::model::{LayerCache, append_to_cache, embed};
 use crate::norm::LayerNorm;
 use crate::weights::Loader;
 
@@ -177,15 +178,12 @@ impl<B: LemoBackend> Opt<B> {
             project_out,
         })
     }
+}
 
-    /// Final hidden states `[batch, len, word_embed_proj_dim]` of `tokens: [batch, len]` at
-    /// `positions` (`len` of them); with a cache, the tokens continue the cached sequence.
-    pub fn hidden_states(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        positions: Range<usize>,
-        mut cache: Option<&mut KvCache<B>>,
-    ) -> Tensor<B, 3> {
+impl<B: LemoBackend> Decoder<B> for Opt<B> {
+    type Shared = ();
+
+    fn embed(&self, tokens: Tensor<B, 2, Int>, positions: Range<usize>) -> Tensor<B, 3> {
         let [batch, len] = tokens.dims();
         let device = tokens.device();
         let mut h = embed(&self.embed_tokens.val(), tokens);
@@ -198,15 +196,32 @@ impl<B: LemoBackend> Opt<B> {
             &device,
         );
         let [_, hidden] = self.embed_positions.dims();
-        h = h + self
+        h + self
             .embed_positions
             .val()
             .select(0, position_rows)
             .reshape([1, len, hidden])
-            .expand([batch, len, hidden]);
-        for (i, layer) in self.layers.iter().enumerate() {
-            h = layer.forward(h, cache.as_deref_mut().map(|c| &mut c.layers[i]));
-        }
+            .expand([batch, len, hidden])
+    }
+
+    fn shared(&self, _positions: Range<usize>, _batch: usize) {}
+
+    fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+
+    fn layer(
+        &self,
+        index: usize,
+        h: Tensor<B, 3>,
+        _shared: &(),
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Tensor<B, 3> {
+        self.layers[index].forward(h, cache)
+    }
+
+    /// The final layer norm (pre-norm models) and the projection to `word_embed_proj_dim`.
+    fn output_norm(&self, mut h: Tensor<B, 3>) -> Tensor<B, 3> {
         if let Some(norm) = &self.final_layer_norm {
             h = norm.forward(h);
         }
@@ -216,7 +231,8 @@ impl<B: LemoBackend> Opt<B> {
         }
     }
 
-    pub fn lm_head_weight(&self) -> Tensor<B, 2> {
+    /// The token embedding: OPT ties it to the output projection.
+    fn lm_head_weight(&self) -> Tensor<B, 2> {
         self.embed_tokens.val()
     }
 }

@@ -9,9 +9,6 @@ use std::time::Instant;
 
 use anyhow::{Result, bail};
 use burn::backend::Autodiff;
-use burn::backend::autodiff::checkpoint::strategy::{
-    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
-};
 use burn::tensor::backend::Backend;
 use lemo_kernels::LemoBackend;
 use lemo_models::weights::WeightSource;
@@ -93,11 +90,7 @@ impl BackendJob for BenchJob {
     type Output = Vec<BenchResult>;
 
     fn run<B: LemoBackend>(self, device: B::Device) -> Result<Vec<BenchResult>> {
-        if self.checkpointing {
-            run_on::<B, BalancedCheckpointing>(self, device)
-        } else {
-            run_on::<B, NoCheckpointing>(self, device)
-        }
+        run_on::<B>(self, device)
     }
 }
 
@@ -109,22 +102,22 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
+/// Whether an error says the device ran out of memory: CubeCL's "out-of-memory" launch error,
+/// a failed buffer allocation, CUDA's `CUDA_ERROR_OUT_OF_MEMORY`.
 fn is_oom(message: &str) -> bool {
-    let m = message.to_lowercase();
-    m.contains("out of memory")
-        || m.contains("outofmemory")
-        || m.contains("oom")
-        || m.contains("allocat")
+    let letters: String = message
+        .to_lowercase()
+        .chars()
+        .filter(char::is_ascii_alphabetic)
+        .collect();
+    letters.contains("outofmemory") || letters.contains("allocat")
 }
 
 /// Step times, peak and after-forward bytes, and the model after the steps.
 type Measured<B> = (Vec<f64>, u64, u64, CausalLm<B>);
 
-fn run_on<B: LemoBackend, C: CheckpointStrategy>(
-    job: BenchJob,
-    device: B::Device,
-) -> Result<Vec<BenchResult>> {
-    type AB<B, C> = Autodiff<B, C>;
+fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchResult>> {
+    type AB<B> = Autodiff<B>;
     if job.method == Method::Lemo {
         bail!("--method lemo (token elimination) is not available yet: use lora or longlora");
     }
@@ -134,8 +127,8 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
         .file_stem()
         .map_or("model".into(), |s| s.to_string_lossy().to_string());
     let started = Instant::now();
-    AB::<B, C>::seed(&device, job.seed);
-    let base = CausalLm::<AB<B, C>>::build(
+    AB::<B>::seed(&device, job.seed);
+    let base = CausalLm::<AB<B>>::build(
         &config,
         &mut FastRandomWeights { seed: job.seed },
         &device,
@@ -149,7 +142,7 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
         ..LoraConfig::default()
     };
     let mut model = base.with_new_lora(&lora)?.set_extra_trainable(&lora)?;
-    let trainable = optim::trainable_count::<AB<B, C>, _>(&model);
+    let trainable = optim::trainable_count::<AB<B>, _>(&model);
     eprintln!(
         "bench: {name} built in {:.1}s ({trainable} trainable parameters, {})",
         started.elapsed().as_secs_f64(),
@@ -188,23 +181,23 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
             .map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32)
             .collect();
         B::memory_cleanup(&device);
-        let outcome = catch_unwind(AssertUnwindSafe(|| -> Result<Measured<AB<B, C>>> {
+        let outcome = catch_unwind(AssertUnwindSafe(|| -> Result<Measured<AB<B>>> {
             let mut model = model.clone();
             let mut optimizer = AdamW::<B>::new(AdamWSettings::default());
             let (mut times, mut peak, mut after_forward) = (Vec::new(), 0u64, 0u64);
             for step in 0..job.warmup + job.steps {
                 let t0 = Instant::now();
                 let mut grads = NamedTensors::<B>::new();
-                let batch = int_tokens::<AB<B, C>>(std::slice::from_ref(&tokens), &device);
-                let (_, n, mem) =
-                    forward_backward(&model, batch, 1024, 1.0 / (seq_len - 1) as f64, &mut grads);
-                let _ = n;
+                let batch = int_tokens::<AB<B>>(std::slice::from_ref(&tokens), &device);
+                let scale = 1.0 / (seq_len - 1) as f64;
+                let (_, _, mem) =
+                    forward_backward(&model, batch, 1024, scale, job.checkpointing, &mut grads);
                 let after_backward = memory::sample().in_use;
-                let params = optim::trainable_values::<AB<B, C>, _>(&model);
+                let params = optim::trainable_values::<AB<B>, _>(&model);
                 let updated = optimizer.step(params, &grads, 1e-4);
                 drop(grads);
                 model = optim::set_trainable(model, updated)?;
-                AB::<B, C>::sync(&device).map_err(|e| anyhow::anyhow!("device error: {e:?}"))?;
+                AB::<B>::sync(&device).map_err(|e| anyhow::anyhow!("device error: {e:?}"))?;
                 let elapsed = t0.elapsed().as_secs_f64();
                 if step >= job.warmup {
                     times.push(elapsed);

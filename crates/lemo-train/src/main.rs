@@ -105,7 +105,7 @@ enum Command {
         /// Sequence lengths, comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "4096,8192")]
         seq_lens: Vec<usize>,
-        /// Recompute activations in the backward pass (Burn's balanced checkpointing).
+        /// Keep only each layer's input and recompute the layer in the backward pass.
         #[arg(long)]
         checkpointing: bool,
         /// Measured steps per length (the median is reported).

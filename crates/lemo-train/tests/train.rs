@@ -1,5 +1,6 @@
-//! End-to-end `train --preset tiny` runs on the CPU: the loss falls, the outputs exist, and a run
-//! interrupted after a checkpoint and resumed logs exactly the losses of an uninterrupted run.
+//! End-to-end `train --preset tiny` runs on the CPU: the loss falls, the outputs exist, activation
+//! checkpointing changes nothing but memory, and a run interrupted after a checkpoint and resumed
+//! logs exactly the losses of an uninterrupted run.
 
 use std::path::Path;
 use std::process::Command;
@@ -77,6 +78,22 @@ fn tiny_preset_trains_writes_outputs_and_resumes_exactly() {
         train_losses[11] < train_losses[0] - 0.2,
         "loss did not fall: {train_losses:?}"
     );
+
+    // Activation checkpointing recomputes the same gradients, so the same losses follow.
+    let recomputed = dir.path().join("recomputed");
+    train(&recomputed, &["--stop-after", "4", "--checkpointing"]);
+    let recomputed_losses: Vec<f64> = losses(&recomputed)
+        .iter()
+        .filter(|r| r.0 == "train")
+        .map(|r| r.2)
+        .collect();
+    assert_eq!(recomputed_losses.len(), 4);
+    for (plain, recomputed) in train_losses.iter().zip(&recomputed_losses) {
+        assert!(
+            (plain - recomputed).abs() < 1e-4,
+            "with --checkpointing: {recomputed_losses:?}, without: {train_losses:?}"
+        );
+    }
 
     // Stop after 6 steps (last checkpoint at 4), then resume from the run folder.
     let cut = dir.path().join("cut");

@@ -332,8 +332,8 @@ pub struct TrainArgs {
     /// longlora's S2 attention group size [default: seq-len / 4].
     #[arg(long)]
     pub s2_group_size: Option<usize>,
-    /// Recompute activations in the backward pass instead of keeping them (Burn's balanced
-    /// checkpointing strategy).
+    /// Activation checkpointing: keep only each layer's input and recompute the layer in the
+    /// backward pass (one more forward pass, memory of one layer's activations).
     #[arg(long)]
     pub checkpointing: bool,
     /// Positions per segment of the segment-based loss [default: 1024].

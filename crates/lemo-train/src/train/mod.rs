@@ -12,9 +12,6 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use burn::backend::Autodiff;
-use burn::backend::autodiff::checkpoint::strategy::{
-    BalancedCheckpointing, CheckpointStrategy, NoCheckpointing,
-};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
@@ -59,34 +56,48 @@ impl BackendJob for TrainJob {
     type Output = TrainSummary;
 
     fn run<B: LemoBackend>(self, device: B::Device) -> Result<TrainSummary> {
-        if self.config.checkpointing {
-            run_on::<B, BalancedCheckpointing>(self, device)
-        } else {
-            run_on::<B, NoCheckpointing>(self, device)
-        }
+        run_on::<B>(self, device)
     }
 }
 
 /// Loss and gradient of one micro-batch. The model's next-token loss is the segment-based one:
 /// the vocabulary projection and cross-entropy run (forward and backward) one segment of
 /// `segment` positions at a time during the forward pass, so at most one segment's logits exist
-/// at once; the backward pass then starts from the hidden-state gradients they left.
+/// at once; the backward pass then starts from the hidden-state gradients they left. With
+/// `checkpointing`, only each layer's input is kept and the backward pass recomputes one layer
+/// at a time.
 ///
 /// `scale` multiplies the loss (1 / predicted tokens / accumulation steps). Gradients of the
 /// trainable parameters are added into `grads`; returns the unscaled loss sum, the number of
-/// predictions and the memory in use at the end of the forward pass.
+/// predictions and the memory in use at the end of the forward pass (with checkpointing: once
+/// the loss's backward pass has run, while every layer input is kept).
 pub fn forward_backward<B: AutodiffBackend + LemoBackend>(
     model: &CausalLm<B>,
     tokens: Tensor<B, 2, Int>,
     segment: usize,
     scale: f64,
+    checkpointing: bool,
     grads: &mut NamedTensors<B::InnerBackend>,
-) -> (f64, usize, u64) {
-    let (loss, predictions) = model.next_token_loss_sum(tokens, segment);
-    let after_forward = memory::sample().in_use;
-    let loss_sum = loss.clone().inner();
-    let model_grads = loss.mul_scalar(scale).backward();
-    optim::accumulate_grads(model, &model_grads, grads);
+) -> (f64, usize, u64)
+where
+    B::InnerBackend: LemoBackend,
+{
+    let (loss_sum, predictions, after_forward) = if checkpointing {
+        let mut after_forward = None;
+        let (loss_sum, predictions) =
+            model.next_token_loss_backward_recomputed(tokens, segment, scale, &mut |gradients| {
+                after_forward.get_or_insert_with(|| memory::sample().in_use);
+                optim::accumulate_grads(model, gradients, grads);
+            });
+        (loss_sum, predictions, after_forward.unwrap_or_default())
+    } else {
+        let (loss, predictions) = model.next_token_loss_sum(tokens, segment);
+        let after_forward = memory::sample().in_use;
+        let loss_sum = loss.clone().inner();
+        let model_grads = loss.mul_scalar(scale).backward();
+        optim::accumulate_grads(model, &model_grads, grads);
+        (loss_sum, predictions, after_forward)
+    };
     (
         loss_sum.into_scalar().elem::<f64>(),
         predictions,
@@ -140,11 +151,8 @@ fn prepare_inputs(config: &mut TrainConfig) -> Result<()> {
     Ok(())
 }
 
-fn run_on<B: LemoBackend, C: CheckpointStrategy>(
-    job: TrainJob,
-    device: B::Device,
-) -> Result<TrainSummary> {
-    type AB<B, C> = Autodiff<B, C>;
+fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSummary> {
+    type AB<B> = Autodiff<B>;
     let mut config = job.config;
     prepare_inputs(&mut config)?;
     config.validate()?;
@@ -153,10 +161,10 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
     let model_path = config.model.clone().expect("validated");
     let data_path = config.data.clone().expect("validated");
 
-    AB::<B, C>::seed(&device, config.seed);
+    AB::<B>::seed(&device, config.seed);
     let precision = job.precision;
     let (mut model, model_config) =
-        CausalLm::<AB<B, C>>::from_path(&model_path, &device, precision.policy())?;
+        CausalLm::<AB<B>>::from_path(&model_path, &device, precision.policy())?;
     let trained_context = model_config.max_position_embeddings();
     let mut rope_scaling = None;
     if let Some(target) = config.target_context
@@ -302,7 +310,7 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
         saved_config.to_toml().as_bytes(),
     )?;
 
-    let trainable = optim::trainable_count::<AB<B, C>, _>(&model);
+    let trainable = optim::trainable_count::<AB<B>, _>(&model);
     eprintln!(
         "train: {} on {} ({} trainable parameters, {}), {} steps x {} micro-batches x {} sequences, device {}",
         config.method.name(),
@@ -324,7 +332,7 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
         seq_len,
         steps: config.steps,
     };
-    let write_adapter = |model: &CausalLm<AB<B, C>>, dir: &Path| -> Result<()> {
+    let write_adapter = |model: &CausalLm<AB<B>>, dir: &Path| -> Result<()> {
         let inner = model.valid();
         inner.save_adapter(dir, &lora, &model_path.display().to_string())?;
         lemo_models::adapter::write_atomically(
@@ -350,7 +358,7 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
         let step_started = Instant::now();
         // Dropout draws from the backend's generator: seeding it per step makes a resumed run
         // draw what the uninterrupted one did.
-        AB::<B, C>::seed(
+        AB::<B>::seed(
             &device,
             config
                 .seed
@@ -367,9 +375,15 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
             let batch: Vec<Vec<u32>> = (first..first + config.batch_size)
                 .map(|i| corpus.train_sequence(i))
                 .collect();
-            let tokens = int_tokens::<AB<B, C>>(&batch, &device);
-            let (loss, n, mem) =
-                forward_backward(&model, tokens, config.loss_segment, scale, &mut grads);
+            let tokens = int_tokens::<AB<B>>(&batch, &device);
+            let (loss, n, mem) = forward_backward(
+                &model,
+                tokens,
+                config.loss_segment,
+                scale,
+                config.checkpointing,
+                &mut grads,
+            );
             loss_sum += loss;
             predictions += n;
             after_forward = after_forward.max(mem);
@@ -397,7 +411,7 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
             config.steps,
             step,
         );
-        let params = optim::trainable_values::<AB<B, C>, _>(&model);
+        let params = optim::trainable_values::<AB<B>, _>(&model);
         let updated = optimizer.step(params, &grads, lr);
         model = optim::set_trainable(model, updated)?;
         drop(grads);
@@ -464,7 +478,7 @@ fn run_on<B: LemoBackend, C: CheckpointStrategy>(
                     tokens_seen,
                     elapsed_s: elapsed_before + run_started.elapsed().as_secs_f64(),
                 },
-                trainable: optim::trainable_values::<AB<B, C>, _>(&model)
+                trainable: optim::trainable_values::<AB<B>, _>(&model)
                     .into_iter()
                     .map(|(k, t)| (k, t.into_data().convert::<f32>().into_vec().expect("f32")))
                     .collect(),

@@ -1,0 +1,150 @@
+//! A decoder-only model as stages: embed the tokens, run the layers one after another, normalize
+//! the last hidden state. Every architecture exposes these stages, so the model-independent
+//! passes live here once:
+//!
+//! - [`hidden_states`]: the plain forward pass (training, evaluation, generation with a cache);
+//! - [`next_token_loss`]: next-token cross-entropy from the final hidden states;
+//! - [`recomputed_loss_backward`]: the loss and its gradients with per-layer activation
+//!   checkpointing, which keeps one hidden state per layer instead of every activation.
+
+use std::ops::Range;
+
+use burn::module::AutodiffModule;
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{Int, Tensor};
+use lemo_kernels::LemoBackend;
+use lemo_kernels::loss::segment_cross_entropy;
+
+use crate::model::{KvCache, LayerCache};
+
+pub trait Decoder<B: Backend> {
+    /// What every layer of one pass shares (Llama: the rotary tables of the pass's positions).
+    type Shared;
+
+    /// `h_0: [batch, len, hidden]` of `tokens: [batch, len]` at `positions`.
+    fn embed(&self, tokens: Tensor<B, 2, Int>, positions: Range<usize>) -> Tensor<B, 3>;
+
+    fn shared(&self, positions: Range<usize>, batch: usize) -> Self::Shared;
+
+    fn num_layers(&self) -> usize;
+
+    /// `h_{index+1}` from `h_index`; with a cache, the layer's keys and values are appended to it.
+    fn layer(
+        &self,
+        index: usize,
+        h: Tensor<B, 3>,
+        shared: &Self::Shared,
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Tensor<B, 3>;
+
+    /// What the output projection reads, from `h_L`.
+    fn output_norm(&self, h: Tensor<B, 3>) -> Tensor<B, 3>;
+
+    /// `[vocab, dim]`: the output projection, in the hidden states' dtype.
+    fn lm_head_weight(&self) -> Tensor<B, 2>;
+}
+
+/// Final normalized hidden states of `tokens` at `positions`; with a cache, the tokens continue
+/// the cached sequence (the caller advances `cache.len`).
+pub fn hidden_states<B: Backend, D: Decoder<B>>(
+    decoder: &D,
+    tokens: Tensor<B, 2, Int>,
+    positions: Range<usize>,
+    mut cache: Option<&mut KvCache<B>>,
+) -> Tensor<B, 3> {
+    let [batch, _] = tokens.dims();
+    let shared = decoder.shared(positions.clone(), batch);
+    let mut h = decoder.embed(tokens, positions);
+    for index in 0..decoder.num_layers() {
+        let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[index]);
+        h = decoder.layer(index, h, &shared, layer_cache);
+    }
+    decoder.output_norm(h)
+}
+
+/// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])` (f32, `[1]`) from
+/// the final hidden states, and the number of terms, by the segment-based loss: the vocabulary
+/// projection and the cross-entropy run `chunk_rows` positions at a time, so the full
+/// `[len, vocab]` logits never exist at once (under autodiff, neither do their gradients).
+pub fn next_token_loss<B: LemoBackend>(
+    hidden: Tensor<B, 3>,
+    lm_head_weight: Tensor<B, 2>,
+    tokens: Tensor<B, 2, Int>,
+    chunk_rows: usize,
+) -> (Tensor<B, 1>, usize) {
+    let [batch, len, dim] = hidden.dims();
+    let rows = batch * (len - 1);
+    let inputs = hidden.slice([0..batch, 0..len - 1]).reshape([rows, dim]);
+    let targets = tokens.slice([0..batch, 1..len]).reshape([rows]);
+    let loss = segment_cross_entropy(inputs, lm_head_weight, targets, chunk_rows);
+    (loss, rows)
+}
+
+/// [`next_token_loss`] of `tokens` (positions from 0) and the gradients of `scale` times it, with
+/// per-layer activation checkpointing. The forward pass runs without a graph and keeps only each
+/// layer's input; the backward pass then rebuilds one layer's graph at a time from its saved
+/// input, last layer first, and back-propagates the gradient of its output through it. Memory is
+/// one hidden state per layer plus one layer's activations; the price is a second forward pass.
+///
+/// Each partial backward pass's gradients go to `on_gradients` (the loss head's first, then the
+/// layers' from the last, then the embedding's when it is trainable): a trainable parameter gets
+/// its gradient from the passes that used it, so the caller sums what it finds in each. Returns
+/// the unscaled loss sum and the number of predictions.
+pub fn recomputed_loss_backward<B, D>(
+    decoder: &D,
+    tokens: Tensor<B, 2, Int>,
+    chunk_rows: usize,
+    scale: f64,
+    on_gradients: &mut dyn FnMut(&B::Gradients),
+) -> (Tensor<B::InnerBackend, 1>, usize)
+where
+    B: AutodiffBackend + LemoBackend,
+    B::InnerBackend: LemoBackend,
+    D: Decoder<B> + AutodiffModule<B>,
+    D::InnerModule: Decoder<B::InnerBackend>,
+{
+    let [batch, len] = tokens.dims();
+    let positions = 0..len;
+
+    let inner = decoder.valid();
+    let inner_shared = inner.shared(positions.clone(), batch);
+    let mut h = inner.embed(tokens.clone().inner(), positions.clone());
+    let mut layer_inputs = Vec::with_capacity(inner.num_layers());
+    for index in 0..inner.num_layers() {
+        layer_inputs.push(h.clone());
+        h = inner.layer(index, h, &inner_shared, None);
+    }
+    drop(inner_shared);
+
+    let last = Tensor::<B, 3>::from_inner(h).require_grad();
+    let (loss, predictions) = next_token_loss(
+        decoder.output_norm(last.clone()),
+        decoder.lm_head_weight(),
+        tokens.clone(),
+        chunk_rows,
+    );
+    let loss_sum = loss.clone().inner();
+    let gradients = loss.mul_scalar(scale).backward();
+    on_gradients(&gradients);
+    let mut grad_h = last.grad(&gradients).expect("the loss depends on h_L");
+    drop(gradients);
+
+    // Back-propagating a given output gradient g through f is the backward pass of sum(f(x) * g).
+    let propagate = |output: Tensor<B, 3>, grad_output: Tensor<B::InnerBackend, 3>| {
+        (output * Tensor::from_inner(grad_output)).sum().backward()
+    };
+    let shared = decoder.shared(positions.clone(), batch);
+    while let Some(input) = layer_inputs.pop() {
+        let index = layer_inputs.len();
+        let input = Tensor::<B, 3>::from_inner(input).require_grad();
+        let output = decoder.layer(index, input.clone(), &shared, None);
+        let gradients = propagate(output, grad_h);
+        on_gradients(&gradients);
+        grad_h = input
+            .grad(&gradients)
+            .expect("a layer's output depends on its input");
+    }
+    // Reaches the embedding's parameters when they are trainable, and nothing otherwise.
+    on_gradients(&propagate(decoder.embed(tokens, positions), grad_h));
+    (loss_sum, predictions)
+}
