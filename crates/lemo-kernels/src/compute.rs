@@ -12,7 +12,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 use crate::backend::CpuBackend;
 use crate::memory::{self, MemoryStats};
-use crate::{fused, gemm, loss};
+use crate::{fused, gemm, loss, precision};
 
 /// Gradients the segment-based loss computes while it runs: `(d hidden, d weight)` of the summed
 /// loss, each present when asked for.
@@ -26,6 +26,17 @@ pub trait ComputeBackend: Backend {
     /// `lhs [.., M, K] x rhs [.., K, N]`; see [`gemm::matmul`].
     fn lemo_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::float_matmul(lhs, rhs)
+    }
+
+    /// `scale * (x A^T) B^T` in the adapter's dtype, returned in `x`'s; see
+    /// [`precision::lora_delta`].
+    fn lemo_lora_delta(
+        x: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        precision::lora_delta_forward::<Self>(x, a, b, scale).0
     }
 
     /// RMSNorm over the last dimension; see [`fused::rms_norm`].
@@ -217,6 +228,15 @@ where
 impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C> {
     fn lemo_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         gemm::autodiff::matmul::<B, C>(lhs, rhs)
+    }
+
+    fn lemo_lora_delta(
+        x: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        scale: f32,
+    ) -> FloatTensor<Self> {
+        precision::autodiff::lora_delta::<B, C>(x, a, b, scale)
     }
 
     fn lemo_rms_norm(
