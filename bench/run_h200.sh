@@ -9,7 +9,8 @@
 #
 # env: LEMO (binary, default target/release/lemo-train), PYTHON (default python3), STEPS, WARMUP,
 #      CHECKPOINTING=1 (both sides recompute activations), RESULTS (default bench/results/h200.json; not OUT, which the device runner sets to its output folder),
-#      PRECISION (ours: bf16, as the reference runs, or f32; default bf16).
+#      PRECISION (ours: bf16, as the reference runs, or f32; default bf16), COMMIT and DIRTY
+#      (provenance recorded in the results; default: from git here).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LEMO=${LEMO:-target/release/lemo-train}
@@ -35,8 +36,10 @@ for config in $CONFIGS; do
     echo "+ $ref" >&2; $ref || echo "peft_bench failed (status $?)" >&2
   done
 done
-COMMIT=$(git rev-parse HEAD 2>/dev/null || echo unknown)
-DIRTY=$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l)
+# The device machine's copy of the tree may carry a stale .git: pass COMMIT (and DIRTY=0) from
+# the checkout the binary was built from.
+COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+DIRTY=${DIRTY:-$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l)}
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
 printf '%s\n' "${COMMANDS[@]}" > "$WORK/commands.txt"
 "$PYTHON" - "$WORK" "$RESULTS" "$COMMIT" "$DIRTY" "$GPU" <<'PY'
