@@ -11,6 +11,8 @@ use lemo_kernels::ComputeBackend;
 use lemo_kernels::gemm::matmul;
 use lemo_kernels::precision::lora_delta;
 
+use crate::weights::seeded_random;
+
 /// Where adapters go, how large they are, and what else trains with them.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LoraConfig {
@@ -86,16 +88,19 @@ impl<B: Backend> Linear<B> {
         self.weight.dims()[0]
     }
 
-    /// Adds a fresh adapter (A random, B zero).
-    pub fn with_new_lora(self, config: &LoraConfig) -> Self {
+    /// Adds a fresh adapter (A random, B zero). A is drawn on the host from `seed` and `name`
+    /// (the projection's path), so that a seed gives the same adapter on every device.
+    pub fn with_new_lora(self, config: &LoraConfig, name: &str, seed: u64) -> Self {
         let device = self.weight.device();
         // PEFT: kaiming_uniform_(a=sqrt(5)) on [r, in], i.e. U(-1/sqrt(in), 1/sqrt(in)).
         let bound = 1.0 / (self.in_features() as f64).sqrt();
-        let a = Tensor::random(
-            [config.rank, self.in_features()],
+        let values = seeded_random(
+            &format!("{name}.lora_A"),
+            seed,
+            &[config.rank, self.in_features()],
             Distribution::Uniform(-bound, bound),
-            (&device, DType::F32),
         );
+        let a = Tensor::from_data(values, (&device, DType::F32));
         let b = Tensor::zeros([self.out_features(), config.rank], (&device, DType::F32));
         self.with_lora(a, b, config)
     }

@@ -271,12 +271,13 @@ impl<B: LemoBackend> CausalLm<B> {
         }
     }
 
-    /// Adds fresh LoRA adapters to the projections `config` targets.
-    pub fn with_new_lora(mut self, config: &LoraConfig) -> Result<Self> {
+    /// Adds fresh LoRA adapters to the projections `config` targets, initialized from `seed`
+    /// (the same adapters on every device).
+    pub fn with_new_lora(mut self, config: &LoraConfig, seed: u64) -> Result<Self> {
         let mut matched = 0;
         for (name, linear) in self.projections_mut() {
             if config.targets(name.rsplit('.').next().unwrap_or(&name)) {
-                *linear = linear.clone().with_new_lora(config);
+                *linear = linear.clone().with_new_lora(config, &name, seed);
                 matched += 1;
             }
         }

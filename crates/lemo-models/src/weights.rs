@@ -238,22 +238,27 @@ impl WeightSource for RandomWeights {
         } else if is_norm {
             vec![1.0; count]
         } else {
-            // A different stream per tensor so adding a tensor doesn't shift the others.
-            let seed = name.bytes().fold(self.seed, |h, b| {
-                h.wrapping_mul(0x100000001b3).wrapping_add(b as u64)
-            });
-            let data = TensorData::random::<f32, _, _>(
-                shape.to_vec(),
-                Distribution::Normal(0.0, self.std),
-                &mut seeded_rng(seed),
-            );
-            data.into_vec::<f32>().expect("f32 data")
+            seeded_random(name, self.seed, shape, Distribution::Normal(0.0, self.std))
+                .into_vec::<f32>()
+                .expect("f32 data")
         };
         Ok(Some(values))
     }
 }
 
-fn seeded_rng(seed: u64) -> impl rand::Rng {
+/// f32 values of `shape` drawn from `distribution` by a host generator seeded with `seed` and
+/// `name`: the same on every device, and a different stream per tensor name so that adding a
+/// tensor does not shift the others.
+pub fn seeded_random(
+    name: &str,
+    seed: u64,
+    shape: &[usize],
+    distribution: Distribution,
+) -> TensorData {
     use rand::SeedableRng;
-    rand::rngs::StdRng::seed_from_u64(seed)
+    let seed = name.bytes().fold(seed, |h, b| {
+        h.wrapping_mul(0x100000001b3).wrapping_add(b as u64)
+    });
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    TensorData::random::<f32, _, _>(shape.to_vec(), distribution, &mut rng)
 }

@@ -219,7 +219,7 @@ fn model_with_random_lora(config: &LoraConfig) -> CausalLm<B> {
         Precision::F32,
     )
     .unwrap();
-    let mut model = model.with_new_lora(config).unwrap();
+    let mut model = model.with_new_lora(config, 0).unwrap();
     for lora in model
         .projections_mut()
         .into_iter()
@@ -265,7 +265,7 @@ fn fresh_lora_starts_at_the_base_model_and_merging_preserves_outputs() {
         Precision::F32,
     )
     .unwrap();
-    let fresh = base.clone().with_new_lora(&all_projections()).unwrap();
+    let fresh = base.clone().with_new_lora(&all_projections(), 0).unwrap();
     assert!(
         max_difference(
             base.forward(tokens(ids), None),

@@ -69,7 +69,7 @@ fn trainable_model(fixture: &str, targets: &[&str], longlora: bool) -> CausalLm<
         ..LoraConfig::default()
     };
     let mut model = model
-        .with_new_lora(&config)
+        .with_new_lora(&config, 0)
         .unwrap()
         .set_extra_trainable(&config)
         .unwrap();

@@ -141,7 +141,9 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
         train_norms: job.method == Method::Longlora,
         ..LoraConfig::default()
     };
-    let mut model = base.with_new_lora(&lora)?.set_extra_trainable(&lora)?;
+    let mut model = base
+        .with_new_lora(&lora, job.seed)?
+        .set_extra_trainable(&lora)?;
     let trainable = optim::trainable_count::<AB<B>, _>(&model);
     eprintln!(
         "bench: {name} built in {:.1}s ({trainable} trainable parameters, {})",

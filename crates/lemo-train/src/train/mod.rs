@@ -191,7 +191,9 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
         train_embeddings: config.train_embeddings(),
         train_norms: config.train_norms(),
     };
-    model = model.with_new_lora(&lora)?.set_extra_trainable(&lora)?;
+    model = model
+        .with_new_lora(&lora, config.seed)?
+        .set_extra_trainable(&lora)?;
     if config.method == Method::Longlora {
         let group = config.s2_group_size.unwrap_or(seq_len / 4).max(2);
         model.set_shifted_group(Some(group));
