@@ -13,6 +13,17 @@ use lemo_kernels::precision::lora_delta;
 
 use crate::weights::seeded_random;
 
+/// Every projection of a Llama layer, in PEFT's `target_modules` names.
+pub const LLAMA_PROJECTIONS: [&str; 7] = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+];
+
 /// Where adapters go, how large they are, and what else trains with them.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct LoraConfig {

@@ -8,6 +8,7 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use lemo_kernels::CpuBackend;
 use lemo_kernels::precision::Precision;
+use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::{CausalLm, KvCache, LoraConfig};
 use serde_json::Value;
 
@@ -237,17 +238,7 @@ fn model_with_random_lora(config: &LoraConfig) -> CausalLm<B> {
 
 fn all_projections() -> LoraConfig {
     LoraConfig {
-        target_modules: [
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ]
-        .map(String::from)
-        .to_vec(),
+        target_modules: LLAMA_PROJECTIONS.map(String::from).to_vec(),
         ..LoraConfig::default()
     }
 }

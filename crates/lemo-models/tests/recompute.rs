@@ -8,6 +8,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Int, Tensor};
 use lemo_kernels::CpuBackend;
 use lemo_kernels::precision::Precision;
+use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::{CausalLm, LoraConfig};
 
 type B = Autodiff<CpuBackend>;
@@ -131,19 +132,7 @@ fn assert_recomputation_matches(model: &CausalLm<B>, len: usize) {
 
 #[test]
 fn recomputed_lora_gradients_match_llama() {
-    let model = trainable_model(
-        "llama_gqa_tied",
-        &[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-        ],
-        false,
-    );
+    let model = trainable_model("llama_gqa_tied", &LLAMA_PROJECTIONS, false);
     assert_recomputation_matches(&model, 45);
 }
 

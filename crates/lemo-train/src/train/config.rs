@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
+use lemo_models::lora::LLAMA_PROJECTIONS;
 use serde::{Deserialize, Serialize};
 
 use crate::device::{DeviceKind, PrecisionKind};
@@ -164,17 +165,7 @@ impl TrainConfig {
                 min_lr_ratio: 0.1,
                 lora_rank: 16,
                 lora_alpha: 32.0,
-                lora_targets: [
-                    "q_proj",
-                    "k_proj",
-                    "v_proj",
-                    "o_proj",
-                    "gate_proj",
-                    "up_proj",
-                    "down_proj",
-                ]
-                .map(String::from)
-                .to_vec(),
+                lora_targets: LLAMA_PROJECTIONS.map(String::from).to_vec(),
                 loss_segment: 128,
                 val_fraction: 0.05,
                 val_every: 50,
