@@ -102,17 +102,6 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
-/// Whether an error says the device ran out of memory: CubeCL's "out-of-memory" launch error,
-/// a failed buffer allocation, CUDA's `CUDA_ERROR_OUT_OF_MEMORY`.
-fn is_oom(message: &str) -> bool {
-    let letters: String = message
-        .to_lowercase()
-        .chars()
-        .filter(char::is_ascii_alphabetic)
-        .collect();
-    letters.contains("outofmemory") || letters.contains("allocat")
-}
-
 /// Step times, peak and after-forward bytes, and the model after the steps.
 type Measured<B> = (Vec<f64>, u64, u64, CausalLm<B>);
 
@@ -226,13 +215,13 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
             }
             Ok(Err(error)) => {
                 let message = format!("{error:#}");
-                result.oom = is_oom(&message);
+                result.oom = memory::is_out_of_memory(&message);
                 ran_out |= result.oom;
                 result.error = Some(message);
             }
             Err(payload) => {
                 let message = panic_message(payload.as_ref());
-                result.oom = is_oom(&message);
+                result.oom = memory::is_out_of_memory(&message);
                 ran_out |= result.oom;
                 result.error = Some(message.lines().next().unwrap_or("").to_string());
             }

@@ -475,10 +475,14 @@ fn main() -> ExitCode {
             .map(String::as_str)
             .or_else(|| info.payload().downcast_ref::<&str>().copied())
             .unwrap_or("unknown panic");
-        eprintln!(
-            "error: internal failure: {}",
-            message.lines().next().unwrap_or("")
-        );
+        let first_line = message.lines().next().unwrap_or("");
+        if memory::is_out_of_memory(message) {
+            eprintln!(
+                "error: the device ran out of memory ({first_line}): try a shorter --seq-len (training: --checkpointing or a smaller --batch-size)"
+            );
+        } else {
+            eprintln!("error: internal failure: {first_line}");
+        }
     }));
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,

@@ -95,3 +95,33 @@ impl PeakTracker {
 pub fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
+
+/// Whether an error says the device ran out of memory: CubeCL's "out-of-memory" launch error,
+/// a failed buffer allocation, CUDA's `CUDA_ERROR_OUT_OF_MEMORY`.
+pub fn is_out_of_memory(message: &str) -> bool {
+    let letters: String = message
+        .to_lowercase()
+        .chars()
+        .filter(char::is_ascii_alphabetic)
+        .collect();
+    letters.contains("outofmemory") || letters.contains("allocat")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_out_of_memory;
+
+    #[test]
+    fn out_of_memory_errors_are_recognized() {
+        for message in [
+            "An out-of-memory error happened during launch\nCaused by:\n  ...",
+            "CUDA_ERROR_OUT_OF_MEMORY",
+            "Unable to allocate buffer of 2.3 GB",
+        ] {
+            assert!(is_out_of_memory(message), "{message}");
+        }
+        assert!(!is_out_of_memory(
+            "A compilation error happened during launch"
+        ));
+    }
+}
