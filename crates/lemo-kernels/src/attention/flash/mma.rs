@@ -314,24 +314,18 @@ fn prefetch_query_step<F: Float, N: Size>(
     );
 }
 
-/// `ldmatrix.x4` of the 16 x 16 block at rows `row0..row0 + 16`, chunks `chunk0, chunk0 + 1` of the
-/// swizzled tile starting at vector `base` of `tile`. Lane `l` addresses row `l % 8` of 8x8 matrix `l / 8`; `rows_first` orders the
-/// four matrices rows-then-chunks (the A fragment of a row-major `[m][k]` block, or with
-/// `transpose` the B fragments of two n8 tiles of a row-major `[k][n]` block) instead of
-/// chunks-then-rows (the B fragments of two n8 tiles of a row-major `[n][k]` block).
+/// This lane's `ldmatrix.x4` row address, in vectors from the start of any 16 x 16 block at
+/// chunk 0 of a swizzled tile with `chunks` chunks per row. Lane `l` addresses row `l % 8` of
+/// 8x8 matrix `l / 8`; `rows_first` orders the four matrices rows-then-chunks (the A fragment of
+/// a row-major `[m][k]` block, or with `transpose` the B fragments of two n8 tiles of a row-major
+/// `[k][n]` block) instead of chunks-then-rows (the B fragments of two n8 tiles of a row-major
+/// `[n][k]` block).
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_block<F: Float, N: Size>(
-    tile: &SharedMemory<Vector<F, N>>,
-    base: usize,
-    row0: usize,
-    chunk0: usize,
+fn block_lane_offset(
     lane: usize,
     #[comptime] chunks: usize,
     #[comptime] rows_first: bool,
-    #[comptime] transpose: bool,
-) -> Array<Pair<F>> {
-    let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+) -> usize {
     let matrix = lane / 8usize;
     let mut row_half = matrix / 2usize;
     let mut chunk_half = matrix % 2usize;
@@ -339,38 +333,30 @@ fn load_block<F: Float, N: Size>(
         row_half = matrix % 2usize;
         chunk_half = matrix / 2usize;
     }
-    let index = base
-        + swizzle(
-            row0 + lane % 8usize + 8usize * row_half,
-            chunk0 + chunk_half,
-            chunks,
-        );
+    (lane % 8usize + 8usize * row_half) * chunks + (chunk_half ^ (lane % 8usize))
+}
+
+/// `ldmatrix.x4` of the 16 x 16 block at chunks `chunk0, chunk0 + 1` (`chunk0` even) of the
+/// swizzled rows starting at vector `block_start` (a multiple of 8 rows into the tile), with this
+/// lane's `lane_offset` from [`block_lane_offset`]. For such blocks the swizzle of
+/// `(row, chunk0 + c)` is the chunk-0 address XOR `chunk0`, so a block costs one XOR on a
+/// per-lane constant and the row offset folds into the instruction.
+#[cube]
+fn load_block<F: Float, N: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    block_start: usize,
+    lane_offset: usize,
+    #[comptime] chunk0: usize,
+    #[comptime] transpose: bool,
+) -> Array<Pair<F>> {
+    let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let index = block_start + (lane_offset ^ chunk0);
     mma.load_matrix::<Vector<F, N>, Const<2>>(
         &tile.slice(index, index + 1),
         MatrixIdent::A,
         4usize,
         transpose,
     )
-}
-
-/// The A fragments of a warp's 16-row strip (`head_dim / 16` blocks of 4 registers).
-#[cube]
-fn load_strip<F: Float, N: Size>(
-    tile: &SharedMemory<Vector<F, N>>,
-    row0: usize,
-    lane: usize,
-    #[comptime] head_dim: usize,
-) -> Array<Pair<F>> {
-    let mut strip = Array::<Pair<F>>::new(comptime!(head_dim / 4));
-    #[unroll]
-    for kk in 0..comptime!(head_dim / 16) {
-        let block = load_block::<F, N>(tile, 0, row0, 2 * kk, lane, head_dim / CHUNK, true, false);
-        #[unroll]
-        for i in 0..4usize {
-            strip[4 * kk + i] = block[i];
-        }
-    }
-    strip
 }
 
 /// `acc[acc_at..acc_at + 2] += a[a_at..a_at + 4] x b[b_at..b_at + 2]`: one m16n8k16 step on
@@ -418,34 +404,38 @@ fn zeros(#[comptime] cols: usize) -> Array<Pair<f32>> {
     acc
 }
 
-/// `strip . tile^T`: the `16 x STREAM` scores of a strip (A fragments over `head_dim`) against
-/// the rows of a `STREAM x head_dim` tile. Accumulator `2n + h` holds row `h * 8 + lane / 4`,
-/// columns `8n + 2 (lane % 4) + {0, 1}`.
+/// `strip . tile^T`: the `16 x STREAM` scores of the 16-row strip starting at vector
+/// `strip_start` of `strips` against the rows of the `STREAM x head_dim` tile at vector `base` of
+/// `tile`. Both operands are read from shared memory one 16-column block at a time, which keeps
+/// only one A fragment live. Accumulator `2n + h` holds row `h * 8 + lane / 4`, columns
+/// `8n + 2 (lane % 4) + {0, 1}`.
 #[cube]
 fn strip_times_tile_t<F: Float, N: Size>(
-    strip: &Array<Pair<F>>,
+    strips: &SharedMemory<Vector<F, N>>,
+    strip_start: usize,
     tile: &SharedMemory<Vector<F, N>>,
     base: usize,
     lane: usize,
     #[comptime] head_dim: usize,
 ) -> Array<Pair<f32>> {
+    let chunks = comptime!(head_dim / CHUNK);
+    let a_offset = block_lane_offset(lane, chunks, true);
+    let b_offset = block_lane_offset(lane, chunks, false);
     let mut scores = zeros(STREAM);
     #[unroll]
     for kk in 0..comptime!(head_dim / 16) {
+        let a = load_block::<F, N>(strips, strip_start, a_offset, comptime!(2 * kk), false);
         #[unroll]
         for pair in 0..comptime!(STREAM / 16) {
             let b = load_block::<F, N>(
                 tile,
-                base,
-                16 * pair,
-                2 * kk,
-                lane,
-                head_dim / CHUNK,
-                false,
+                base + comptime!(16 * pair * chunks),
+                b_offset,
+                comptime!(2 * kk),
                 false,
             );
-            mma_step::<F>(strip, 4 * kk, &b, 0, &mut scores, 4 * pair);
-            mma_step::<F>(strip, 4 * kk, &b, 2, &mut scores, 4 * pair + 2);
+            mma_step::<F>(&a, 0, &b, 0, &mut scores, 4 * pair);
+            mma_step::<F>(&a, 0, &b, 2, &mut scores, 4 * pair + 2);
         }
     }
     scores
@@ -462,6 +452,8 @@ fn accumulate_p_times_tile<F: Float, N: Size>(
     lane: usize,
     #[comptime] head_dim: usize,
 ) {
+    let chunks = comptime!(head_dim / CHUNK);
+    let b_offset = block_lane_offset(lane, chunks, true);
     // Accumulators 4c..4c + 4 (two n8 tiles) are the A fragment of k-block c, in order.
     let mut packed = Array::<Pair<F>>::new(comptime!(STREAM / 4));
     #[unroll]
@@ -474,12 +466,9 @@ fn accumulate_p_times_tile<F: Float, N: Size>(
         for pair in 0..comptime!(head_dim / 16) {
             let b = load_block::<F, N>(
                 tile,
-                base,
-                16 * kc,
-                2 * pair,
-                lane,
-                head_dim / CHUNK,
-                true,
+                base + comptime!(16 * kc * chunks),
+                b_offset,
+                comptime!(2 * pair),
                 true,
             );
             mma_step::<F>(&packed, 4 * kc, &b, 0, acc, 4 * pair);
@@ -592,7 +581,7 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
         head_dim,
     );
     sync_cube();
-    let q_strip = load_strip::<F, N>(&q_tile, warp * STRIP, lane, head_dim);
+    let strip_start = warp * comptime!(STRIP * chunks);
 
     let row_lo = q_start + warp * STRIP + lane / 4;
     let pos_lo = (offset + row_lo) as u32;
@@ -641,7 +630,8 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
             head_dim,
         );
 
-        let mut scores = strip_times_tile_t::<F, N>(&q_strip, &k_tiles, base, lane, head_dim);
+        let mut scores =
+            strip_times_tile_t::<F, N>(&q_tile, strip_start, &k_tiles, base, lane, head_dim);
         let masked = key_start + STREAM > warp_first_pos + 1
             || key_start + STREAM > kv_len
             || window > 0
@@ -733,27 +723,65 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
     }
 }
 
-/// Probabilities `exp(scores * scale - lse)` of a strip's scores, HIDDEN-masked where the
-/// (query, key) pair is not visible. `row_is_query` says whether the strip's rows are queries
-/// (dQ kernel) or keys (dK/dV kernel, where columns are queries and `lse` comes per column).
+/// Probabilities `exp(scores * scale - lse)` in place, `lse` per row (the strip's rows are
+/// queries: dQ kernel).
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn probabilities(
+fn row_probabilities(scores: &mut Array<Pair<f32>>, lse_lo: f32, lse_hi: f32, scale: f32) {
+    #[unroll]
+    for n in 0..comptime!(STREAM / 8) {
+        scores[2 * n] = (scores[2 * n] * Pair::<f32>::new(scale) - Pair::<f32>::new(lse_lo)).exp();
+        scores[2 * n + 1] =
+            (scores[2 * n + 1] * Pair::<f32>::new(scale) - Pair::<f32>::new(lse_hi)).exp();
+    }
+}
+
+/// The two per-column values (`lse` or `delta`) of this lane's accumulator columns `8n + ..`,
+/// from the stage's row statistics at `stats[stats_base..]`.
+#[cube]
+fn column_pair(stats: &SharedMemory<f32>, stats_base: usize, n: usize, lane: usize) -> Pair<f32> {
+    let column = stats_base + 8 * n + 2 * (lane % 4);
+    let mut pair = Pair::<f32>::new(0.0);
+    pair[0] = stats[column];
+    pair[1] = stats[column + 1];
+    pair
+}
+
+/// Probabilities `exp(scores * scale - lse)` in place, `lse` per column (the strip's rows are
+/// keys and its columns queries: dK/dV kernel).
+#[cube]
+fn column_probabilities(
     scores: &mut Array<Pair<f32>>,
-    lse_lo: f32,
-    lse_hi: f32,
     column_lse: &SharedMemory<f32>,
     stats_base: usize,
+    scale: f32,
+    lane: usize,
+) {
+    #[unroll]
+    for n in 0..comptime!(STREAM / 8) {
+        let lse = column_pair(column_lse, stats_base, n, lane);
+        #[unroll]
+        for half in 0..2usize {
+            scores[2 * n + half] = (scores[2 * n + half] * Pair::<f32>::new(scale) - lse).exp();
+        }
+    }
+}
+
+/// Zeroes the probabilities of (query, key) pairs that are hidden or past the ends.
+/// `row_is_query` says whether the strip's rows are queries (dQ kernel) or keys (dK/dV kernel).
+/// Callers run it only on tiles that need it: as one branch around the whole loop it costs
+/// nothing elsewhere.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn hide_invisible(
+    p: &mut Array<Pair<f32>>,
     row_lo: usize,
     column_start: usize,
     offset: usize,
     q_len: usize,
     kv_len: usize,
-    masked: bool,
     window: u32,
     group: u32,
     shift: u32,
-    scale: f32,
     lane: usize,
     #[comptime] row_is_query: bool,
 ) {
@@ -762,62 +790,57 @@ fn probabilities(
         #[unroll]
         for half in 0..2usize {
             let row = row_lo + 8 * half;
-            let mut value = scores[2 * n + half] * Pair::<f32>::new(scale);
+            let mut value = p[2 * n + half];
             #[unroll]
             for j in 0..2usize {
-                let local_column = 8 * n + 2 * (lane % 4) + j;
-                let column = column_start + local_column;
-                let mut row_lse = lse_lo;
-                if half == 1 {
-                    row_lse = lse_hi;
-                }
+                let column = column_start + 8 * n + 2 * (lane % 4) + j;
                 let mut query = row;
                 let mut key = column;
                 if comptime!(!row_is_query) {
-                    row_lse = column_lse[stats_base + local_column];
                     query = column;
                     key = row;
                 }
-                let mut score = value[j] - row_lse;
-                if masked
-                    && !(query < q_len
-                        && key < kv_len
-                        && is_visible((offset + query) as u32, key as u32, window, group, shift))
+                if !(query < q_len
+                    && key < kv_len
+                    && is_visible((offset + query) as u32, key as u32, window, group, shift))
                 {
-                    score = f32::new(HIDDEN);
+                    value[j] = 0.0;
                 }
-                value[j] = score;
             }
-            scores[2 * n + half] = value.exp();
+            p[2 * n + half] = value;
         }
     }
 }
 
-/// `dS = P * (dP - delta)` in place in `dp` (delta per row or, for key strips, per column).
+/// `dS = P * (dP - delta)` in place in `dp`, `delta` per row (dQ kernel).
 #[cube]
-fn score_gradients(
+fn row_score_gradients(
     p: &Array<Pair<f32>>,
     dp: &mut Array<Pair<f32>>,
     delta_lo: f32,
     delta_hi: f32,
-    column_delta: &SharedMemory<f32>,
-    stats_base: usize,
-    lane: usize,
-    #[comptime] row_is_query: bool,
 ) {
     #[unroll]
     for n in 0..comptime!(STREAM / 8) {
+        dp[2 * n] = p[2 * n] * (dp[2 * n] - Pair::<f32>::new(delta_lo));
+        dp[2 * n + 1] = p[2 * n + 1] * (dp[2 * n + 1] - Pair::<f32>::new(delta_hi));
+    }
+}
+
+/// `dS = P * (dP - delta)` in place in `dp`, `delta` per column (dK/dV kernel).
+#[cube]
+fn column_score_gradients(
+    p: &Array<Pair<f32>>,
+    dp: &mut Array<Pair<f32>>,
+    column_delta: &SharedMemory<f32>,
+    stats_base: usize,
+    lane: usize,
+) {
+    #[unroll]
+    for n in 0..comptime!(STREAM / 8) {
+        let delta = column_pair(column_delta, stats_base, n, lane);
         #[unroll]
         for half in 0..2usize {
-            let mut delta = Pair::<f32>::new(delta_lo);
-            if half == 1 {
-                delta = Pair::<f32>::new(delta_hi);
-            }
-            if comptime!(!row_is_query) {
-                let column = stats_base + 8 * n + 2 * (lane % 4);
-                delta[0] = column_delta[column];
-                delta[1] = column_delta[column + 1];
-            }
             dp[2 * n + half] = p[2 * n + half] * (dp[2 * n + half] - delta);
         }
     }
@@ -969,31 +992,29 @@ fn flash_backward_kv_mma_kernel<F: Float, N: Size>(
             || key_start + BLOCK > kv_len
             || window > 0
             || group > 0;
-        let k_strip = load_strip::<F, N>(&k_tile, warp * STRIP, lane, head_dim);
-        let mut p = strip_times_tile_t::<F, N>(&k_strip, &q_tiles, base, lane, head_dim);
-        probabilities(
-            &mut p,
-            0.0,
-            0.0,
-            &lse_tiles,
-            stats_base,
-            key_lo,
-            query_start,
-            offset,
-            q_len,
-            kv_len,
-            masked,
-            window,
-            group,
-            shift,
-            scale,
-            lane,
-            false,
-        );
+        let strip_start = warp * comptime!(STRIP * chunks);
+        let mut p =
+            strip_times_tile_t::<F, N>(&k_tile, strip_start, &q_tiles, base, lane, head_dim);
+        column_probabilities(&mut p, &lse_tiles, stats_base, scale, lane);
+        if masked {
+            hide_invisible(
+                &mut p,
+                key_lo,
+                query_start,
+                offset,
+                q_len,
+                kv_len,
+                window,
+                group,
+                shift,
+                lane,
+                false,
+            );
+        }
         accumulate_p_times_tile::<F, N>(&p, &grad_out_tiles, base, &mut grad_v_acc, lane, head_dim);
-        let v_strip = load_strip::<F, N>(&v_tile, warp * STRIP, lane, head_dim);
-        let mut ds = strip_times_tile_t::<F, N>(&v_strip, &grad_out_tiles, base, lane, head_dim);
-        score_gradients(&p, &mut ds, 0.0, 0.0, &delta_tiles, stats_base, lane, false);
+        let mut ds =
+            strip_times_tile_t::<F, N>(&v_tile, strip_start, &grad_out_tiles, base, lane, head_dim);
+        column_score_gradients(&p, &mut ds, &delta_tiles, stats_base, lane);
         accumulate_p_times_tile::<F, N>(&ds, &q_tiles, base, &mut grad_k_acc, lane, head_dim);
         // Every warp is done with this stage before the next step refills it.
         sync_cube();
@@ -1109,7 +1130,6 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
     let last_pos = (offset + min(q_start + BLOCK, q_len) - 1) as u32;
     let first_key_tile = first_visible_key(first_pos, window, group, shift) as usize / STREAM;
     let end_key_tile = last_pos as usize / STREAM + 1;
-    let unused_stats = SharedMemory::<f32>::new(1usize);
 
     let mut grad_q_acc = zeros(head_dim);
     prefetch_key_step::<F, N>(
@@ -1147,39 +1167,18 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
             || key_start + STREAM > kv_len
             || window > 0
             || group > 0;
-        let q_strip = load_strip::<F, N>(&q_tile, warp * STRIP, lane, head_dim);
-        let mut p = strip_times_tile_t::<F, N>(&q_strip, &k_tiles, base, lane, head_dim);
-        probabilities(
-            &mut p,
-            lse_lo,
-            lse_hi,
-            &unused_stats,
-            0,
-            row_lo,
-            key_start,
-            offset,
-            q_len,
-            kv_len,
-            masked,
-            window,
-            group,
-            shift,
-            scale,
-            lane,
-            true,
-        );
-        let grad_out_strip = load_strip::<F, N>(&grad_out_tile, warp * STRIP, lane, head_dim);
-        let mut ds = strip_times_tile_t::<F, N>(&grad_out_strip, &v_tiles, base, lane, head_dim);
-        score_gradients(
-            &p,
-            &mut ds,
-            delta_lo,
-            delta_hi,
-            &unused_stats,
-            0,
-            lane,
-            true,
-        );
+        let strip_start = warp * comptime!(STRIP * chunks);
+        let mut p =
+            strip_times_tile_t::<F, N>(&q_tile, strip_start, &k_tiles, base, lane, head_dim);
+        row_probabilities(&mut p, lse_lo, lse_hi, scale);
+        if masked {
+            hide_invisible(
+                &mut p, row_lo, key_start, offset, q_len, kv_len, window, group, shift, lane, true,
+            );
+        }
+        let mut ds =
+            strip_times_tile_t::<F, N>(&grad_out_tile, strip_start, &v_tiles, base, lane, head_dim);
+        row_score_gradients(&p, &mut ds, delta_lo, delta_hi);
         accumulate_p_times_tile::<F, N>(&ds, &k_tiles, base, &mut grad_q_acc, lane, head_dim);
         // Every warp is done with this stage before the next iteration refills it.
         sync_cube();
