@@ -451,42 +451,11 @@ fn zeros(#[comptime] cols: usize) -> Array<Pair<f32>> {
     acc
 }
 
-/// `scores += a . block^T` for k-block `kk` (columns `16kk..16kk + 16`) of a 16-row strip, its A
-/// fragment at `a[a_at..a_at + 4]`, and of the rows of the `STREAM x head_dim` tile at vector
-/// `base` of `tile`. Accumulator `2n + h` holds row `h * 8 + lane / 4`, columns
-/// `8n + 2 (lane % 4) + {0, 1}`.
-#[cube]
-#[allow(clippy::too_many_arguments)]
-fn accumulate_block_times_tile_t<F: Float, N: Size>(
-    a: &Array<Pair<F>>,
-    a_at: usize,
-    tile: &SharedMemory<Vector<F, N>>,
-    base: usize,
-    lane: usize,
-    scores: &mut Array<Pair<f32>>,
-    #[comptime] kk: usize,
-    #[comptime] head_dim: usize,
-) {
-    let chunks = comptime!(head_dim / CHUNK);
-    let b_offset = block_lane_offset(lane, chunks, false);
-    #[unroll]
-    for pair in 0..comptime!(STREAM / 16) {
-        let b = load_block::<F, N>(
-            tile,
-            base + comptime!(16 * pair * chunks),
-            b_offset,
-            comptime!(2 * kk),
-            false,
-        );
-        mma_step::<F>(a, a_at, &b, 0, scores, 4 * pair);
-        mma_step::<F>(a, a_at, &b, 2, scores, 4 * pair + 2);
-    }
-}
-
 /// `strip . tile^T`: the `16 x STREAM` scores of the 16-row strip starting at vector
 /// `strip_start` of `strips` against the rows of the `STREAM x head_dim` tile at vector `base` of
-/// `tile`, reading the strip one k-block at a time so that only one A fragment is live (the
-/// backward kernels, whose two accumulators leave no registers for a whole strip).
+/// `tile`. Both operands are read from shared memory one 16-column block at a time, which keeps
+/// only one A fragment live. Accumulator `2n + h` holds row `h * 8 + lane / 4`, columns
+/// `8n + 2 (lane % 4) + {0, 1}`.
 #[cube]
 fn strip_times_tile_t<F: Float, N: Size>(
     strips: &SharedMemory<Vector<F, N>>,
@@ -496,62 +465,25 @@ fn strip_times_tile_t<F: Float, N: Size>(
     lane: usize,
     #[comptime] head_dim: usize,
 ) -> Array<Pair<f32>> {
-    let a_offset = block_lane_offset(lane, comptime!(head_dim / CHUNK), true);
+    let chunks = comptime!(head_dim / CHUNK);
+    let a_offset = block_lane_offset(lane, chunks, true);
+    let b_offset = block_lane_offset(lane, chunks, false);
     let mut scores = zeros(STREAM);
     #[unroll]
     for kk in 0..comptime!(head_dim / 16) {
         let a = load_block::<F, N>(strips, strip_start, a_offset, comptime!(2 * kk), false);
-        accumulate_block_times_tile_t::<F, N>(&a, 0, tile, base, lane, &mut scores, kk, head_dim);
-    }
-    scores
-}
-
-/// The A fragments of the 16-row strip starting at vector `strip_start` of `strips`
-/// (`head_dim / 16` blocks of 4 registers).
-#[cube]
-fn load_strip<F: Float, N: Size>(
-    strips: &SharedMemory<Vector<F, N>>,
-    strip_start: usize,
-    lane: usize,
-    #[comptime] head_dim: usize,
-) -> Array<Pair<F>> {
-    let a_offset = block_lane_offset(lane, comptime!(head_dim / CHUNK), true);
-    let mut strip = Array::<Pair<F>>::new(comptime!(head_dim / 4));
-    #[unroll]
-    for kk in 0..comptime!(head_dim / 16) {
-        let block = load_block::<F, N>(strips, strip_start, a_offset, comptime!(2 * kk), false);
         #[unroll]
-        for i in 0..4usize {
-            strip[4 * kk + i] = block[i];
+        for pair in 0..comptime!(STREAM / 16) {
+            let b = load_block::<F, N>(
+                tile,
+                base + comptime!(16 * pair * chunks),
+                b_offset,
+                comptime!(2 * kk),
+                false,
+            );
+            mma_step::<F>(&a, 0, &b, 0, &mut scores, 4 * pair);
+            mma_step::<F>(&a, 0, &b, 2, &mut scores, 4 * pair + 2);
         }
-    }
-    strip
-}
-
-/// `strip . tile^T` as [`strip_times_tile_t`] for a strip held in registers ([`load_strip`]):
-/// the forward reuses its query strip for every key tile and has the registers to keep it,
-/// which saves a ninth of its shared-memory reads.
-#[cube]
-fn held_strip_times_tile_t<F: Float, N: Size>(
-    strip: &Array<Pair<F>>,
-    tile: &SharedMemory<Vector<F, N>>,
-    base: usize,
-    lane: usize,
-    #[comptime] head_dim: usize,
-) -> Array<Pair<f32>> {
-    let mut scores = zeros(STREAM);
-    #[unroll]
-    for kk in 0..comptime!(head_dim / 16) {
-        accumulate_block_times_tile_t::<F, N>(
-            strip,
-            4 * kk,
-            tile,
-            base,
-            lane,
-            &mut scores,
-            kk,
-            head_dim,
-        );
     }
     scores
 }
@@ -702,7 +634,7 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
         head_dim,
     );
     sync_cube();
-    let q_strip = load_strip::<F, N>(&q_tile, warp * comptime!(STRIP * chunks), lane, head_dim);
+    let strip_start = warp * comptime!(STRIP * chunks);
 
     let row_lo = q_start + warp * STRIP + lane / 4;
     let pos_lo = (offset + row_lo) as u32;
@@ -753,7 +685,8 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
             head_dim,
         );
 
-        let mut scores = held_strip_times_tile_t::<F, N>(&q_strip, &k_tiles, base, lane, head_dim);
+        let mut scores =
+            strip_times_tile_t::<F, N>(&q_tile, strip_start, &k_tiles, base, lane, head_dim);
         let masked = key_start + STREAM > warp_first_pos + 1
             || key_start + STREAM > kv_len
             || window > 0
