@@ -82,6 +82,7 @@ struct Rows {
     len: usize,
 }
 
+/// The [`Rows`] of batch entry `batch` of `tensor`.
 #[cube]
 fn rows_of<E: CubePrimitive>(tensor: &Tensor<E>, batch: usize) -> Rows {
     Rows {
