@@ -15,7 +15,8 @@ PYTHON="${PYTHON:-python3}"
 RESULTS=kernels/results
 PARITY_DIR="$(mktemp -d)"
 mkdir -p "$RESULTS"
-COMMIT="$(git rev-parse HEAD 2>/dev/null || echo uncommitted)"
+# COMMIT may be given when the script runs from a copy outside the checkout it measures.
+COMMIT="${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo uncommitted)}"
 COMMAND="bash kernels/run_h200.sh $*"
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true

@@ -71,15 +71,37 @@ fn swizzle(row: usize, chunk: usize, #[comptime] chunks: usize) -> usize {
     row * chunks + (chunk ^ (row % 8))
 }
 
-/// Copies rows `first_row..first_row + rows` (zeros past `total_rows`) of the head starting at
-/// element `head_offset` of `source` into a swizzled shared tile, 16 bytes per thread and step.
+/// Where one batch entry's rows of a `[batch, heads, rows, ..]` input lie (strides in
+/// elements). Read from the tensor's metadata once per kernel: that metadata lives in global
+/// memory, and the compiler reloads it after every asynchronous copy.
+#[derive(CubeType, Clone, Copy)]
+struct Rows {
+    start: usize,
+    head_stride: usize,
+    row_stride: usize,
+    len: usize,
+}
+
+/// The [`Rows`] of batch entry `batch` of `tensor`.
+#[cube]
+fn rows_of<E: CubePrimitive>(tensor: &Tensor<E>, batch: usize) -> Rows {
+    Rows {
+        start: batch * tensor.stride(0),
+        head_stride: tensor.stride(1),
+        row_stride: tensor.stride(2),
+        len: tensor.shape(2),
+    }
+}
+
+/// Copies rows `first_row..first_row + rows` (zeros past the end) of head `head` into a
+/// swizzled shared tile, 16 bytes per thread and step.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn load_tile<F: Float, N: Size>(
     source: &Tensor<Vector<F, N>>,
-    head_offset: usize,
+    layout: &Rows,
+    head: usize,
     first_row: usize,
-    total_rows: usize,
     tile: &mut SharedMemory<Vector<F, N>>,
     thread: usize,
     #[comptime] rows: usize,
@@ -87,7 +109,7 @@ fn load_tile<F: Float, N: Size>(
 ) {
     let chunks = comptime!(head_dim / CHUNK);
     let threads = comptime!(WARPS * WARP);
-    let row_stride = source.stride(2);
+    let head_offset = layout.start + head * layout.head_stride;
     #[unroll]
     for step in 0..comptime!(rows * chunks / threads) {
         let element = thread + step * threads;
@@ -95,61 +117,67 @@ fn load_tile<F: Float, N: Size>(
         let chunk = element % chunks;
         let source_row = first_row + row;
         let mut value = Vector::<F, N>::new(F::new(0.0));
-        if source_row < total_rows {
-            value = source[(head_offset + source_row * row_stride) / CHUNK + chunk];
+        if source_row < layout.len {
+            value = source[(head_offset + source_row * layout.row_stride) / CHUNK + chunk];
         }
         tile[swizzle(row, chunk, chunks)] = value;
     }
 }
 
-/// Starts asynchronous copies (`cp.async`, 16 bytes per thread and step) of rows
-/// `first_row..first_row + STREAM` (zero-filled past `total_rows`) of one head into the swizzled
+/// Starts asynchronous copies (`cp.async`, 16 bytes per thread and pass) of rows
+/// `first_row..first_row + STREAM` (zero-filled past the end) of head `head` into the swizzled
 /// tile at vector `base` of `tiles`. A barrier's `commit_copy_async` then tracks them.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn prefetch_tile<F: Float, N: Size>(
     source: &Tensor<Vector<F, N>>,
-    head_offset: usize,
+    layout: &Rows,
+    head: usize,
     first_row: usize,
-    total_rows: usize,
     tiles: &mut SharedMemory<Vector<F, N>>,
     base: usize,
     thread: usize,
     #[comptime] head_dim: usize,
 ) {
     let chunks = comptime!(head_dim / CHUNK);
-    let threads = comptime!(WARPS * WARP);
-    let row_stride = source.stride(2);
+    // Each pass copies `pass_rows` whole rows; a multiple of 8 rows, so a thread's chunk keeps
+    // its swizzled column and each pass only moves the addresses by constant strides.
+    let pass_rows = comptime!(WARPS * WARP / chunks);
+    let row = thread / chunks;
+    let chunk = thread % chunks;
+    let head_vector = (layout.start + head * layout.head_stride) / CHUNK;
+    let pass_stride = pass_rows * layout.row_stride / CHUNK;
+    let mut source_vector = head_vector + (first_row + row) * layout.row_stride / CHUNK + chunk;
+    let destination = base + swizzle(row, chunk, chunks);
     #[unroll]
-    for step in 0..comptime!(STREAM * chunks / threads) {
-        let element = thread + step * threads;
-        let row = element / chunks;
-        let source_row = first_row + row;
+    for pass in 0..comptime!(STREAM / pass_rows) {
         // Rows past the end copy nothing from a valid address and are zero-filled.
-        let mut start = head_offset / CHUNK;
+        let mut start = head_vector;
         let mut length = 0usize;
-        if source_row < total_rows {
-            start = (head_offset + source_row * row_stride) / CHUNK + element % chunks;
+        if first_row + row + pass * pass_rows < layout.len {
+            start = source_vector;
             length = 1;
         }
-        let destination = base + swizzle(row, element % chunks, chunks);
+        let to = destination + pass * comptime!(pass_rows * chunks);
         copy_async_checked(
             &source.slice(start, start + length),
-            &mut tiles.slice_mut(destination, destination + 1),
+            &mut tiles.slice_mut(to, to + 1),
             CHUNK as u32,
         );
+        source_vector += pass_stride;
     }
 }
 
-/// Starts copying stage `stage` of the forward's and dQ kernel's stream: the K and V tiles from
-/// key `key_start`.
+/// Starts copying stage `stage` of the forward's and dQ kernel's stream: the K and V tiles of
+/// K/V head `kv_head` from key `key_start`.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn prefetch_key_step<F: Float, N: Size>(
     k: &Tensor<Vector<F, N>>,
     v: &Tensor<Vector<F, N>>,
-    k_offset: usize,
-    v_offset: usize,
+    k_rows: &Rows,
+    v_rows: &Rows,
+    kv_head: usize,
     key_start: usize,
     k_tiles: &mut SharedMemory<Vector<F, N>>,
     v_tiles: &mut SharedMemory<Vector<F, N>>,
@@ -157,13 +185,12 @@ fn prefetch_key_step<F: Float, N: Size>(
     thread: usize,
     #[comptime] head_dim: usize,
 ) {
-    let kv_len = k.shape(2);
     let base = stage * comptime!(STREAM * head_dim / CHUNK);
     prefetch_tile::<F, N>(
-        k, k_offset, key_start, kv_len, k_tiles, base, thread, head_dim,
+        k, k_rows, kv_head, key_start, k_tiles, base, thread, head_dim,
     );
     prefetch_tile::<F, N>(
-        v, v_offset, key_start, kv_len, v_tiles, base, thread, head_dim,
+        v, v_rows, kv_head, key_start, v_tiles, base, thread, head_dim,
     );
 }
 
@@ -175,8 +202,9 @@ fn prefetch_key_step<F: Float, N: Size>(
 fn advance_key_stream<F: Float, N: Size>(
     k: &Tensor<Vector<F, N>>,
     v: &Tensor<Vector<F, N>>,
-    k_offset: usize,
-    v_offset: usize,
+    k_rows: &Rows,
+    v_rows: &Rows,
+    kv_head: usize,
     key_tile: usize,
     first_key_tile: usize,
     end_key_tile: usize,
@@ -192,8 +220,9 @@ fn advance_key_stream<F: Float, N: Size>(
         prefetch_key_step::<F, N>(
             k,
             v,
-            k_offset,
-            v_offset,
+            k_rows,
+            v_rows,
+            kv_head,
             (key_tile + 1) * STREAM,
             k_tiles,
             v_tiles,
@@ -227,31 +256,56 @@ fn wait_stage(stage: usize, ready_0: &Shared<Barrier>, ready_1: &Shared<Barrier>
     }
 }
 
-/// Copies the `STREAM` f32 values (`lse` or `delta`, zeros past the end) of one head's rows
-/// `first..first + STREAM` to `stats[base..]`.
+/// Starts asynchronous copies (4 bytes per thread, zero-filled past the end) of the `STREAM`
+/// values of rows `first..first + STREAM` of head `head` of `lse` (threads `0..STREAM`) and
+/// `delta` (the next `STREAM` threads) to `lse_tiles[base..]` and `delta_tiles[base..]`.
+/// Asynchronous like the tiles, so that no warp waits on global memory in the middle of a step.
 #[cube]
-fn load_row_stats(
-    source: &Tensor<f32>,
-    batch: usize,
+#[allow(clippy::too_many_arguments)]
+fn prefetch_row_stats(
+    lse: &Tensor<f32>,
+    delta: &Tensor<f32>,
+    lse_rows: &Rows,
+    delta_rows: &Rows,
     head: usize,
     first: usize,
-    stats: &mut SharedMemory<f32>,
+    lse_tiles: &mut SharedMemory<f32>,
+    delta_tiles: &mut SharedMemory<f32>,
     base: usize,
     thread: usize,
 ) {
+    let row = thread % STREAM;
     if thread < STREAM {
-        let index = first + thread;
-        let mut value = 0.0f32;
-        if index < source.shape(2) {
-            value = source
-                [batch * source.stride(0) + head * source.stride(1) + index * source.stride(2)];
+        let head_start = lse_rows.start + head * lse_rows.head_stride;
+        let mut start = head_start;
+        let mut length = 0usize;
+        if first + row < lse_rows.len {
+            start = head_start + (first + row) * lse_rows.row_stride;
+            length = 1;
         }
-        stats[base + thread] = value;
+        copy_async_checked(
+            &lse.slice(start, start + length),
+            &mut lse_tiles.slice_mut(base + row, base + row + 1),
+            1u32,
+        );
+    } else {
+        let head_start = delta_rows.start + head * delta_rows.head_stride;
+        let mut start = head_start;
+        let mut length = 0usize;
+        if first + row < delta_rows.len {
+            start = head_start + (first + row) * delta_rows.row_stride;
+            length = 1;
+        }
+        copy_async_checked(
+            &delta.slice(start, start + length),
+            &mut delta_tiles.slice_mut(base + row, base + row + 1),
+            1u32,
+        );
     }
 }
 
 /// Starts loading stage `stage` of the dK/dV kernel's stream: the Q and dO tiles of query head
-/// `head` from query `query_start` (asynchronous copies) and their `lse` and `delta` rows.
+/// `head` from query `query_start` and their `lse` and `delta` rows.
 #[cube]
 #[allow(clippy::too_many_arguments)]
 fn prefetch_query_step<F: Float, N: Size>(
@@ -259,7 +313,10 @@ fn prefetch_query_step<F: Float, N: Size>(
     grad_out: &Tensor<Vector<F, N>>,
     lse: &Tensor<f32>,
     delta: &Tensor<f32>,
-    batch: usize,
+    q_rows: &Rows,
+    grad_out_rows: &Rows,
+    lse_rows: &Rows,
+    delta_rows: &Rows,
     head: usize,
     query_start: usize,
     q_tiles: &mut SharedMemory<Vector<F, N>>,
@@ -270,15 +327,12 @@ fn prefetch_query_step<F: Float, N: Size>(
     thread: usize,
     #[comptime] head_dim: usize,
 ) {
-    let q_len = q.shape(2);
     let base = stage * comptime!(STREAM * head_dim / CHUNK);
-    let q_offset = batch * q.stride(0) + head * q.stride(1);
-    let grad_out_offset = batch * grad_out.stride(0) + head * grad_out.stride(1);
     prefetch_tile::<F, N>(
         q,
-        q_offset,
+        q_rows,
+        head,
         query_start,
-        q_len,
         q_tiles,
         base,
         thread,
@@ -286,52 +340,40 @@ fn prefetch_query_step<F: Float, N: Size>(
     );
     prefetch_tile::<F, N>(
         grad_out,
-        grad_out_offset,
+        grad_out_rows,
+        head,
         query_start,
-        q_len,
         grad_out_tiles,
         base,
         thread,
         head_dim,
     );
-    load_row_stats(
+    prefetch_row_stats(
         lse,
-        batch,
+        delta,
+        lse_rows,
+        delta_rows,
         head,
         query_start,
         lse_tiles,
-        stage * STREAM,
-        thread,
-    );
-    load_row_stats(
-        delta,
-        batch,
-        head,
-        query_start,
         delta_tiles,
         stage * STREAM,
         thread,
     );
 }
 
-/// `ldmatrix.x4` of the 16 x 16 block at rows `row0..row0 + 16`, chunks `chunk0, chunk0 + 1` of the
-/// swizzled tile starting at vector `base` of `tile`. Lane `l` addresses row `l % 8` of 8x8 matrix `l / 8`; `rows_first` orders the
-/// four matrices rows-then-chunks (the A fragment of a row-major `[m][k]` block, or with
-/// `transpose` the B fragments of two n8 tiles of a row-major `[k][n]` block) instead of
-/// chunks-then-rows (the B fragments of two n8 tiles of a row-major `[n][k]` block).
+/// This lane's `ldmatrix.x4` row address, in vectors from the start of any 16 x 16 block at
+/// chunk 0 of a swizzled tile with `chunks` chunks per row. Lane `l` addresses row `l % 8` of
+/// 8x8 matrix `l / 8`; `rows_first` orders the four matrices rows-then-chunks (the A fragment of
+/// a row-major `[m][k]` block, or with `transpose` the B fragments of two n8 tiles of a row-major
+/// `[k][n]` block) instead of chunks-then-rows (the B fragments of two n8 tiles of a row-major
+/// `[n][k]` block).
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn load_block<F: Float, N: Size>(
-    tile: &SharedMemory<Vector<F, N>>,
-    base: usize,
-    row0: usize,
-    chunk0: usize,
+fn block_lane_offset(
     lane: usize,
     #[comptime] chunks: usize,
     #[comptime] rows_first: bool,
-    #[comptime] transpose: bool,
-) -> Array<Pair<F>> {
-    let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+) -> usize {
     let matrix = lane / 8usize;
     let mut row_half = matrix / 2usize;
     let mut chunk_half = matrix % 2usize;
@@ -339,38 +381,30 @@ fn load_block<F: Float, N: Size>(
         row_half = matrix % 2usize;
         chunk_half = matrix / 2usize;
     }
-    let index = base
-        + swizzle(
-            row0 + lane % 8usize + 8usize * row_half,
-            chunk0 + chunk_half,
-            chunks,
-        );
+    (lane % 8usize + 8usize * row_half) * chunks + (chunk_half ^ (lane % 8usize))
+}
+
+/// `ldmatrix.x4` of the 16 x 16 block at chunks `chunk0, chunk0 + 1` (`chunk0` even) of the
+/// swizzled rows starting at vector `block_start` (a multiple of 8 rows into the tile), with this
+/// lane's `lane_offset` from [`block_lane_offset`]. For such blocks the swizzle of
+/// `(row, chunk0 + c)` is the chunk-0 address XOR `chunk0`, so a block costs one XOR on a
+/// per-lane constant and the row offset folds into the instruction.
+#[cube]
+fn load_block<F: Float, N: Size>(
+    tile: &SharedMemory<Vector<F, N>>,
+    block_start: usize,
+    lane_offset: usize,
+    #[comptime] chunk0: usize,
+    #[comptime] transpose: bool,
+) -> Array<Pair<F>> {
+    let mma = MmaDefinition::<F, F, f32>::new(16usize, 8usize, 16usize);
+    let index = block_start + (lane_offset ^ chunk0);
     mma.load_matrix::<Vector<F, N>, Const<2>>(
         &tile.slice(index, index + 1),
         MatrixIdent::A,
         4usize,
         transpose,
     )
-}
-
-/// The A fragments of a warp's 16-row strip (`head_dim / 16` blocks of 4 registers).
-#[cube]
-fn load_strip<F: Float, N: Size>(
-    tile: &SharedMemory<Vector<F, N>>,
-    row0: usize,
-    lane: usize,
-    #[comptime] head_dim: usize,
-) -> Array<Pair<F>> {
-    let mut strip = Array::<Pair<F>>::new(comptime!(head_dim / 4));
-    #[unroll]
-    for kk in 0..comptime!(head_dim / 16) {
-        let block = load_block::<F, N>(tile, 0, row0, 2 * kk, lane, head_dim / CHUNK, true, false);
-        #[unroll]
-        for i in 0..4usize {
-            strip[4 * kk + i] = block[i];
-        }
-    }
-    strip
 }
 
 /// `acc[acc_at..acc_at + 2] += a[a_at..a_at + 4] x b[b_at..b_at + 2]`: one m16n8k16 step on
@@ -418,72 +452,82 @@ fn zeros(#[comptime] cols: usize) -> Array<Pair<f32>> {
     acc
 }
 
-/// `strip . tile^T`: the `16 x STREAM` scores of a strip (A fragments over `head_dim`) against
-/// the rows of a `STREAM x head_dim` tile. Accumulator `2n + h` holds row `h * 8 + lane / 4`,
-/// columns `8n + 2 (lane % 4) + {0, 1}`.
+/// `strip . tile^T`: the `16 x STREAM` scores of the 16-row strip starting at vector
+/// `strip_start` of `strips` against the rows of the `STREAM x head_dim` tile at vector `base` of
+/// `tile`. Both operands are read from shared memory one 16-column block at a time, which keeps
+/// only one A fragment live. Accumulator `2n + h` holds row `h * 8 + lane / 4`, columns
+/// `8n + 2 (lane % 4) + {0, 1}`.
 #[cube]
 fn strip_times_tile_t<F: Float, N: Size>(
-    strip: &Array<Pair<F>>,
+    strips: &SharedMemory<Vector<F, N>>,
+    strip_start: usize,
     tile: &SharedMemory<Vector<F, N>>,
     base: usize,
     lane: usize,
     #[comptime] head_dim: usize,
 ) -> Array<Pair<f32>> {
+    let chunks = comptime!(head_dim / CHUNK);
+    let a_offset = block_lane_offset(lane, chunks, true);
+    let b_offset = block_lane_offset(lane, chunks, false);
     let mut scores = zeros(STREAM);
     #[unroll]
     for kk in 0..comptime!(head_dim / 16) {
+        let a = load_block::<F, N>(strips, strip_start, a_offset, comptime!(2 * kk), false);
         #[unroll]
         for pair in 0..comptime!(STREAM / 16) {
             let b = load_block::<F, N>(
                 tile,
-                base,
-                16 * pair,
-                2 * kk,
-                lane,
-                head_dim / CHUNK,
-                false,
+                base + comptime!(16 * pair * chunks),
+                b_offset,
+                comptime!(2 * kk),
                 false,
             );
-            mma_step::<F>(strip, 4 * kk, &b, 0, &mut scores, 4 * pair);
-            mma_step::<F>(strip, 4 * kk, &b, 2, &mut scores, 4 * pair + 2);
+            mma_step::<F>(&a, 0, &b, 0, &mut scores, 4 * pair);
+            mma_step::<F>(&a, 0, &b, 2, &mut scores, 4 * pair + 2);
         }
     }
     scores
 }
 
-/// `acc += p . tile` for the `16 x STREAM` probabilities `p` (f32 accumulators, packed here to
-/// 16-bit A fragments) and a `STREAM x head_dim` tile.
+/// The `16 x STREAM` f32 accumulators `p` rounded to 16-bit A fragments: accumulators
+/// `4c..4c + 4` (two n8 tiles) are the A fragment of k-block `c`, in order, so element `i` of
+/// the result is element `i` of `p`.
+#[cube]
+fn pack<F: Float>(p: &Array<Pair<f32>>) -> Array<Pair<F>> {
+    let mut packed = Array::<Pair<F>>::new(comptime!(STREAM / 4));
+    #[unroll]
+    for i in 0..comptime!(STREAM / 4) {
+        packed[i] = Pair::<F>::cast_from(p[i]);
+    }
+    packed
+}
+
+/// `acc += p . tile` for the `16 x STREAM` matrix `p` (packed A fragments, see [`pack`]) and a
+/// `STREAM x head_dim` tile.
 #[cube]
 fn accumulate_p_times_tile<F: Float, N: Size>(
-    p: &Array<Pair<f32>>,
+    packed: &Array<Pair<F>>,
     tile: &SharedMemory<Vector<F, N>>,
     base: usize,
     acc: &mut Array<Pair<f32>>,
     lane: usize,
     #[comptime] head_dim: usize,
 ) {
-    // Accumulators 4c..4c + 4 (two n8 tiles) are the A fragment of k-block c, in order.
-    let mut packed = Array::<Pair<F>>::new(comptime!(STREAM / 4));
-    #[unroll]
-    for i in 0..comptime!(STREAM / 4) {
-        packed[i] = Pair::<F>::cast_from(p[i]);
-    }
+    let chunks = comptime!(head_dim / CHUNK);
+    let b_offset = block_lane_offset(lane, chunks, true);
     #[unroll]
     for kc in 0..comptime!(STREAM / 16) {
         #[unroll]
         for pair in 0..comptime!(head_dim / 16) {
             let b = load_block::<F, N>(
                 tile,
-                base,
-                16 * kc,
-                2 * pair,
-                lane,
-                head_dim / CHUNK,
-                true,
+                base + comptime!(16 * kc * chunks),
+                b_offset,
+                comptime!(2 * pair),
                 true,
             );
-            mma_step::<F>(&packed, 4 * kc, &b, 0, acc, 4 * pair);
-            mma_step::<F>(&packed, 4 * kc, &b, 2, acc, 4 * pair + 2);
+            mma_step::<F>(packed, 4 * kc, &b, 0, acc, 4 * pair);
+            mma_step::<F>(packed, 4 * kc, &b, 2, acc, 4 * pair + 2);
         }
     }
 }
@@ -578,21 +622,20 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
     let ready_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let ready_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-    let q_offset = batch * q.stride(0) + head * q.stride(1);
-    let k_offset = batch * k.stride(0) + kv_head * k.stride(1);
-    let v_offset = batch * v.stride(0) + kv_head * v.stride(1);
+    let k_rows = rows_of(k, batch);
+    let v_rows = rows_of(v, batch);
     load_tile::<F, N>(
         q,
-        q_offset,
+        &rows_of(q, batch),
+        head,
         q_start,
-        q_len,
         &mut q_tile,
         thread,
         BLOCK,
         head_dim,
     );
     sync_cube();
-    let q_strip = load_strip::<F, N>(&q_tile, warp * STRIP, lane, head_dim);
+    let strip_start = warp * comptime!(STRIP * chunks);
 
     let row_lo = q_start + warp * STRIP + lane / 4;
     let pos_lo = (offset + row_lo) as u32;
@@ -613,8 +656,9 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
     prefetch_key_step::<F, N>(
         k,
         v,
-        k_offset,
-        v_offset,
+        &k_rows,
+        &v_rows,
+        kv_head,
         first_key_tile * STREAM,
         &mut k_tiles,
         &mut v_tiles,
@@ -628,8 +672,9 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
         let base = advance_key_stream::<F, N>(
             k,
             v,
-            k_offset,
-            v_offset,
+            &k_rows,
+            &v_rows,
+            kv_head,
             key_tile,
             first_key_tile,
             end_key_tile,
@@ -641,7 +686,8 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
             head_dim,
         );
 
-        let mut scores = strip_times_tile_t::<F, N>(&q_strip, &k_tiles, base, lane, head_dim);
+        let mut scores =
+            strip_times_tile_t::<F, N>(&q_tile, strip_start, &k_tiles, base, lane, head_dim);
         let masked = key_start + STREAM > warp_first_pos + 1
             || key_start + STREAM > kv_len
             || window > 0
@@ -703,7 +749,8 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
             acc[2 * n] = acc[2 * n] * Pair::<f32>::new(correction_lo);
             acc[2 * n + 1] = acc[2 * n + 1] * Pair::<f32>::new(correction_hi);
         }
-        accumulate_p_times_tile::<F, N>(&scores, &v_tiles, base, &mut acc, lane, head_dim);
+        let packed = pack::<F>(&scores);
+        accumulate_p_times_tile::<F, N>(&packed, &v_tiles, base, &mut acc, lane, head_dim);
         // Every warp is done with this stage before the next iteration refills it.
         sync_cube();
     }
@@ -733,27 +780,65 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
     }
 }
 
-/// Probabilities `exp(scores * scale - lse)` of a strip's scores, HIDDEN-masked where the
-/// (query, key) pair is not visible. `row_is_query` says whether the strip's rows are queries
-/// (dQ kernel) or keys (dK/dV kernel, where columns are queries and `lse` comes per column).
+/// Probabilities `exp(scores * scale - lse)` in place, `lse` per row (the strip's rows are
+/// queries: dQ kernel).
 #[cube]
-#[allow(clippy::too_many_arguments)]
-fn probabilities(
+fn row_probabilities(scores: &mut Array<Pair<f32>>, lse_lo: f32, lse_hi: f32, scale: f32) {
+    #[unroll]
+    for n in 0..comptime!(STREAM / 8) {
+        scores[2 * n] = (scores[2 * n] * Pair::<f32>::new(scale) - Pair::<f32>::new(lse_lo)).exp();
+        scores[2 * n + 1] =
+            (scores[2 * n + 1] * Pair::<f32>::new(scale) - Pair::<f32>::new(lse_hi)).exp();
+    }
+}
+
+/// The two per-column values (`lse` or `delta`) of this lane's accumulator columns `8n + ..`,
+/// from the stage's row statistics at `stats[stats_base..]`.
+#[cube]
+fn column_pair(stats: &SharedMemory<f32>, stats_base: usize, n: usize, lane: usize) -> Pair<f32> {
+    let column = stats_base + 8 * n + 2 * (lane % 4);
+    let mut pair = Pair::<f32>::new(0.0);
+    pair[0] = stats[column];
+    pair[1] = stats[column + 1];
+    pair
+}
+
+/// Probabilities `exp(scores * scale - lse)` in place, `lse` per column (the strip's rows are
+/// keys and its columns queries: dK/dV kernel).
+#[cube]
+fn column_probabilities(
     scores: &mut Array<Pair<f32>>,
-    lse_lo: f32,
-    lse_hi: f32,
     column_lse: &SharedMemory<f32>,
     stats_base: usize,
+    scale: f32,
+    lane: usize,
+) {
+    #[unroll]
+    for n in 0..comptime!(STREAM / 8) {
+        let lse = column_pair(column_lse, stats_base, n, lane);
+        #[unroll]
+        for half in 0..2usize {
+            scores[2 * n + half] = (scores[2 * n + half] * Pair::<f32>::new(scale) - lse).exp();
+        }
+    }
+}
+
+/// Zeroes the probabilities of (query, key) pairs that are hidden or past the ends.
+/// `row_is_query` says whether the strip's rows are queries (dQ kernel) or keys (dK/dV kernel).
+/// Callers run it only on tiles that need it: as one branch around the whole loop it costs
+/// nothing elsewhere.
+#[cube]
+#[allow(clippy::too_many_arguments)]
+fn hide_invisible(
+    p: &mut Array<Pair<f32>>,
     row_lo: usize,
     column_start: usize,
     offset: usize,
     q_len: usize,
     kv_len: usize,
-    masked: bool,
     window: u32,
     group: u32,
     shift: u32,
-    scale: f32,
     lane: usize,
     #[comptime] row_is_query: bool,
 ) {
@@ -762,62 +847,57 @@ fn probabilities(
         #[unroll]
         for half in 0..2usize {
             let row = row_lo + 8 * half;
-            let mut value = scores[2 * n + half] * Pair::<f32>::new(scale);
+            let mut value = p[2 * n + half];
             #[unroll]
             for j in 0..2usize {
-                let local_column = 8 * n + 2 * (lane % 4) + j;
-                let column = column_start + local_column;
-                let mut row_lse = lse_lo;
-                if half == 1 {
-                    row_lse = lse_hi;
-                }
+                let column = column_start + 8 * n + 2 * (lane % 4) + j;
                 let mut query = row;
                 let mut key = column;
                 if comptime!(!row_is_query) {
-                    row_lse = column_lse[stats_base + local_column];
                     query = column;
                     key = row;
                 }
-                let mut score = value[j] - row_lse;
-                if masked
-                    && !(query < q_len
-                        && key < kv_len
-                        && is_visible((offset + query) as u32, key as u32, window, group, shift))
+                if !(query < q_len
+                    && key < kv_len
+                    && is_visible((offset + query) as u32, key as u32, window, group, shift))
                 {
-                    score = f32::new(HIDDEN);
+                    value[j] = 0.0;
                 }
-                value[j] = score;
             }
-            scores[2 * n + half] = value.exp();
+            p[2 * n + half] = value;
         }
     }
 }
 
-/// `dS = P * (dP - delta)` in place in `dp` (delta per row or, for key strips, per column).
+/// `dS = P * (dP - delta)` in place in `dp`, `delta` per row (dQ kernel).
 #[cube]
-fn score_gradients(
+fn row_score_gradients(
     p: &Array<Pair<f32>>,
     dp: &mut Array<Pair<f32>>,
     delta_lo: f32,
     delta_hi: f32,
-    column_delta: &SharedMemory<f32>,
-    stats_base: usize,
-    lane: usize,
-    #[comptime] row_is_query: bool,
 ) {
     #[unroll]
     for n in 0..comptime!(STREAM / 8) {
+        dp[2 * n] = p[2 * n] * (dp[2 * n] - Pair::<f32>::new(delta_lo));
+        dp[2 * n + 1] = p[2 * n + 1] * (dp[2 * n + 1] - Pair::<f32>::new(delta_hi));
+    }
+}
+
+/// `dS = P * (dP - delta)` in place in `dp`, `delta` per column (dK/dV kernel).
+#[cube]
+fn column_score_gradients(
+    p: &Array<Pair<f32>>,
+    dp: &mut Array<Pair<f32>>,
+    column_delta: &SharedMemory<f32>,
+    stats_base: usize,
+    lane: usize,
+) {
+    #[unroll]
+    for n in 0..comptime!(STREAM / 8) {
+        let delta = column_pair(column_delta, stats_base, n, lane);
         #[unroll]
         for half in 0..2usize {
-            let mut delta = Pair::<f32>::new(delta_lo);
-            if half == 1 {
-                delta = Pair::<f32>::new(delta_hi);
-            }
-            if comptime!(!row_is_query) {
-                let column = stats_base + 8 * n + 2 * (lane % 4);
-                delta[0] = column_delta[column];
-                delta[1] = column_delta[column + 1];
-            }
             dp[2 * n + half] = p[2 * n + half] * (dp[2 * n + half] - delta);
         }
     }
@@ -869,13 +949,15 @@ fn flash_backward_kv_mma_kernel<F: Float, N: Size>(
     let ready_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let ready_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-    let k_offset = batch * k.stride(0) + kv_head * k.stride(1);
-    let v_offset = batch * v.stride(0) + kv_head * v.stride(1);
+    let q_rows = rows_of(q, batch);
+    let grad_out_rows = rows_of(grad_out, batch);
+    let lse_rows = rows_of(lse, batch);
+    let delta_rows = rows_of(delta, batch);
     load_tile::<F, N>(
         k,
-        k_offset,
+        &rows_of(k, batch),
+        kv_head,
         key_start,
-        kv_len,
         &mut k_tile,
         thread,
         BLOCK,
@@ -883,9 +965,9 @@ fn flash_backward_kv_mma_kernel<F: Float, N: Size>(
     );
     load_tile::<F, N>(
         v,
-        v_offset,
+        &rows_of(v, batch),
+        kv_head,
         key_start,
-        kv_len,
         &mut v_tile,
         thread,
         BLOCK,
@@ -911,21 +993,27 @@ fn flash_backward_kv_mma_kernel<F: Float, N: Size>(
         end_query = min(last_pos + 1 - offset, q_len);
     }
     let first_query_tile = first_query / STREAM;
-    let mut tiles = 0usize;
+    let mut end_query_tile = first_query_tile;
     if end_query > first_query {
-        tiles = end_query.div_ceil(STREAM) - first_query_tile;
+        end_query_tile = end_query.div_ceil(STREAM);
     }
-    let steps = group_heads * tiles;
+    let steps = group_heads * (end_query_tile - first_query_tile);
 
+    // Steps walk the query tiles of each query head of the group in turn.
+    let mut head = kv_head * group_heads;
+    let mut query_tile = first_query_tile;
     if steps > 0 {
         prefetch_query_step::<F, N>(
             q,
             grad_out,
             lse,
             delta,
-            batch,
-            kv_head * group_heads,
-            first_query_tile * STREAM,
+            &q_rows,
+            &grad_out_rows,
+            &lse_rows,
+            &delta_rows,
+            head,
+            query_tile * STREAM,
             &mut q_tiles,
             &mut grad_out_tiles,
             &mut lse_tiles,
@@ -938,15 +1026,24 @@ fn flash_backward_kv_mma_kernel<F: Float, N: Size>(
     }
     for step in 0..steps {
         let stage = step % 2;
+        let mut next_head = head;
+        let mut next_query_tile = query_tile + 1;
+        if next_query_tile == end_query_tile {
+            next_head += 1;
+            next_query_tile = first_query_tile;
+        }
         if step + 1 < steps {
             prefetch_query_step::<F, N>(
                 q,
                 grad_out,
                 lse,
                 delta,
-                batch,
-                kv_head * group_heads + (step + 1) / tiles,
-                (first_query_tile + (step + 1) % tiles) * STREAM,
+                &q_rows,
+                &grad_out_rows,
+                &lse_rows,
+                &delta_rows,
+                next_head,
+                next_query_tile * STREAM,
                 &mut q_tiles,
                 &mut grad_out_tiles,
                 &mut lse_tiles,
@@ -958,9 +1055,8 @@ fn flash_backward_kv_mma_kernel<F: Float, N: Size>(
             commit_stage(1 - stage, &ready_0, &ready_1);
         }
         wait_stage(stage, &ready_0, &ready_1);
-        let head = kv_head * group_heads + step / tiles;
         let shift = group_shift(head as u32, q_heads as u32, group);
-        let query_start = (first_query_tile + step % tiles) * STREAM;
+        let query_start = query_tile * STREAM;
         let base = stage * stage_words;
         let stats_base = stage * STREAM;
 
@@ -969,34 +1065,48 @@ fn flash_backward_kv_mma_kernel<F: Float, N: Size>(
             || key_start + BLOCK > kv_len
             || window > 0
             || group > 0;
-        let k_strip = load_strip::<F, N>(&k_tile, warp * STRIP, lane, head_dim);
-        let mut p = strip_times_tile_t::<F, N>(&k_strip, &q_tiles, base, lane, head_dim);
-        probabilities(
-            &mut p,
-            0.0,
-            0.0,
-            &lse_tiles,
-            stats_base,
-            key_lo,
-            query_start,
-            offset,
-            q_len,
-            kv_len,
-            masked,
-            window,
-            group,
-            shift,
-            scale,
+        let strip_start = warp * comptime!(STRIP * chunks);
+        let mut p =
+            strip_times_tile_t::<F, N>(&k_tile, strip_start, &q_tiles, base, lane, head_dim);
+        column_probabilities(&mut p, &lse_tiles, stats_base, scale, lane);
+        if masked {
+            hide_invisible(
+                &mut p,
+                key_lo,
+                query_start,
+                offset,
+                q_len,
+                kv_len,
+                window,
+                group,
+                shift,
+                lane,
+                false,
+            );
+        }
+        accumulate_p_times_tile::<F, N>(
+            &pack::<F>(&p),
+            &grad_out_tiles,
+            base,
+            &mut grad_v_acc,
             lane,
-            false,
+            head_dim,
         );
-        accumulate_p_times_tile::<F, N>(&p, &grad_out_tiles, base, &mut grad_v_acc, lane, head_dim);
-        let v_strip = load_strip::<F, N>(&v_tile, warp * STRIP, lane, head_dim);
-        let mut ds = strip_times_tile_t::<F, N>(&v_strip, &grad_out_tiles, base, lane, head_dim);
-        score_gradients(&p, &mut ds, 0.0, 0.0, &delta_tiles, stats_base, lane, false);
-        accumulate_p_times_tile::<F, N>(&ds, &q_tiles, base, &mut grad_k_acc, lane, head_dim);
+        let mut ds =
+            strip_times_tile_t::<F, N>(&v_tile, strip_start, &grad_out_tiles, base, lane, head_dim);
+        column_score_gradients(&p, &mut ds, &delta_tiles, stats_base, lane);
+        accumulate_p_times_tile::<F, N>(
+            &pack::<F>(&ds),
+            &q_tiles,
+            base,
+            &mut grad_k_acc,
+            lane,
+            head_dim,
+        );
         // Every warp is done with this stage before the next step refills it.
         sync_cube();
+        head = next_head;
+        query_tile = next_query_tile;
     }
 
     let grad_k_offset = batch * grad_k.stride(0) + kv_head * grad_k.stride(1);
@@ -1064,15 +1174,13 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
     let ready_0 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
     let ready_1 = Barrier::shared(CUBE_DIM, UNIT_POS == 0);
 
-    let q_offset = batch * q.stride(0) + head * q.stride(1);
-    let grad_out_offset = batch * grad_out.stride(0) + head * grad_out.stride(1);
-    let k_offset = batch * k.stride(0) + kv_head * k.stride(1);
-    let v_offset = batch * v.stride(0) + kv_head * v.stride(1);
+    let k_rows = rows_of(k, batch);
+    let v_rows = rows_of(v, batch);
     load_tile::<F, N>(
         q,
-        q_offset,
+        &rows_of(q, batch),
+        head,
         q_start,
-        q_len,
         &mut q_tile,
         thread,
         BLOCK,
@@ -1080,9 +1188,9 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
     );
     load_tile::<F, N>(
         grad_out,
-        grad_out_offset,
+        &rows_of(grad_out, batch),
+        head,
         q_start,
-        q_len,
         &mut grad_out_tile,
         thread,
         BLOCK,
@@ -1109,14 +1217,14 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
     let last_pos = (offset + min(q_start + BLOCK, q_len) - 1) as u32;
     let first_key_tile = first_visible_key(first_pos, window, group, shift) as usize / STREAM;
     let end_key_tile = last_pos as usize / STREAM + 1;
-    let unused_stats = SharedMemory::<f32>::new(1usize);
 
     let mut grad_q_acc = zeros(head_dim);
     prefetch_key_step::<F, N>(
         k,
         v,
-        k_offset,
-        v_offset,
+        &k_rows,
+        &v_rows,
+        kv_head,
         first_key_tile * STREAM,
         &mut k_tiles,
         &mut v_tiles,
@@ -1130,8 +1238,9 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
         let base = advance_key_stream::<F, N>(
             k,
             v,
-            k_offset,
-            v_offset,
+            &k_rows,
+            &v_rows,
+            kv_head,
             key_tile,
             first_key_tile,
             end_key_tile,
@@ -1147,40 +1256,26 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
             || key_start + STREAM > kv_len
             || window > 0
             || group > 0;
-        let q_strip = load_strip::<F, N>(&q_tile, warp * STRIP, lane, head_dim);
-        let mut p = strip_times_tile_t::<F, N>(&q_strip, &k_tiles, base, lane, head_dim);
-        probabilities(
-            &mut p,
-            lse_lo,
-            lse_hi,
-            &unused_stats,
-            0,
-            row_lo,
-            key_start,
-            offset,
-            q_len,
-            kv_len,
-            masked,
-            window,
-            group,
-            shift,
-            scale,
+        let strip_start = warp * comptime!(STRIP * chunks);
+        let mut p =
+            strip_times_tile_t::<F, N>(&q_tile, strip_start, &k_tiles, base, lane, head_dim);
+        row_probabilities(&mut p, lse_lo, lse_hi, scale);
+        if masked {
+            hide_invisible(
+                &mut p, row_lo, key_start, offset, q_len, kv_len, window, group, shift, lane, true,
+            );
+        }
+        let mut ds =
+            strip_times_tile_t::<F, N>(&grad_out_tile, strip_start, &v_tiles, base, lane, head_dim);
+        row_score_gradients(&p, &mut ds, delta_lo, delta_hi);
+        accumulate_p_times_tile::<F, N>(
+            &pack::<F>(&ds),
+            &k_tiles,
+            base,
+            &mut grad_q_acc,
             lane,
-            true,
+            head_dim,
         );
-        let grad_out_strip = load_strip::<F, N>(&grad_out_tile, warp * STRIP, lane, head_dim);
-        let mut ds = strip_times_tile_t::<F, N>(&grad_out_strip, &v_tiles, base, lane, head_dim);
-        score_gradients(
-            &p,
-            &mut ds,
-            delta_lo,
-            delta_hi,
-            &unused_stats,
-            0,
-            lane,
-            true,
-        );
-        accumulate_p_times_tile::<F, N>(&ds, &k_tiles, base, &mut grad_q_acc, lane, head_dim);
         // Every warp is done with this stage before the next iteration refills it.
         sync_cube();
     }
