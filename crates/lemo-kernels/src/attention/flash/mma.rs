@@ -276,32 +276,42 @@ fn prefetch_row_stats(
 ) {
     let row = thread % STREAM;
     if thread < STREAM {
-        let head_start = lse_rows.start + head * lse_rows.head_stride;
-        let mut start = head_start;
-        let mut length = 0usize;
-        if first + row < lse_rows.len {
-            start = head_start + (first + row) * lse_rows.row_stride;
-            length = 1;
-        }
-        copy_async_checked(
-            &lse.slice(start, start + length),
-            &mut lse_tiles.slice_mut(base + row, base + row + 1),
-            1u32,
-        );
+        prefetch_row_stat(lse, lse_rows, head, first + row, lse_tiles, base + row);
     } else {
-        let head_start = delta_rows.start + head * delta_rows.head_stride;
-        let mut start = head_start;
-        let mut length = 0usize;
-        if first + row < delta_rows.len {
-            start = head_start + (first + row) * delta_rows.row_stride;
-            length = 1;
-        }
-        copy_async_checked(
-            &delta.slice(start, start + length),
-            &mut delta_tiles.slice_mut(base + row, base + row + 1),
-            1u32,
+        prefetch_row_stat(
+            delta,
+            delta_rows,
+            head,
+            first + row,
+            delta_tiles,
+            base + row,
         );
     }
+}
+
+/// Starts the asynchronous copy of row `row`'s value of head `head` of `values` (`lse` or
+/// `delta`) to `tiles[slot]`; zero-filled past the last row.
+#[cube]
+fn prefetch_row_stat(
+    values: &Tensor<f32>,
+    rows: &Rows,
+    head: usize,
+    row: usize,
+    tiles: &mut SharedMemory<f32>,
+    slot: usize,
+) {
+    let head_start = rows.start + head * rows.head_stride;
+    let mut start = head_start;
+    let mut length = 0usize;
+    if row < rows.len {
+        start = head_start + row * rows.row_stride;
+        length = 1;
+    }
+    copy_async_checked(
+        &values.slice(start, start + length),
+        &mut tiles.slice_mut(slot, slot + 1),
+        1u32,
+    );
 }
 
 /// Starts loading stage `stage` of the dK/dV kernel's stream: the Q and dO tiles of query head
