@@ -591,6 +591,73 @@ fn quad_max(value: f32) -> f32 {
     max(pairs, plane_shuffle_xor(pairs, 2))
 }
 
+/// Where a query-tile cube (forward, dQ) works: one cube per (query tile, query head, batch),
+/// the heaviest causal tiles first, and the range of K/V tiles its queries can see.
+#[derive(CubeType, Clone, Copy)]
+struct QueryTile {
+    batch: usize,
+    head: usize,
+    kv_head: usize,
+    q_len: usize,
+    kv_len: usize,
+    /// Position of query row 0 (the keys before it are a cached prefix).
+    offset: usize,
+    /// S2 shift of this head.
+    shift: u32,
+    /// First query row of the tile.
+    start: usize,
+    /// This lane's first row (its second is 8 below).
+    row_lo: usize,
+    /// Position of the warp's first row.
+    warp_first_pos: usize,
+    first_key_tile: usize,
+    end_key_tile: usize,
+}
+
+#[cube]
+fn query_tile_of<E: CubePrimitive>(
+    q: &Tensor<E>,
+    k: &Tensor<E>,
+    warp: usize,
+    lane: usize,
+    window: u32,
+    group: u32,
+) -> QueryTile {
+    let head = CUBE_POS_Y as usize;
+    let q_heads = q.shape(1);
+    let q_len = q.shape(2);
+    let kv_len = k.shape(2);
+    let offset = kv_len - q_len;
+    let shift = group_shift(head as u32, q_heads as u32, group);
+    let start = (q_len.div_ceil(BLOCK) - 1 - CUBE_POS_X as usize) * BLOCK;
+    let first_pos = (offset + start) as u32;
+    let last_pos = (offset + min(start + BLOCK, q_len) - 1) as u32;
+    QueryTile {
+        batch: CUBE_POS_Z as usize,
+        head,
+        kv_head: head / (q_heads / k.shape(1)),
+        q_len,
+        kv_len,
+        offset,
+        shift,
+        start,
+        row_lo: start + warp * STRIP + lane / 4,
+        warp_first_pos: offset + start + warp * STRIP,
+        first_key_tile: first_visible_key(first_pos, window, group, shift) as usize / STREAM,
+        end_key_tile: last_pos as usize / STREAM + 1,
+    }
+}
+
+/// Whether some score of the warp's strip against the K/V tile at `key_start` may be hidden
+/// (causal diagonal, past the keys' end, window or S2 groups): only those tiles pay for masks.
+#[cube]
+fn needs_mask(tile: &QueryTile, key_start: usize, window: u32, group: u32) -> bool {
+    key_start + STREAM > tile.warp_first_pos + 1
+        || key_start + STREAM > tile.kv_len
+        || window > 0
+        || group > 0
+}
+
 /// Forward: one cube per (query tile, query head, batch), the heaviest causal tiles first.
 /// Streams the visible K/V tiles; online softmax in registers.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
@@ -615,15 +682,9 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let thread = warp * WARP + lane;
-    let batch = CUBE_POS_Z as usize;
-    let head = CUBE_POS_Y as usize;
-    let q_heads = q.shape(1);
-    let kv_head = head / (q_heads / k.shape(1));
-    let q_len = q.shape(2);
-    let kv_len = k.shape(2);
-    let offset = kv_len - q_len;
-    let shift = group_shift(head as u32, q_heads as u32, group);
-    let q_start = (q_len.div_ceil(BLOCK) - 1 - CUBE_POS_X as usize) * BLOCK;
+    let tile = query_tile_of(q, k, warp, lane, window, group);
+    let (batch, head, kv_head) = (tile.batch, tile.head, tile.kv_head);
+    let (q_len, kv_len, q_start, row_lo) = (tile.q_len, tile.kv_len, tile.start, tile.row_lo);
 
     let mut q_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
     // Two stages: the next K/V tiles are copied while the current ones are used.
@@ -647,14 +708,10 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
     sync_cube();
     let strip_start = warp * comptime!(STRIP * chunks);
 
-    let row_lo = q_start + warp * STRIP + lane / 4;
-    let pos_lo = (offset + row_lo) as u32;
+    let pos_lo = (tile.offset + row_lo) as u32;
     let pos_hi = pos_lo + 8;
-    let warp_first_pos = offset + q_start + warp * STRIP;
-    let first_pos = (offset + q_start) as u32;
-    let last_pos = (offset + min(q_start + BLOCK, q_len) - 1) as u32;
-    let first_key_tile = first_visible_key(first_pos, window, group, shift) as usize / STREAM;
-    let end_key_tile = last_pos as usize / STREAM + 1;
+    let shift = tile.shift;
+    let (first_key_tile, end_key_tile) = (tile.first_key_tile, tile.end_key_tile);
 
     let mut max_lo = f32::new(HIDDEN);
     let mut max_hi = f32::new(HIDDEN);
@@ -698,10 +755,7 @@ fn flash_forward_mma_kernel<F: Float, N: Size>(
 
         let mut scores =
             strip_times_tile_t::<F, N>(&q_tile, strip_start, &k_tiles, base, lane, head_dim);
-        let masked = key_start + STREAM > warp_first_pos + 1
-            || key_start + STREAM > kv_len
-            || window > 0
-            || group > 0;
+        let masked = needs_mask(&tile, key_start, window, group);
         let mut tile_max_lo = f32::new(HIDDEN);
         let mut tile_max_hi = f32::new(HIDDEN);
         #[unroll]
@@ -1167,15 +1221,9 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let thread = warp * WARP + lane;
-    let batch = CUBE_POS_Z as usize;
-    let head = CUBE_POS_Y as usize;
-    let q_heads = q.shape(1);
-    let kv_head = head / (q_heads / k.shape(1));
-    let q_len = q.shape(2);
-    let kv_len = k.shape(2);
-    let offset = kv_len - q_len;
-    let shift = group_shift(head as u32, q_heads as u32, group);
-    let q_start = (q_len.div_ceil(BLOCK) - 1 - CUBE_POS_X as usize) * BLOCK;
+    let tile = query_tile_of(q, k, warp, lane, window, group);
+    let (batch, head, kv_head) = (tile.batch, tile.head, tile.kv_head);
+    let (q_len, kv_len, q_start, row_lo) = (tile.q_len, tile.kv_len, tile.start, tile.row_lo);
 
     let mut q_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
     let mut grad_out_tile = SharedMemory::<Vector<F, N>>::new(comptime!(BLOCK * chunks));
@@ -1207,7 +1255,6 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
         head_dim,
     );
 
-    let row_lo = q_start + warp * STRIP + lane / 4;
     let lse_offset = batch * lse.stride(0) + head * lse.stride(1);
     let delta_offset = batch * delta.stride(0) + head * delta.stride(1);
     let mut lse_lo = 0.0f32;
@@ -1222,11 +1269,7 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
         lse_hi = lse[lse_offset + (row_lo + 8) * lse.stride(2)];
         delta_hi = delta[delta_offset + (row_lo + 8) * delta.stride(2)];
     }
-    let warp_first_pos = offset + q_start + warp * STRIP;
-    let first_pos = (offset + q_start) as u32;
-    let last_pos = (offset + min(q_start + BLOCK, q_len) - 1) as u32;
-    let first_key_tile = first_visible_key(first_pos, window, group, shift) as usize / STREAM;
-    let end_key_tile = last_pos as usize / STREAM + 1;
+    let (first_key_tile, end_key_tile) = (tile.first_key_tile, tile.end_key_tile);
 
     let mut grad_q_acc = zeros(head_dim);
     prefetch_key_step::<F, N>(
@@ -1262,17 +1305,24 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
             head_dim,
         );
 
-        let masked = key_start + STREAM > warp_first_pos + 1
-            || key_start + STREAM > kv_len
-            || window > 0
-            || group > 0;
+        let masked = needs_mask(&tile, key_start, window, group);
         let strip_start = warp * comptime!(STRIP * chunks);
         let mut p =
             strip_times_tile_t::<F, N>(&q_tile, strip_start, &k_tiles, base, lane, head_dim);
         row_probabilities(&mut p, lse_lo, lse_hi, scale);
         if masked {
             hide_invisible(
-                &mut p, row_lo, key_start, offset, q_len, kv_len, window, group, shift, lane, true,
+                &mut p,
+                row_lo,
+                key_start,
+                tile.offset,
+                q_len,
+                kv_len,
+                window,
+                group,
+                tile.shift,
+                lane,
+                true,
             );
         }
         let mut ds =
