@@ -12,7 +12,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 use crate::backend::CpuBackend;
 use crate::memory::{self, MemoryStats};
-use crate::{fused, gemm, loss, precision};
+use crate::{fused, gemm, loss, precision, token_movement};
 
 /// Gradients the segment-based loss computes while it runs: `(d hidden, d weight)` of the summed
 /// loss, each present when asked for.
@@ -94,6 +94,33 @@ pub trait ComputeBackend: Backend {
         grad: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         fused::swiglu::reference::backward::<Self>(gate, up, grad)
+    }
+
+    /// RMSNorm of the rows `rows [batch, kept]` of `x [batch, seq, hidden]`; see
+    /// [`token_movement::gather_rms_norm`].
+    fn lemo_gather_rms_norm(
+        x: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> FloatTensor<Self> {
+        token_movement::reference::gather_rms_norm_primitive::<Self>(x, rows, weight, eps)
+    }
+
+    /// `x` with `values [batch, kept, hidden]` added into its rows `rows`; see
+    /// [`token_movement::scatter_add_rows`].
+    fn lemo_scatter_add_rows(
+        x: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        values: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        token_movement::reference::scatter_add_rows_primitive::<Self>(x, rows, values)
+    }
+
+    /// The rows `rows [batch, kept]` of `x [batch, seq, width]`; see
+    /// [`token_movement::gather_rows`].
+    fn lemo_gather_rows(x: FloatTensor<Self>, rows: IntTensor<Self>) -> FloatTensor<Self> {
+        token_movement::reference::gather_rows_primitive::<Self>(x, rows)
     }
 
     /// Per-row cross-entropy of `logits [rows, V]` and, with `grad`, `softmax - one_hot`; see

@@ -14,6 +14,7 @@ pub mod gemm;
 pub mod loss;
 pub mod memory;
 pub mod precision;
+pub mod token_movement;
 
 pub use attention::AttentionOptions;
 #[cfg(feature = "cuda")]

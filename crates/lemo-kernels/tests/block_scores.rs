@@ -38,14 +38,6 @@ fn check(batch: usize, q_heads: usize, kv_heads: usize, seq: usize, head_dim: us
         "block scores: error {error} vs scale {scale}"
     );
     assert!(scale > 0.0);
-
-    let token_blocks = block_scores::token_block_scores(scores);
-    let expected_columns = expected.sum_dim(1).squeeze_dim::<2>(1);
-    let error: f32 = (token_blocks - expected_columns).abs().max().into_scalar();
-    assert!(
-        error <= 1e-5 * scale * blocks as f32,
-        "token-block scores: error {error}"
-    );
 }
 
 #[test]

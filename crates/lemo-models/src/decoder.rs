@@ -15,7 +15,10 @@ use burn::tensor::{Int, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::loss::segment_cross_entropy;
 
-use crate::model::{KvCache, LayerCache};
+use lemo_sparsity::calibration::Block;
+
+use crate::cache::{KvCache, LayerCache};
+use crate::token_plan::TokenSparsity;
 
 pub trait Decoder<B: Backend> {
     /// What every layer of one pass shares (Llama: the rotary tables of the pass's positions).
@@ -28,20 +31,73 @@ pub trait Decoder<B: Backend> {
 
     fn num_layers(&self) -> usize;
 
-    /// `h_{index+1}` from `h_index`; with a cache, the layer's keys and values are appended to it.
-    fn layer(
+    /// The attention block of layer `index`, `h + attention(norm(h))`. With `rows: [batch, kept]`
+    /// only those rows of each sequence are read, attend to one another (at their original
+    /// positions) and receive the block's output; the other rows pass unchanged. With a cache,
+    /// the keys and values are appended to it (dense only).
+    fn attention_block(
         &self,
         index: usize,
         h: Tensor<B, 3>,
         shared: &Self::Shared,
+        rows: Option<&Tensor<B, 2, Int>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3>;
 
-    /// What the output projection reads, from `h_L`.
+    /// The MLP block of layer `index`, `a + mlp(norm(a))`, on `rows` only as above.
+    fn mlp_block(
+        &self,
+        index: usize,
+        a: Tensor<B, 3>,
+        rows: Option<&Tensor<B, 2, Int>>,
+    ) -> Tensor<B, 3>;
+
+    /// Exact token-block informativeness `[batch, blocks]` of the attention block of layer
+    /// `index` for its input `h` (every token), computed without a graph.
+    fn attention_informativeness(
+        &self,
+        index: usize,
+        h: Tensor<B, 3>,
+        shared: &Self::Shared,
+        block_size: usize,
+    ) -> Tensor<B, 2>;
+
+    /// Token-block informativeness `[batch, blocks]` of the MLP block of layer `index` from its
+    /// intermediate activations for its input `a`, computed without a graph.
+    fn mlp_informativeness(&self, index: usize, a: Tensor<B, 3>, block_size: usize)
+    -> Tensor<B, 2>;
+
+    /// What output projection reads, from `h_L`.
     fn output_norm(&self, h: Tensor<B, 3>) -> Tensor<B, 3>;
 
     /// `[vocab, dim]`: the output projection, in the hidden states' dtype.
     fn lm_head_weight(&self) -> Tensor<B, 2>;
+}
+
+/// `h_{index+1}` from `h_index`: the attention block then the MLP block, each on the rows
+/// `sparsity` gives it.
+pub fn layer<B: Backend, D: Decoder<B>>(
+    decoder: &D,
+    index: usize,
+    h: Tensor<B, 3>,
+    shared: &D::Shared,
+    cache: Option<&mut LayerCache<B>>,
+    sparsity: &mut TokenSparsity,
+) -> Tensor<B, 3> {
+    let [_, seq, _] = h.dims();
+    let device = h.device();
+    let rows = sparsity
+        .rows(index, Block::Attention, seq, |block_size| {
+            decoder.attention_informativeness(index, h.clone().detach(), shared, block_size)
+        })
+        .map(|kept| kept.to_tensor::<B>(&device));
+    let a = decoder.attention_block(index, h, shared, rows.as_ref(), cache);
+    let rows = sparsity
+        .rows(index, Block::Mlp, seq, |block_size| {
+            decoder.mlp_informativeness(index, a.clone().detach(), block_size)
+        })
+        .map(|kept| kept.to_tensor::<B>(&device));
+    decoder.mlp_block(index, a, rows.as_ref())
 }
 
 /// Final normalized hidden states of `tokens` at `positions`; with a cache, the tokens continue
@@ -51,13 +107,14 @@ pub fn hidden_states<B: Backend, D: Decoder<B>>(
     tokens: Tensor<B, 2, Int>,
     positions: Range<usize>,
     mut cache: Option<&mut KvCache<B>>,
+    sparsity: &mut TokenSparsity,
 ) -> Tensor<B, 3> {
     let [batch, _] = tokens.dims();
     let shared = decoder.shared(positions.clone(), batch);
     let mut h = decoder.embed(tokens, positions);
     for index in 0..decoder.num_layers() {
         let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[index]);
-        h = decoder.layer(index, h, &shared, layer_cache);
+        h = layer(decoder, index, h, &shared, layer_cache, sparsity);
     }
     decoder.output_norm(h)
 }
@@ -95,6 +152,7 @@ pub fn recomputed_loss_backward<B, D>(
     tokens: Tensor<B, 2, Int>,
     chunk_rows: usize,
     scale: f64,
+    sparsity: &mut TokenSparsity,
     on_gradients: &mut dyn FnMut(&B::Gradients),
 ) -> (Tensor<B::InnerBackend, 1>, usize)
 where
@@ -112,7 +170,7 @@ where
     let mut layer_inputs = Vec::with_capacity(inner.num_layers());
     for index in 0..inner.num_layers() {
         layer_inputs.push(h.clone());
-        h = inner.layer(index, h, &inner_shared, None);
+        h = layer(&inner, index, h, &inner_shared, None, sparsity);
     }
     drop(inner_shared);
 
@@ -133,11 +191,21 @@ where
     let propagate = |output: Tensor<B, 3>, grad_output: Tensor<B::InnerBackend, 3>| {
         (output * Tensor::from_inner(grad_output)).sum().backward()
     };
+    // The layers are rebuilt on the rows the forward pass chose, so the recomputation is exact.
+    let recorded = match sparsity {
+        TokenSparsity::Select { plan, .. } => Some(std::mem::take(plan)),
+        _ => None,
+    };
+    let mut replay = match (&recorded, &*sparsity) {
+        (Some(plan), _) => TokenSparsity::Replay(plan),
+        (None, TokenSparsity::Replay(plan)) => TokenSparsity::Replay(*plan),
+        _ => TokenSparsity::Dense,
+    };
     let shared = decoder.shared(positions.clone(), batch);
     while let Some(input) = layer_inputs.pop() {
         let index = layer_inputs.len();
         let input = Tensor::<B, 3>::from_inner(input).require_grad();
-        let output = decoder.layer(index, input.clone(), &shared, None);
+        let output = layer(decoder, index, input.clone(), &shared, None, &mut replay);
         let gradients = propagate(output, grad_h);
         on_gradients(&gradients);
         grad_h = input
@@ -146,5 +214,10 @@ where
     }
     // Reaches the embedding's parameters when they are trainable, and nothing otherwise.
     on_gradients(&propagate(decoder.embed(tokens, positions), grad_h));
+    drop(replay);
+    // The caller gets the plan of the forward pass, as from a plain forward pass.
+    if let (Some(recorded), TokenSparsity::Select { plan, .. }) = (recorded, sparsity) {
+        *plan = recorded;
+    }
     (loss_sum, predictions)
 }

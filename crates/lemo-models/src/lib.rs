@@ -2,8 +2,10 @@
 //! Hugging Face folders or llama2.c checkpoints.
 
 pub mod adapter;
+pub mod cache;
 pub mod config;
 pub mod decoder;
+pub mod embedding;
 pub mod error;
 pub mod llama;
 pub mod llama2c;
@@ -12,10 +14,12 @@ pub mod model;
 pub mod norm;
 pub mod opt;
 pub mod rope;
+pub mod token_plan;
 pub mod tokenizer;
 pub mod weights;
 
+pub use cache::KvCache;
 pub use config::ModelConfig;
 pub use error::{Error, Result};
 pub use lora::LoraConfig;
-pub use model::{CausalLm, KvCache};
+pub use model::CausalLm;

@@ -14,13 +14,16 @@ use std::ops::Range;
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Int, Tensor, backend::Backend};
 use lemo_kernels::fused::swiglu;
+use lemo_kernels::token_movement::scatter_add_rows;
 use lemo_kernels::{AttentionOptions, ComputeBackend, LemoBackend, attention::attention};
+use lemo_sparsity::informativeness;
 
 use crate::Result;
+use crate::cache::{LayerCache, append_to_cache};
 use crate::config::LlamaConfig;
 use crate::decoder::Decoder;
+use crate::embedding::embed;
 use crate::lora::Linear;
-use crate::model::{LayerCache, append_to_cache, embed};
 use crate::norm::RmsNorm;
 use crate::rope::{RotaryEmbedding, Rotation};
 use crate::weights::Loader;
@@ -48,11 +51,9 @@ impl<B: LemoBackend> LlamaAttention<B> {
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let [batch, len, _] = x.dims();
-        let heads =
-            |t: Tensor<B, 3>, n: usize| t.reshape([batch, len, n, self.head_dim]).swap_dims(1, 2);
-        let q = rotation.apply(heads(self.q_proj.forward(x.clone()), self.num_heads));
-        let k = rotation.apply(heads(self.k_proj.forward(x.clone()), self.num_kv_heads));
-        let v = heads(self.v_proj.forward(x), self.num_kv_heads);
+        let q = rotation.apply(self.heads(self.q_proj.forward(x.clone()), self.num_heads));
+        let k = rotation.apply(self.heads(self.k_proj.forward(x.clone()), self.num_kv_heads));
+        let v = self.heads(self.v_proj.forward(x), self.num_kv_heads);
         let (k, v) = append_to_cache(cache, k, v);
         let options = AttentionOptions {
             sliding_window: self.sliding_window,
@@ -65,6 +66,26 @@ impl<B: LemoBackend> LlamaAttention<B> {
             self.num_heads * self.head_dim,
         ]);
         self.o_proj.forward(out)
+    }
+
+    /// `[batch, len, n * head_dim] -> [batch, n, len, head_dim]`.
+    fn heads(&self, t: Tensor<B, 3>, n: usize) -> Tensor<B, 4> {
+        let [batch, len, _] = t.dims();
+        t.reshape([batch, len, n, self.head_dim]).swap_dims(1, 2)
+    }
+
+    /// Exact token-block informativeness from the rotated queries and keys of every token of
+    /// `x`, outside the graph.
+    fn informativeness(
+        &self,
+        x: Tensor<B, 3>,
+        rotation: &Rotation<B>,
+        block_size: usize,
+    ) -> Tensor<B, 2> {
+        let q =
+            rotation.apply(self.heads(self.q_proj.forward_untracked(x.clone()), self.num_heads));
+        let k = rotation.apply(self.heads(self.k_proj.forward_untracked(x), self.num_kv_heads));
+        informativeness::attention(q, k, block_size)
     }
 }
 
@@ -82,6 +103,16 @@ impl<B: ComputeBackend> LlamaMlp<B> {
             self.up_proj.forward(x),
         ))
     }
+
+    /// Token-block informativeness from `silu(gate) * up` of every token of `x`, outside the
+    /// graph.
+    fn informativeness(&self, x: Tensor<B, 3>, block_size: usize) -> Tensor<B, 2> {
+        let activations = swiglu(
+            self.gate_proj.forward_untracked(x.clone()),
+            self.up_proj.forward_untracked(x),
+        );
+        informativeness::mlp(activations, block_size)
+    }
 }
 
 #[derive(Module, Debug)]
@@ -93,17 +124,35 @@ pub struct LlamaLayer<B: Backend> {
 }
 
 impl<B: LemoBackend> LlamaLayer<B> {
-    fn forward(
+    /// `h + attention(rms(h))`, on the kept rows only when there are `rows`.
+    fn attention_block(
         &self,
         h: Tensor<B, 3>,
         rotation: &Rotation<B>,
+        rows: Option<&Tensor<B, 2, Int>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
-        let a = h.clone()
-            + self
-                .self_attn
-                .forward(self.input_layernorm.forward(h), rotation, cache);
-        a.clone() + self.mlp.forward(self.post_attention_layernorm.forward(a))
+        let norm = &self.input_layernorm;
+        match rows {
+            None => h.clone() + self.self_attn.forward(norm.forward(h), rotation, cache),
+            Some(rows) => {
+                let x = norm.forward_rows(h.clone(), rows.clone());
+                let out = self.self_attn.forward(x, &rotation.at(rows.clone()), None);
+                scatter_add_rows(h, rows.clone(), out)
+            }
+        }
+    }
+
+    /// `a + mlp(rms(a))`, on the kept rows only when there are `rows`.
+    fn mlp_block(&self, a: Tensor<B, 3>, rows: Option<&Tensor<B, 2, Int>>) -> Tensor<B, 3> {
+        let norm = &self.post_attention_layernorm;
+        match rows {
+            None => a.clone() + self.mlp.forward(norm.forward(a)),
+            Some(rows) => {
+                let out = self.mlp.forward(norm.forward_rows(a.clone(), rows.clone()));
+                scatter_add_rows(a, rows.clone(), out)
+            }
+        }
     }
 }
 
@@ -221,14 +270,48 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         self.layers.len()
     }
 
-    fn layer(
+    fn attention_block(
         &self,
         index: usize,
         h: Tensor<B, 3>,
         rotation: &Rotation<B>,
+        rows: Option<&Tensor<B, 2, Int>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
-        self.layers[index].forward(h, rotation, cache)
+        self.layers[index].attention_block(h, rotation, rows, cache)
+    }
+
+    fn mlp_block(
+        &self,
+        index: usize,
+        a: Tensor<B, 3>,
+        rows: Option<&Tensor<B, 2, Int>>,
+    ) -> Tensor<B, 3> {
+        self.layers[index].mlp_block(a, rows)
+    }
+
+    fn attention_informativeness(
+        &self,
+        index: usize,
+        h: Tensor<B, 3>,
+        rotation: &Rotation<B>,
+        block_size: usize,
+    ) -> Tensor<B, 2> {
+        let layer = &self.layers[index];
+        let x = layer.input_layernorm.forward(h);
+        layer.self_attn.informativeness(x, rotation, block_size)
+    }
+
+    fn mlp_informativeness(
+        &self,
+        index: usize,
+        a: Tensor<B, 3>,
+        block_size: usize,
+    ) -> Tensor<B, 2> {
+        let layer = &self.layers[index];
+        layer
+            .mlp
+            .informativeness(layer.post_attention_layernorm.forward(a), block_size)
     }
 
     fn output_norm(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {

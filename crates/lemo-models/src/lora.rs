@@ -144,6 +144,16 @@ impl<B: ComputeBackend> Linear<B> {
 
     /// `x: [..., in] -> [..., out]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        self.project(x, true)
+    }
+
+    /// [`Self::forward`] outside the graph: the adapter is read detached and without dropout
+    /// (what token-elimination scores see).
+    pub fn forward_untracked<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        self.project(x.detach(), false)
+    }
+
+    fn project<const D: usize>(&self, x: Tensor<B, D>, tracked: bool) -> Tensor<B, D> {
         let mut out_dims = x.dims();
         out_dims[D - 1] = self.out_features();
         let rows: usize = x.dims()[..D - 1].iter().product();
@@ -154,7 +164,11 @@ impl<B: ComputeBackend> Linear<B> {
         }
         if let Some(lora) = &self.lora {
             let (a, b) = (lora.a.val(), lora.b.val());
-            y = y + lora_delta(lora.dropout.forward(x), a, b, lora.scaling as f32);
+            y = if tracked {
+                y + lora_delta(lora.dropout.forward(x), a, b, lora.scaling as f32)
+            } else {
+                y + lora_delta(x, a.detach(), b.detach(), lora.scaling as f32)
+            };
         }
         y.reshape(out_dims)
     }

@@ -10,6 +10,7 @@ use lemo_kernels::LemoBackend;
 use lemo_kernels::gemm::matmul;
 use lemo_kernels::precision::Precision;
 
+use crate::cache::KvCache;
 use crate::config::{ModelConfig, RopeConfig, RopeScaling};
 use crate::decoder::{self, Decoder};
 use crate::llama::Llama;
@@ -17,6 +18,7 @@ use crate::llama2c::Llama2cCheckpoint;
 use crate::lora::{Linear, LoraConfig};
 use crate::opt::Opt;
 use crate::rope::RotaryEmbedding;
+use crate::token_plan::TokenSparsity;
 use crate::weights::{Loader, SafetensorsWeights, WeightSource};
 use crate::{Error, Result};
 
@@ -26,53 +28,6 @@ use crate::{Error, Result};
 pub enum CausalLm<B: Backend> {
     Llama(Llama<B>),
     Opt(Opt<B>),
-}
-
-/// Keys and values of one layer, `[batch, kv_heads, cached_len, head_dim]` each.
-pub type LayerCache<B> = Option<(Tensor<B, 4>, Tensor<B, 4>)>;
-
-/// Keys and values of every layer for incremental decoding.
-pub struct KvCache<B: Backend> {
-    pub layers: Vec<LayerCache<B>>,
-    /// Tokens already processed.
-    pub len: usize,
-}
-
-impl<B: Backend> KvCache<B> {
-    pub fn new(num_layers: usize) -> Self {
-        Self {
-            layers: vec![None; num_layers],
-            len: 0,
-        }
-    }
-}
-
-/// Appends this step's keys and values to the layer's cache (if any) and returns the full ones.
-pub(crate) fn append_to_cache<B: Backend>(
-    cache: Option<&mut LayerCache<B>>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
-) -> (Tensor<B, 4>, Tensor<B, 4>) {
-    let Some(slot) = cache else { return (k, v) };
-    let (k, v) = match slot.take() {
-        Some((past_k, past_v)) => (
-            Tensor::cat(vec![past_k, k], 2),
-            Tensor::cat(vec![past_v, v], 2),
-        ),
-        None => (k, v),
-    };
-    *slot = Some((k.clone(), v.clone()));
-    (k, v)
-}
-
-/// Embedding lookup: rows of `table: [vocab, dim]` for `tokens: [batch, len]`.
-pub(crate) fn embed<B: Backend>(table: &Tensor<B, 2>, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-    let [batch, len] = tokens.dims();
-    let [_, dim] = table.dims();
-    table
-        .clone()
-        .select(0, tokens.reshape([batch * len]))
-        .reshape([batch, len, dim])
 }
 
 /// A model folder or checkpoint file, recognized by its shape on disk.
@@ -174,20 +129,23 @@ impl<B: LemoBackend> CausalLm<B> {
     }
 
     /// Final hidden states `[batch, len, dim]`; positions continue the cache when there is one,
-    /// and the cache grows by `len`.
+    /// and the cache grows by `len`. Each block processes the rows `sparsity` gives it.
     pub fn hidden_states(
         &self,
         tokens: Tensor<B, 2, Int>,
         mut cache: Option<&mut KvCache<B>>,
+        sparsity: &mut TokenSparsity,
     ) -> Tensor<B, 3> {
         let [_, len] = tokens.dims();
         let start = cache.as_ref().map_or(0, |c| c.len);
         let positions = start..start + len;
         let out = match self {
             CausalLm::Llama(m) => {
-                decoder::hidden_states(m, tokens, positions, cache.as_deref_mut())
+                decoder::hidden_states(m, tokens, positions, cache.as_deref_mut(), sparsity)
             }
-            CausalLm::Opt(m) => decoder::hidden_states(m, tokens, positions, cache.as_deref_mut()),
+            CausalLm::Opt(m) => {
+                decoder::hidden_states(m, tokens, positions, cache.as_deref_mut(), sparsity)
+            }
         };
         if let Some(cache) = cache {
             cache.len += len;
@@ -209,7 +167,7 @@ impl<B: LemoBackend> CausalLm<B> {
         tokens: Tensor<B, 2, Int>,
         cache: Option<&mut KvCache<B>>,
     ) -> Tensor<B, 3> {
-        let hidden = self.hidden_states(tokens, cache);
+        let hidden = self.hidden_states(tokens, cache, &mut TokenSparsity::Dense);
         let [batch, len, dim] = hidden.dims();
         let weight = self.lm_head_weight();
         let [vocab, _] = weight.dims();
@@ -219,13 +177,15 @@ impl<B: LemoBackend> CausalLm<B> {
     }
 
     /// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])` (f32, `[1]`),
-    /// and the number of terms (see [`decoder::next_token_loss`]).
+    /// and the number of terms (see [`decoder::next_token_loss`]), with each block on the rows
+    /// `sparsity` gives it.
     pub fn next_token_loss_sum(
         &self,
         tokens: Tensor<B, 2, Int>,
         chunk_rows: usize,
+        sparsity: &mut TokenSparsity,
     ) -> (Tensor<B, 1>, usize) {
-        let hidden = self.hidden_states(tokens.clone(), None);
+        let hidden = self.hidden_states(tokens.clone(), None, sparsity);
         decoder::next_token_loss(hidden, self.lm_head_weight(), tokens, chunk_rows)
     }
 
@@ -312,15 +272,26 @@ where
         tokens: Tensor<B, 2, Int>,
         chunk_rows: usize,
         scale: f64,
+        sparsity: &mut TokenSparsity,
         on_gradients: &mut dyn FnMut(&B::Gradients),
     ) -> (Tensor<B::InnerBackend, 1>, usize) {
         match self {
-            CausalLm::Llama(m) => {
-                decoder::recomputed_loss_backward(m, tokens, chunk_rows, scale, on_gradients)
-            }
-            CausalLm::Opt(m) => {
-                decoder::recomputed_loss_backward(m, tokens, chunk_rows, scale, on_gradients)
-            }
+            CausalLm::Llama(m) => decoder::recomputed_loss_backward(
+                m,
+                tokens,
+                chunk_rows,
+                scale,
+                sparsity,
+                on_gradients,
+            ),
+            CausalLm::Opt(m) => decoder::recomputed_loss_backward(
+                m,
+                tokens,
+                chunk_rows,
+                scale,
+                sparsity,
+                on_gradients,
+            ),
         }
     }
 }
@@ -348,6 +319,35 @@ impl<B: LemoBackend> CausalLm<B> {
             }
         }
         Ok(self)
+    }
+
+    /// Why this model cannot eliminate tokens on sequences of `seq_len` tokens, if it cannot.
+    /// Kept rows attend to one another under the plain causal mask, which is exact among them
+    /// because their order is kept; a sliding window shorter than the sequence or S2 groups
+    /// are defined on positions and would need the original positions in the kernel.
+    pub fn check_token_elimination(&self, seq_len: usize) -> Result<()> {
+        let unsupported = |why: &str| Err(Error::Config(format!("--method lemo: {why}")));
+        match self {
+            CausalLm::Llama(m) => {
+                let attention = &m.layers[0].self_attn;
+                if let Some(window) = attention.sliding_window.filter(|&w| w < seq_len) {
+                    return unsupported(&format!(
+                        "a sliding window of {window} tokens shorter than the sequence ({seq_len}) is not supported with token elimination; use --seq-len {window} or less"
+                    ));
+                }
+                if attention.shifted_group.is_some() {
+                    return unsupported(
+                        "S2 (shifted sparse) attention cannot be combined with token elimination",
+                    );
+                }
+            }
+            CausalLm::Opt(m) => {
+                if m.layers.iter().any(|l| !l.norm_before) {
+                    return unsupported(crate::opt::POST_NORM_DENSE);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Shifted sparse attention (LongLoRA's S2) with groups of `group_size` tokens in every

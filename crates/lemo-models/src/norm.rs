@@ -2,9 +2,10 @@
 //! input's dtype (as transformers computes them for bf16 models).
 
 use burn::module::{Module, Param};
-use burn::tensor::{DType, Tensor, backend::Backend};
+use burn::tensor::{DType, Int, Tensor, backend::Backend};
 use lemo_kernels::ComputeBackend;
 use lemo_kernels::fused::rms_norm;
+use lemo_kernels::token_movement::gather_rms_norm;
 
 /// `x / sqrt(mean(x^2) + eps) * weight` (Llama).
 #[derive(Module, Debug)]
@@ -27,6 +28,13 @@ impl<B: ComputeBackend> RmsNorm<B> {
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let weight = self.weight.val().cast(x.dtype());
         rms_norm(x, weight, self.eps as f32)
+    }
+
+    /// The norm of the rows `rows: [batch, kept]` of `x: [batch, seq, hidden]`, read from `x`
+    /// by the norm itself (no compacted copy of `x`).
+    pub fn forward_rows(&self, x: Tensor<B, 3>, rows: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let weight = self.weight.val().cast(x.dtype());
+        gather_rms_norm(x, rows, weight, self.eps as f32)
     }
 }
 

@@ -13,13 +13,16 @@ use std::ops::Range;
 use burn::module::{Module, Param};
 use burn::tensor::activation::relu;
 use burn::tensor::{Int, Tensor, backend::Backend};
+use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
 use lemo_kernels::{AttentionOptions, LemoBackend, attention::attention};
+use lemo_sparsity::informativeness;
 
 use crate::Result;
+use crate::cache::{LayerCache, append_to_cache};
 use crate::config::OptConfig;
 use crate::decoder::Decoder;
+use crate::embedding::embed;
 use crate::lora::Linear;
-use crate::model::{LayerCache, append_to_cache, embed};
 use crate::norm::LayerNorm;
 use crate::weights::Loader;
 
@@ -40,15 +43,11 @@ pub struct OptAttention<B: Backend> {
 impl<B: LemoBackend> OptAttention<B> {
     fn forward(&self, x: Tensor<B, 3>, cache: Option<&mut LayerCache<B>>) -> Tensor<B, 3> {
         let [batch, len, hidden] = x.dims();
-        let heads = |t: Tensor<B, 3>| {
-            t.reshape([batch, len, self.num_heads, self.head_dim])
-                .swap_dims(1, 2)
-        };
-        let q = heads(self.q_proj.forward(x.clone()));
+        let q = self.heads(self.q_proj.forward(x.clone()));
         let (k, v) = append_to_cache(
             cache,
-            heads(self.k_proj.forward(x.clone())),
-            heads(self.v_proj.forward(x)),
+            self.heads(self.k_proj.forward(x.clone())),
+            self.heads(self.v_proj.forward(x)),
         );
         let options = AttentionOptions {
             shifted_group: self.shifted_group,
@@ -57,6 +56,13 @@ impl<B: LemoBackend> OptAttention<B> {
         let out = attention(q, k, v, options);
         self.out_proj
             .forward(out.swap_dims(1, 2).reshape([batch, len, hidden]))
+    }
+
+    /// `[batch, len, hidden] -> [batch, heads, len, head_dim]`.
+    fn heads(&self, t: Tensor<B, 3>) -> Tensor<B, 4> {
+        let [batch, len, _] = t.dims();
+        t.reshape([batch, len, self.num_heads, self.head_dim])
+            .swap_dims(1, 2)
     }
 }
 
@@ -71,17 +77,63 @@ pub struct OptLayer<B: Backend> {
 }
 
 impl<B: LemoBackend> OptLayer<B> {
-    fn forward(&self, h: Tensor<B, 3>, cache: Option<&mut LayerCache<B>>) -> Tensor<B, 3> {
-        let (ln1, ln2) = (&self.self_attn_layer_norm, &self.final_layer_norm);
+    /// Pre-norm: `h + attn(ln1(h))`; post-norm: `ln1(h + attn(h))`. Kept rows (pre-norm only)
+    /// are gathered before the LayerNorm, which has no fused gathering kernel.
+    fn attention_block(
+        &self,
+        h: Tensor<B, 3>,
+        rows: Option<&Tensor<B, 2, Int>>,
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Tensor<B, 3> {
+        let ln1 = &self.self_attn_layer_norm;
+        match (rows, self.norm_before) {
+            (None, true) => h.clone() + self.self_attn.forward(ln1.forward(h), cache),
+            (None, false) => ln1.forward(h.clone() + self.self_attn.forward(h, cache)),
+            (Some(rows), true) => {
+                let x = ln1.forward(gather_rows(h.clone(), rows.clone()));
+                scatter_add_rows(h, rows.clone(), self.self_attn.forward(x, None))
+            }
+            (Some(_), false) => panic!("{POST_NORM_DENSE}"),
+        }
+    }
+
+    /// Pre-norm: `a + fc2(relu(fc1(ln2(a))))`; post-norm: `ln2(a + fc2(relu(fc1(a))))`.
+    fn mlp_block(&self, a: Tensor<B, 3>, rows: Option<&Tensor<B, 2, Int>>) -> Tensor<B, 3> {
+        let ln2 = &self.final_layer_norm;
+        let mlp = |x: Tensor<B, 3>| self.fc2.forward(relu(self.fc1.forward(x)));
+        match (rows, self.norm_before) {
+            (None, true) => a.clone() + mlp(ln2.forward(a)),
+            (None, false) => ln2.forward(a.clone() + mlp(a)),
+            (Some(rows), true) => {
+                let x = ln2.forward(gather_rows(a.clone(), rows.clone()));
+                scatter_add_rows(a, rows.clone(), mlp(x))
+            }
+            (Some(_), false) => panic!("{POST_NORM_DENSE}"),
+        }
+    }
+
+    /// What the attention block's projections read: the normalized input (pre-norm) or the
+    /// input itself (post-norm).
+    fn attention_input(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
         if self.norm_before {
-            let a = h.clone() + self.self_attn.forward(ln1.forward(h), cache);
-            a.clone() + self.fc2.forward(relu(self.fc1.forward(ln2.forward(a))))
+            self.self_attn_layer_norm.forward(h)
         } else {
-            let a = ln1.forward(h.clone() + self.self_attn.forward(h, cache));
-            ln2.forward(a.clone() + self.fc2.forward(relu(self.fc1.forward(a))))
+            h
+        }
+    }
+
+    fn mlp_input(&self, a: Tensor<B, 3>) -> Tensor<B, 3> {
+        if self.norm_before {
+            self.final_layer_norm.forward(a)
+        } else {
+            a
         }
     }
 }
+
+/// Why post-norm OPT layers (OPT-350m) run dense: their output is the norm of the whole residual
+/// sum, so a row that skips the block would still change.
+pub const POST_NORM_DENSE: &str = "post-norm OPT layers (do_layer_norm_before = false, OPT-350m) cannot eliminate tokens: the LayerNorm after the residual add touches every row";
 
 #[derive(Module, Debug)]
 pub struct Opt<B: Backend> {
@@ -210,14 +262,51 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
         self.layers.len()
     }
 
-    fn layer(
+    fn attention_block(
         &self,
         index: usize,
         h: Tensor<B, 3>,
         _shared: &(),
+        rows: Option<&Tensor<B, 2, Int>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
-        self.layers[index].forward(h, cache)
+        self.layers[index].attention_block(h, rows, cache)
+    }
+
+    fn mlp_block(
+        &self,
+        index: usize,
+        a: Tensor<B, 3>,
+        rows: Option<&Tensor<B, 2, Int>>,
+    ) -> Tensor<B, 3> {
+        self.layers[index].mlp_block(a, rows)
+    }
+
+    fn attention_informativeness(
+        &self,
+        index: usize,
+        h: Tensor<B, 3>,
+        _shared: &(),
+        block_size: usize,
+    ) -> Tensor<B, 2> {
+        let layer = &self.layers[index];
+        let attn = &layer.self_attn;
+        let x = layer.attention_input(h);
+        let q = attn.heads(attn.q_proj.forward_untracked(x.clone()));
+        let k = attn.heads(attn.k_proj.forward_untracked(x));
+        informativeness::attention(q, k, block_size)
+    }
+
+    /// From OPT's ReLU output.
+    fn mlp_informativeness(
+        &self,
+        index: usize,
+        a: Tensor<B, 3>,
+        block_size: usize,
+    ) -> Tensor<B, 2> {
+        let layer = &self.layers[index];
+        let activations = relu(layer.fc1.forward_untracked(layer.mlp_input(a)));
+        informativeness::mlp(activations, block_size)
     }
 
     /// The final layer norm (pre-norm models) and the projection to `word_embed_proj_dim`.

@@ -100,6 +100,17 @@ impl<B: ComputeBackend> RotaryEmbedding<B> {
     }
 }
 
+impl<B: Backend> Rotation<B> {
+    /// The same tables at other positions, `[batch, len]` (the kept rows of a token-sparse block).
+    pub fn at(&self, positions: Tensor<B, 2, Int>) -> Self {
+        Self {
+            cos: self.cos.clone(),
+            sin: self.sin.clone(),
+            positions,
+        }
+    }
+}
+
 impl<B: ComputeBackend> Rotation<B> {
     /// Rotates `x: [batch, heads, len, head_dim]` (rotate-half); contiguous, in `x`'s dtype.
     pub fn apply(&self, x: Tensor<B, 4>) -> Tensor<B, 4> {

@@ -68,17 +68,20 @@ impl<B: Backend> LayerPredictor<B> {
         outer.tril(0)
     }
 
-    /// Kept token-block indices under `threshold`, from the estimated scores.
+    /// Kept token-block indices under `threshold`, from the estimated scores (see
+    /// [`lemo_sparsity::informativeness::token_block_informativeness`]).
     pub fn kept_blocks(&self, x: Tensor<B, 2>, block_size: usize, threshold: f32) -> Vec<usize> {
         let scores = self.block_scores(x, block_size);
         let [blocks, _] = scores.dims();
-        let values: Vec<f32> = scores
+        let token_blocks = lemo_sparsity::informativeness::token_block_informativeness(
+            scores.reshape([1, blocks, blocks]),
+        );
+        let values: Vec<f32> = token_blocks
             .into_data()
             .convert::<f32>()
             .into_vec()
             .expect("f32 scores");
-        let token_blocks = lemo_sparsity::token_block_informativeness(&values, blocks);
-        lemo_sparsity::kept_blocks(&token_blocks, threshold)
+        lemo_sparsity::selection::kept_blocks(&values, threshold)
     }
 }
 

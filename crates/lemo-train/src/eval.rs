@@ -4,6 +4,7 @@
 //! protocol: windows of `seq_len` tokens starting every `stride` tokens, each scored on all its
 //! next-token predictions; the loss is the mean over all scored predictions.
 
+use lemo_models::token_plan::TokenSparsity;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -86,7 +87,8 @@ impl BackendJob for EvalJob {
             let ids: Vec<i32> = document[*start..*end].iter().map(|&id| id as i32).collect();
             let input =
                 Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, end - start]), &device);
-            let (sum, count) = model.next_token_loss_sum(input, LOSS_CHUNK_ROWS);
+            let (sum, count) =
+                model.next_token_loss_sum(input, LOSS_CHUNK_ROWS, &mut TokenSparsity::Dense);
             loss_sum += sum.into_scalar().elem::<f64>();
             tokens += count;
             eprint!(

@@ -4,6 +4,7 @@
 //! prediction is the letter whose token the model finds most likely next. Contexts longer than
 //! `--max-tokens` are cut in the middle, keeping the beginning and the end, as LongBench does.
 
+use lemo_models::token_plan::TokenSparsity;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -155,7 +156,7 @@ impl BackendJob for LongBenchJob {
             let data: Vec<i32> = ids.iter().map(|&t| t as i32).collect();
             let tokens =
                 Tensor::<B, 2, Int>::from_data(TensorData::new(data, [1, ids.len()]), &device);
-            let hidden = model.hidden_states(tokens, None);
+            let hidden = model.hidden_states(tokens, None, &mut TokenSparsity::Dense);
             let [_, len, dim] = hidden.dims();
             let last = hidden.slice([0..1, len - 1..len]).reshape([1, dim]);
             let logits = last.matmul(model.lm_head_weight().transpose());

@@ -2,13 +2,12 @@
 //! for blocks `B_mn` of `block_size` queries x `block_size` keys,
 //! `I(B_mn) = max over (i, j) in B_mn of sum over heads h of relu(q^h_i . k^h_j * scale) / H`,
 //! with the heads summed before the max and hidden (future) pairs counting as 0; blocks above
-//! the diagonal (`n > m`) are 0. Token-block informativeness is the column sum over the query
-//! blocks, which by causality only counts `m >= n`.
+//! the diagonal (`n > m`) are 0. Token-block informativeness is reduced from these by
+//! `lemo-sparsity`.
 
 pub(crate) mod kernel;
 pub mod reference;
 
-use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::LemoBackend;
@@ -29,10 +28,4 @@ pub fn block_scores<B: LemoBackend>(
         block_size,
         scale,
     )))
-}
-
-/// Token-block informativeness `[batch, k_blocks]`: column sums of the block scores over the
-/// query blocks (only `m >= n` are non-zero).
-pub fn token_block_scores<B: Backend>(block_scores: Tensor<B, 3>) -> Tensor<B, 2> {
-    block_scores.sum_dim(1).squeeze_dim(1)
 }

@@ -7,6 +7,7 @@ pub mod config;
 pub mod optim;
 pub mod report;
 
+use lemo_models::token_plan::TokenSparsity;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -84,14 +85,20 @@ where
 {
     let (loss_sum, predictions, after_forward) = if checkpointing {
         let mut after_forward = None;
-        let (loss_sum, predictions) =
-            model.next_token_loss_backward_recomputed(tokens, segment, scale, &mut |gradients| {
+        let (loss_sum, predictions) = model.next_token_loss_backward_recomputed(
+            tokens,
+            segment,
+            scale,
+            &mut TokenSparsity::Dense,
+            &mut |gradients| {
                 after_forward.get_or_insert_with(|| memory::sample().in_use);
                 optim::accumulate_grads(model, gradients, grads);
-            });
+            },
+        );
         (loss_sum, predictions, after_forward.unwrap_or_default())
     } else {
-        let (loss, predictions) = model.next_token_loss_sum(tokens, segment);
+        let (loss, predictions) =
+            model.next_token_loss_sum(tokens, segment, &mut TokenSparsity::Dense);
         let after_forward = memory::sample().in_use;
         let loss_sum = loss.clone().inner();
         let model_grads = loss.mul_scalar(scale).backward();
@@ -115,7 +122,7 @@ pub fn validation_loss<B: LemoBackend>(
     let (mut sum, mut count) = (0.0, 0usize);
     for sequence in sequences {
         let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
-        let (loss, n) = model.next_token_loss_sum(tokens, segment);
+        let (loss, n) = model.next_token_loss_sum(tokens, segment, &mut TokenSparsity::Dense);
         sum += loss.into_scalar().elem::<f64>();
         count += n;
     }

@@ -1,0 +1,193 @@
+//! Token elimination (`--method lemo`) in the models: exact when every token is kept, rows that a
+//! block drops pass through it unchanged, and kept sets are per sequence of a batch.
+
+mod common;
+
+use burn::backend::Autodiff;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, ElementConversion, Int, Tensor};
+use common::{GradientSums, assert_same_gradients, every_token_kept, half_kept, trainable_model};
+use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
+use lemo_models::CausalLm;
+use lemo_models::lora::LLAMA_PROJECTIONS;
+use lemo_models::token_plan::{LayerPlan, TokenPlan, TokenSparsity};
+use lemo_sparsity::KeptRows;
+use lemo_sparsity::calibration::Block;
+
+fn random_tokens<B: Backend>(
+    model_vocab: usize,
+    shape: [usize; 2],
+    device: &B::Device,
+) -> Tensor<B, 2, Int> {
+    Tensor::random(
+        shape,
+        Distribution::Uniform(0.0, model_vocab as f64),
+        device,
+    )
+}
+
+/// Loss sum and gradients of `tokens` under `sparsity`.
+fn loss_and_gradients<B: burn::tensor::backend::AutodiffBackend + LemoBackend>(
+    model: &CausalLm<B>,
+    tokens: Tensor<B, 2, Int>,
+    sparsity: &mut TokenSparsity,
+) -> (f32, GradientSums<B>) {
+    let (loss, _) = model.next_token_loss_sum(tokens, 5, sparsity);
+    let mut sums = GradientSums::default();
+    sums.add(model, &loss.clone().backward());
+    (loss.into_scalar().elem(), sums)
+}
+
+fn keep_all_equals_dense<B: burn::tensor::backend::AutodiffBackend + LemoBackend>(
+    fixture: &str,
+    targets: &[&str],
+    device: &B::Device,
+) {
+    let model = trainable_model::<B>(fixture, targets, false, device);
+    let [vocab, _] = model.lm_head_weight().dims();
+    let tokens = random_tokens::<B>(vocab, [2, 50], device);
+    let (dense_loss, dense) = loss_and_gradients(&model, tokens.clone(), &mut TokenSparsity::Dense);
+    let thresholds = every_token_kept(&model, 16);
+    let mut sparsity = TokenSparsity::select(&thresholds);
+    let (sparse_loss, sparse) = loss_and_gradients(&model, tokens, &mut sparsity);
+    let plan = sparsity.into_plan().unwrap();
+    assert_eq!(plan.keep_fraction(Block::Attention), 1.0);
+    assert!(
+        plan.layers
+            .iter()
+            .all(|l| l.attention.is_some() && l.mlp.is_some())
+    );
+    assert!(
+        (dense_loss - sparse_loss).abs() <= 1e-5 * dense_loss.abs(),
+        "loss {dense_loss} (lora) vs {sparse_loss} (lemo keeping every token)"
+    );
+    assert_same_gradients(dense, sparse, 1e-4);
+}
+
+#[test]
+fn keeping_every_token_gives_the_lora_loss_and_gradients_on_the_cpu() {
+    keep_all_equals_dense::<Autodiff<CpuBackend>>(
+        "llama_gqa_tied",
+        &LLAMA_PROJECTIONS,
+        &Default::default(),
+    );
+    keep_all_equals_dense::<Autodiff<CpuBackend>>(
+        "opt_prenorm_proj",
+        &["q_proj", "v_proj", "fc1"],
+        &Default::default(),
+    );
+}
+
+#[test]
+fn keeping_every_token_gives_the_lora_loss_and_gradients_on_wgpu() {
+    keep_all_equals_dense::<Autodiff<WgpuBackend>>(
+        "llama_gqa_tied",
+        &LLAMA_PROJECTIONS,
+        &Default::default(),
+    );
+}
+
+#[test]
+fn dropped_rows_pass_through_a_layer_unchanged() {
+    type B = CpuBackend;
+    let device = Default::default();
+    let model =
+        trainable_model::<Autodiff<B>>("llama_gqa_tied", &LLAMA_PROJECTIONS, false, &device);
+    let model = burn::module::AutodiffModule::valid(&model);
+    let [vocab, _] = model.lm_head_weight().dims();
+    let tokens = random_tokens::<B>(vocab, [1, 40], &device);
+    // Layer 0 keeps rows 0..8 and 24..40 in attention, 0..8 and 32..40 in the MLP; every other
+    // layer is dense. Rows 8..24 then skip layer 0 entirely.
+    let mut plan = TokenPlan::default();
+    let rows = |ranges: &[std::ops::Range<u32>]| KeptRows {
+        rows: ranges.iter().flat_map(|r| r.clone()).collect(),
+        batch: 1,
+        kept: ranges.iter().map(|r| r.len()).sum(),
+        seq: 40,
+    };
+    plan.layers.push(LayerPlan {
+        attention: Some(rows(&[0..8, 24..40])),
+        mlp: Some(rows(&[0..8, 32..40])),
+    });
+    let CausalLm::Llama(llama) = &model else {
+        unreachable!()
+    };
+    use lemo_models::decoder::{Decoder, layer};
+    let shared = llama.shared(0..40, 1);
+    let h = llama.embed(tokens, 0..40);
+    let out = layer(
+        llama,
+        0,
+        h.clone(),
+        &shared,
+        None,
+        &mut TokenSparsity::Replay(&plan),
+    );
+    let skipped = |t: Tensor<B, 3>| t.slice([0..1, 8..24]);
+    let difference: f32 = (skipped(out.clone()) - skipped(h.clone()))
+        .abs()
+        .max()
+        .into_scalar();
+    assert_eq!(difference, 0.0, "a dropped row changed");
+    let changed: f32 = (out.slice([0..1, 24..32]) - h.slice([0..1, 24..32]))
+        .abs()
+        .max()
+        .into_scalar();
+    assert!(changed > 0.0, "a kept row did not change");
+}
+
+#[test]
+fn each_sequence_of_a_batch_keeps_its_own_rows() {
+    type B = CpuBackend;
+    let device = Default::default();
+    let model =
+        trainable_model::<Autodiff<B>>("llama_gqa_tied", &LLAMA_PROJECTIONS, false, &device);
+    let model = burn::module::AutodiffModule::valid(&model);
+    let [vocab, _] = model.lm_head_weight().dims();
+    let tokens = random_tokens::<B>(vocab, [2, 48], &device);
+    let thresholds = half_kept(&model, 8);
+    let mut sparsity = TokenSparsity::select(&thresholds);
+    let hidden = model.hidden_states(tokens.clone(), None, &mut sparsity);
+    let plan = sparsity.into_plan().unwrap();
+    assert!((plan.keep_fraction(Block::Mlp) - 0.5).abs() < 1e-9);
+    // Each sequence alone, replaying its own rows of the batch's plan.
+    for sequence in 0..2 {
+        let own = TokenPlan {
+            layers: plan
+                .layers
+                .iter()
+                .map(|l| {
+                    let pick = |kept: &Option<KeptRows>| {
+                        kept.as_ref().map(|k| KeptRows {
+                            rows: k.rows[sequence * k.kept..(sequence + 1) * k.kept].to_vec(),
+                            batch: 1,
+                            ..k.clone()
+                        })
+                    };
+                    LayerPlan {
+                        attention: pick(&l.attention),
+                        mlp: pick(&l.mlp),
+                    }
+                })
+                .collect(),
+            scores: Vec::new(),
+        };
+        let alone = model.hidden_states(
+            tokens.clone().slice([sequence..sequence + 1]),
+            None,
+            &mut TokenSparsity::Replay(&own),
+        );
+        let batched = hidden.clone().slice([sequence..sequence + 1]);
+        let scale: f32 = alone.clone().abs().max().into_scalar();
+        let difference: f32 = (alone - batched).abs().max().into_scalar();
+        assert!(
+            difference <= 1e-5 * scale,
+            "sequence {sequence}: {difference}"
+        );
+    }
+    // The two sequences' token blocks differ, so at least one layer keeps different rows.
+    assert!(plan.layers.iter().any(|l| {
+        let k = l.attention.as_ref().unwrap();
+        k.rows[..k.kept] != k.rows[k.kept..]
+    }));
+}

@@ -1,0 +1,237 @@
+//! Layer-specific thresholds (the paper's Algorithm 1) with an objective that can be met.
+//!
+//! Each block of each layer (attention, MLP) has a threshold. It is parametrized by the fraction
+//! `d` of the layer's profiled token-block scores it drops, `T = quantile(scores, d)`, so that one
+//! finite-difference step means the same in every layer whatever the scale of its scores.
+//!
+//! 1. Initialization (as the paper): `T` is the mean profiled score of the block's layer.
+//! 2. Refinement: the paper's objective, accuracy alone, is highest with nothing dropped and
+//!    drives every threshold to zero. We minimize instead
+//!    `J = (loss - dense_loss) / dense_loss + penalty * (keep - target)^2`,
+//!    where `keep` is the mean kept fraction of the token-eliminating blocks and `target` the
+//!    user's: each block's `d` moves against the central difference `(J(d+e) - J(d-e)) / 2e`.
+//!    Blocks whose dropping costs loss move toward dense, cheap ones drop more.
+//! 3. A common shift of every `d` (bisection) then puts the measured `keep` on the target, so the
+//!    refinement decides *where* tokens are dropped and the target decides *how many*.
+
+use crate::thresholds::LayerThresholds;
+
+/// Weight of the squared distance from the target kept fraction in the objective.
+pub const KEEP_PENALTY: f64 = 4.0;
+
+/// The profiled token-block scores of one layer, pooled over the calibration sequences.
+#[derive(Debug, Clone, Default)]
+pub struct LayerProfile {
+    pub attention: Vec<f32>,
+    pub mlp: Vec<f32>,
+}
+
+/// Which block of a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Block {
+    Attention,
+    Mlp,
+}
+
+/// The objective `J` of the module docs.
+pub fn objective(loss: f64, dense_loss: f64, keep: f64, target: f64) -> f64 {
+    (loss - dense_loss) / dense_loss.abs().max(1e-12) + KEEP_PENALTY * (keep - target).powi(2)
+}
+
+/// Drop fractions of every block and the profiles they index.
+#[derive(Debug, Clone)]
+pub struct Calibrator {
+    /// Sorted scores per layer and block.
+    profiles: Vec<[Vec<f32>; 2]>,
+    /// Drop fraction per layer and block; `None` for a block kept dense.
+    drop: Vec<[Option<f64>; 2]>,
+    pub target: f64,
+    /// The largest drop fraction any block may reach.
+    pub max_drop: f64,
+}
+
+fn sorted(mut scores: Vec<f32>) -> Vec<f32> {
+    scores.retain(|s| s.is_finite());
+    scores.sort_by(f32::total_cmp);
+    scores
+}
+
+fn slot(block: Block) -> usize {
+    match block {
+        Block::Attention => 0,
+        Block::Mlp => 1,
+    }
+}
+
+/// The score below which a fraction `drop` of `sorted_scores` lies (the threshold that drops it).
+fn quantile(sorted_scores: &[f32], drop: f64) -> f32 {
+    if sorted_scores.is_empty() || drop <= 0.0 {
+        return f32::NEG_INFINITY;
+    }
+    let index = ((drop * sorted_scores.len() as f64).ceil() as usize).min(sorted_scores.len());
+    if index >= sorted_scores.len() {
+        return f32::INFINITY;
+    }
+    // Halfway between the last dropped score and the first kept one.
+    let below = sorted_scores[index.saturating_sub(1)];
+    0.5 * (below + sorted_scores[index])
+}
+
+impl Calibrator {
+    /// Step 1: every block not in `dense_layers` starts at its layer's mean score.
+    pub fn new(
+        profiles: Vec<LayerProfile>,
+        dense_layers: &[usize],
+        target: f64,
+        max_drop: f64,
+    ) -> Self {
+        let profiles: Vec<[Vec<f32>; 2]> = profiles
+            .into_iter()
+            .map(|p| [sorted(p.attention), sorted(p.mlp)])
+            .collect();
+        let drop = profiles
+            .iter()
+            .enumerate()
+            .map(|(layer, blocks)| {
+                let initial = |scores: &Vec<f32>| {
+                    if dense_layers.contains(&layer) || scores.is_empty() {
+                        return None;
+                    }
+                    let mean = scores.iter().map(|&s| s as f64).sum::<f64>() / scores.len() as f64;
+                    let below = scores.iter().filter(|&&s| (s as f64) < mean).count();
+                    Some((below as f64 / scores.len() as f64).min(max_drop))
+                };
+                [initial(&blocks[0]), initial(&blocks[1])]
+            })
+            .collect();
+        Self {
+            profiles,
+            drop,
+            target,
+            max_drop,
+        }
+    }
+
+    pub fn num_layers(&self) -> usize {
+        self.drop.len()
+    }
+
+    /// Whether this block eliminates tokens (is not kept dense).
+    pub fn is_sparse(&self, layer: usize, block: Block) -> bool {
+        self.drop[layer][slot(block)].is_some()
+    }
+
+    pub fn drop_fraction(&self, layer: usize, block: Block) -> Option<f64> {
+        self.drop[layer][slot(block)]
+    }
+
+    /// Thresholds of the current drop fractions.
+    pub fn thresholds(&self) -> Vec<LayerThresholds> {
+        self.thresholds_with(|_, _, d| d)
+    }
+
+    /// Thresholds with one block's drop fraction moved by `delta`.
+    pub fn perturbed(&self, layer: usize, block: Block, delta: f64) -> Vec<LayerThresholds> {
+        self.thresholds_with(|l, b, d| {
+            if l == layer && b == slot(block) {
+                d + delta
+            } else {
+                d
+            }
+        })
+    }
+
+    /// Thresholds with every drop fraction moved by `delta`.
+    pub fn shifted(&self, delta: f64) -> Vec<LayerThresholds> {
+        self.thresholds_with(|_, _, d| d + delta)
+    }
+
+    fn thresholds_with(&self, drop: impl Fn(usize, usize, f64) -> f64) -> Vec<LayerThresholds> {
+        self.drop
+            .iter()
+            .enumerate()
+            .map(|(layer, blocks)| {
+                let threshold = |b: usize| {
+                    blocks[b].map(|d| {
+                        quantile(
+                            &self.profiles[layer][b],
+                            drop(layer, b, d).clamp(0.0, self.max_drop),
+                        )
+                    })
+                };
+                LayerThresholds {
+                    attention: threshold(0),
+                    mlp: threshold(1),
+                }
+            })
+            .collect()
+    }
+
+    /// Step 2 for one block: `d -= rate * gradient`, kept within `[0, max_drop]`.
+    pub fn descend(&mut self, layer: usize, block: Block, gradient: f64, rate: f64) {
+        if let Some(d) = &mut self.drop[layer][slot(block)] {
+            *d = (*d - rate * gradient).clamp(0.0, self.max_drop);
+        }
+    }
+
+    /// Step 3: moves every drop fraction by `delta` for good.
+    pub fn shift(&mut self, delta: f64) {
+        for blocks in &mut self.drop {
+            for d in blocks.iter_mut().flatten() {
+                *d = (*d + delta).clamp(0.0, self.max_drop);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn profile(values: &[f32]) -> LayerProfile {
+        LayerProfile {
+            attention: values.to_vec(),
+            mlp: values.to_vec(),
+        }
+    }
+
+    #[test]
+    fn initial_thresholds_drop_the_blocks_below_the_layer_mean() {
+        let calibrator = Calibrator::new(
+            vec![profile(&[1.0, 2.0, 3.0, 10.0]), profile(&[4.0; 4])],
+            &[1],
+            0.5,
+            0.9,
+        );
+        // Mean 4: three of four scores lie below it.
+        assert_eq!(calibrator.drop_fraction(0, Block::Attention), Some(0.75));
+        assert!(!calibrator.is_sparse(1, Block::Mlp));
+        let thresholds = calibrator.thresholds();
+        assert_eq!(thresholds[0].attention, Some(6.5));
+        assert_eq!(thresholds[1], LayerThresholds::default());
+    }
+
+    #[test]
+    fn descent_and_shift_stay_within_bounds() {
+        let mut calibrator = Calibrator::new(vec![profile(&[1.0, 2.0, 3.0, 4.0])], &[], 0.5, 0.8);
+        calibrator.descend(0, Block::Mlp, -10.0, 1.0);
+        assert_eq!(calibrator.drop_fraction(0, Block::Mlp), Some(0.8));
+        calibrator.shift(-2.0);
+        assert_eq!(calibrator.drop_fraction(0, Block::Attention), Some(0.0));
+        assert_eq!(
+            calibrator.thresholds()[0].attention,
+            Some(f32::NEG_INFINITY)
+        );
+        // Perturbing one block leaves the others alone.
+        let moved = calibrator.perturbed(0, Block::Attention, 0.5);
+        assert_eq!(moved[0].attention, Some(2.5));
+        assert_eq!(moved[0].mlp, calibrator.thresholds()[0].mlp);
+    }
+
+    #[test]
+    fn the_objective_prices_loss_and_distance_from_the_target() {
+        assert_eq!(objective(2.0, 2.0, 0.5, 0.5), 0.0);
+        assert!((objective(2.2, 2.0, 0.5, 0.5) - 0.1).abs() < 1e-12);
+        assert!((objective(2.0, 2.0, 0.6, 0.5) - KEEP_PENALTY * 0.01).abs() < 1e-12);
+    }
+}

@@ -1,0 +1,102 @@
+//! Token-block informativeness of a layer's attention block and MLP block, `[batch, blocks]`.
+//! Computed outside autodiff on the tensors of every token; cost O(S^2 h) for attention (the
+//! causal half of `Q K^T`, no softmax, no `V`) and O(S f) for the MLP.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use lemo_kernels::LemoBackend;
+use lemo_kernels::block_scores::block_scores;
+
+/// Causal column means of block scores `[batch, q_blocks, k_blocks]`: key block `n` is seen by
+/// query blocks `m >= n`, and its informativeness is the mean of those `blocks - n` entries.
+///
+/// The paper sums the column; a sum counts `blocks - n` terms and so ranks early blocks above
+/// late ones by position alone, and makes a threshold depend on the sequence length. The mean
+/// keeps the score a property of the block's content.
+pub fn token_block_informativeness<B: Backend>(block_scores: Tensor<B, 3>) -> Tensor<B, 2> {
+    let [_, blocks, _] = block_scores.dims();
+    let seen_by: Vec<f32> = (0..blocks).map(|n| (blocks - n) as f32).collect();
+    let seen_by =
+        Tensor::<B, 1>::from_data(TensorData::new(seen_by, [blocks]), &block_scores.device())
+            .reshape([1, blocks]);
+    block_scores.sum_dim(1).squeeze_dim::<2>(1) / seen_by
+}
+
+/// Attention token-block informativeness from the rotated queries and keys of every token,
+/// `q: [batch, q_heads, seq, head_dim]`, `k: [batch, kv_heads, seq, head_dim]` (GQA allowed):
+/// the exact block scores of [`lemo_kernels::block_scores`] reduced by
+/// [`token_block_informativeness`]. f32 `[batch, blocks]`.
+pub fn attention<B: LemoBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    block_size: usize,
+) -> Tensor<B, 2> {
+    token_block_informativeness(block_scores(q, k, block_size))
+}
+
+/// MLP token-block informativeness from the MLP's intermediate activations of every token,
+/// `activations: [batch, seq, ffn]` (`silu(gate) * up` for Llama/Mistral, the ReLU output for
+/// OPT): the mean absolute activation over the block's tokens and channels. f32
+/// `[batch, blocks]`; a last partial block averages its own tokens.
+pub fn mlp<B: Backend>(activations: Tensor<B, 3>, block_size: usize) -> Tensor<B, 2> {
+    let [batch, seq, ffn] = activations.dims();
+    let blocks = seq.div_ceil(block_size);
+    let per_token = activations
+        .cast(burn::tensor::DType::F32)
+        .abs()
+        .sum_dim(2)
+        .reshape([batch, seq]);
+    let padded = blocks * block_size;
+    let per_token = if padded > seq {
+        per_token.pad((0, padded - seq, 0, 0), 0.0)
+    } else {
+        per_token
+    };
+    let counts: Vec<f32> = (0..blocks)
+        .map(|n| ((n + 1) * block_size).min(seq) as f32 - (n * block_size) as f32)
+        .map(|tokens| tokens * ffn as f32)
+        .collect();
+    let counts = Tensor::<B, 1>::from_data(TensorData::new(counts, [blocks]), &per_token.device())
+        .reshape([1, blocks]);
+    per_token
+        .reshape([batch, blocks, block_size])
+        .sum_dim(2)
+        .reshape([batch, blocks])
+        / counts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+
+    type B = NdArray<f32>;
+
+    #[test]
+    fn column_means_count_only_the_query_blocks_that_see_the_key_block() {
+        // 3 blocks; the value 100 above the diagonal is ignored by the kernel (it writes 0 there).
+        let scores = [1.0, 0.0, 0.0, 2.0, 3.0, 0.0, 4.0, 5.0, 6.0];
+        let scores = Tensor::<B, 1>::from_floats(scores, &Default::default()).reshape([1, 3, 3]);
+        let columns: Vec<f32> = token_block_informativeness(scores)
+            .into_data()
+            .to_vec()
+            .unwrap();
+        assert_eq!(
+            columns,
+            vec![(1.0 + 2.0 + 4.0) / 3.0, (3.0 + 5.0) / 2.0, 6.0]
+        );
+    }
+
+    #[test]
+    fn mlp_scores_average_each_block_including_a_short_tail() {
+        // 5 tokens of 2 channels, blocks of 2: [0,1], [2,3], [4].
+        let values = [1.0, -1.0, 3.0, 3.0, -2.0, 0.0, 0.0, 2.0, 5.0, -5.0];
+        let activations =
+            Tensor::<B, 1>::from_floats(values, &Default::default()).reshape([1, 5, 2]);
+        let scores: Vec<f32> = mlp(activations, 2).into_data().to_vec().unwrap();
+        assert_eq!(
+            scores,
+            vec![(1.0 + 1.0 + 3.0 + 3.0) / 4.0, (2.0 + 2.0) / 4.0, 10.0 / 2.0]
+        );
+    }
+}

@@ -1,0 +1,174 @@
+//! The kept set of one block of a layer: which token blocks of each sequence it processes.
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+/// The kept rows of a batch, `kept` positions per sequence in increasing order (the same count
+/// for every sequence, so the kept rows of a batch form one `[batch, kept]` tensor).
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeptRows {
+    /// Row-major `[batch, kept]` positions `0..seq`.
+    pub rows: Vec<u32>,
+    pub batch: usize,
+    pub kept: usize,
+    pub seq: usize,
+}
+
+impl KeptRows {
+    /// Every row of every sequence.
+    pub fn all(batch: usize, seq: usize) -> Self {
+        Self {
+            rows: (0..batch).flat_map(|_| 0..seq as u32).collect(),
+            batch,
+            kept: seq,
+            seq,
+        }
+    }
+
+    /// Selects from token-block scores `[batch, blocks]` (one host read): each sequence keeps
+    /// its blocks scoring at least `threshold`, its first and last block, and at least
+    /// `min_keep` of its blocks (the best-scoring ones); then every sequence is topped up with
+    /// its best remaining blocks to the largest count of the batch.
+    pub fn select<B: Backend>(
+        scores: &Tensor<B, 2>,
+        block_size: usize,
+        seq: usize,
+        threshold: f32,
+        min_keep: f32,
+    ) -> Self {
+        let [batch, blocks] = scores.dims();
+        let values: Vec<f32> = scores
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .expect("f32 scores");
+        let per_sequence: Vec<&[f32]> = values.chunks(blocks.max(1)).take(batch).collect();
+        Self::from_block_scores(&per_sequence, block_size, seq, threshold, min_keep)
+    }
+
+    /// [`Self::select`] on host scores, one slice of `blocks` scores per sequence.
+    pub fn from_block_scores(
+        scores: &[&[f32]],
+        block_size: usize,
+        seq: usize,
+        threshold: f32,
+        min_keep: f32,
+    ) -> Self {
+        let blocks = seq.div_ceil(block_size);
+        let floor = ((min_keep.clamp(0.0, 1.0) * blocks as f32).ceil() as usize).min(blocks);
+        let mut chosen: Vec<Vec<usize>> = scores
+            .iter()
+            .map(|s| {
+                assert_eq!(
+                    s.len(),
+                    blocks,
+                    "one score per block of {block_size} tokens"
+                );
+                let mut kept = kept_blocks(s, threshold);
+                top_up(&mut kept, s, floor);
+                kept
+            })
+            .collect();
+        let most = chosen.iter().map(Vec::len).max().unwrap_or(0);
+        for (kept, s) in chosen.iter_mut().zip(scores) {
+            top_up(kept, s, most);
+        }
+        let rows: Vec<Vec<u32>> = chosen
+            .iter()
+            .map(|kept| block_rows(kept, block_size, seq))
+            .collect();
+        let kept = rows.first().map_or(0, Vec::len);
+        Self {
+            rows: rows.concat(),
+            batch: scores.len(),
+            kept,
+            seq,
+        }
+    }
+
+    /// Whether every row is kept (the block can run dense).
+    pub fn is_all(&self) -> bool {
+        self.kept == self.seq
+    }
+
+    /// Kept rows over all rows.
+    pub fn fraction(&self) -> f64 {
+        self.kept as f64 / self.seq.max(1) as f64
+    }
+
+    /// `[batch, kept]` positions on `device`.
+    pub fn to_tensor<B: Backend>(&self, device: &B::Device) -> Tensor<B, 2, Int> {
+        let rows: Vec<i32> = self.rows.iter().map(|&r| r as i32).collect();
+        Tensor::from_data(TensorData::new(rows, [self.batch, self.kept]), device)
+    }
+}
+
+/// Indices of the blocks scoring at least `threshold`, plus the first and the last block, in
+/// increasing order (so causal attention over the kept tokens stays exact).
+pub fn kept_blocks(token_block_scores: &[f32], threshold: f32) -> Vec<usize> {
+    let last = token_block_scores.len().saturating_sub(1);
+    (0..token_block_scores.len())
+        .filter(|&n| n == 0 || n == last || token_block_scores[n] >= threshold)
+        .collect()
+}
+
+/// Adds the best-scoring blocks not yet kept until `kept` holds `count` (or every block).
+fn top_up(kept: &mut Vec<usize>, scores: &[f32], count: usize) {
+    if kept.len() >= count {
+        return;
+    }
+    let mut rest: Vec<usize> = (0..scores.len()).filter(|n| !kept.contains(n)).collect();
+    rest.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+    kept.extend(rest.into_iter().take(count - kept.len()));
+    kept.sort_unstable();
+}
+
+/// Positions of `blocks` of `block_size` tokens in a sequence of `seq` (the last may be short).
+pub fn block_rows(blocks: &[usize], block_size: usize, seq: usize) -> Vec<u32> {
+    blocks
+        .iter()
+        .flat_map(|&n| (n * block_size..((n + 1) * block_size).min(seq)).map(|r| r as u32))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn selection_keeps_sink_and_last_block_and_preserves_order() {
+        let scores = [0.1, 5.0, 0.2, 3.0, 0.3];
+        assert_eq!(kept_blocks(&scores, 1.0), vec![0, 1, 3, 4]);
+        assert_eq!(kept_blocks(&scores, f32::INFINITY), vec![0, 4]);
+    }
+
+    #[test]
+    fn rows_cover_whole_blocks_and_a_short_tail() {
+        assert_eq!(block_rows(&[0, 2], 4, 10), vec![0, 1, 2, 3, 8, 9]);
+    }
+
+    #[test]
+    fn the_floor_adds_the_best_blocks_and_the_batch_is_equalized() {
+        let first: &[f32] = &[0.0, 9.0, 1.0, 8.0, 0.0, 0.0];
+        let second: &[f32] = &[0.0, 0.0, 0.0, 0.0, 7.0, 0.0];
+        // Threshold 5: the first keeps {0, 1, 3, 5}, the second {0, 4, 5}, topped up with its best
+        // remaining block (the lowest index among equals): {0, 1, 4, 5}.
+        let kept = KeptRows::from_block_scores(&[first, second], 2, 12, 5.0, 0.0);
+        assert_eq!(kept.kept, 8);
+        assert_eq!(&kept.rows[..8], &[0, 1, 2, 3, 6, 7, 10, 11]);
+        assert_eq!(&kept.rows[8..], &[0, 1, 2, 3, 8, 9, 10, 11]);
+        // A floor of half the blocks: 3 blocks each at least, the best first.
+        let kept = KeptRows::from_block_scores(&[second], 2, 12, f32::INFINITY, 0.5);
+        assert_eq!(kept.rows, vec![0, 1, 8, 9, 10, 11]);
+        assert!((kept.fraction() - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn a_zero_threshold_keeps_everything() {
+        let scores: &[f32] = &[0.0, 0.5, 0.0];
+        let kept = KeptRows::from_block_scores(&[scores], 4, 10, 0.0, 0.0);
+        assert!(kept.is_all());
+        assert_eq!(kept, KeptRows::all(1, 10));
+    }
+}
