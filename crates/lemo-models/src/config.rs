@@ -75,6 +75,28 @@ impl ModelConfig {
         }
     }
 
+    /// `llama` (Llama, Mistral, TinyLlama) or `opt`.
+    pub fn architecture(&self) -> &'static str {
+        match self {
+            ModelConfig::Llama(_) => "llama",
+            ModelConfig::Opt(_) => "opt",
+        }
+    }
+
+    pub fn num_layers(&self) -> usize {
+        match self {
+            ModelConfig::Llama(c) => c.num_hidden_layers,
+            ModelConfig::Opt(c) => c.num_hidden_layers,
+        }
+    }
+
+    pub fn hidden_size(&self) -> usize {
+        match self {
+            ModelConfig::Llama(c) => c.hidden_size,
+            ModelConfig::Opt(c) => c.hidden_size,
+        }
+    }
+
     pub fn vocab_size(&self) -> usize {
         match self {
             ModelConfig::Llama(c) => c.vocab_size,

@@ -64,13 +64,15 @@ fn slot(block: Block) -> usize {
 }
 
 /// The score below which a fraction `drop` of `sorted_scores` lies (the threshold that drops it).
+/// Always finite, so that a thresholds file holds every value: `f32::MIN` keeps everything and
+/// `f32::MAX` drops everything the floor allows.
 fn quantile(sorted_scores: &[f32], drop: f64) -> f32 {
     if sorted_scores.is_empty() || drop <= 0.0 {
-        return f32::NEG_INFINITY;
+        return f32::MIN;
     }
     let index = ((drop * sorted_scores.len() as f64).ceil() as usize).min(sorted_scores.len());
     if index >= sorted_scores.len() {
-        return f32::INFINITY;
+        return f32::MAX;
     }
     // Halfway between the last dropped score and the first kept one.
     let below = sorted_scores[index.saturating_sub(1)];
@@ -174,6 +176,17 @@ impl Calibrator {
         }
     }
 
+    /// Every token-eliminating block drops the fraction `1 - keep` of its profiled blocks: the
+    /// plain quantile rule, for when there is nothing to refine against (random weights).
+    pub fn set_keep(&mut self, keep: f64) {
+        let drop = (1.0 - keep).clamp(0.0, self.max_drop);
+        for blocks in &mut self.drop {
+            for d in blocks.iter_mut().flatten() {
+                *d = drop;
+            }
+        }
+    }
+
     /// Step 3: moves every drop fraction by `delta` for good.
     pub fn shift(&mut self, delta: f64) {
         for blocks in &mut self.drop {
@@ -218,10 +231,7 @@ mod tests {
         assert_eq!(calibrator.drop_fraction(0, Block::Mlp), Some(0.8));
         calibrator.shift(-2.0);
         assert_eq!(calibrator.drop_fraction(0, Block::Attention), Some(0.0));
-        assert_eq!(
-            calibrator.thresholds()[0].attention,
-            Some(f32::NEG_INFINITY)
-        );
+        assert_eq!(calibrator.thresholds()[0].attention, Some(f32::MIN));
         // Perturbing one block leaves the others alone.
         let moved = calibrator.perturbed(0, Block::Attention, 0.5);
         assert_eq!(moved[0].attention, Some(2.5));

@@ -87,6 +87,16 @@ impl Thresholds {
                 thresholds.num_layers
             )));
         }
+        if let Some(layer) = thresholds.layers.iter().position(|l| {
+            [l.attention, l.mlp]
+                .iter()
+                .flatten()
+                .any(|t| !t.is_finite())
+        }) {
+            return Err(file_error(format!(
+                "layer {layer} has a threshold that is not a finite number"
+            )));
+        }
         if thresholds.block_size == 0 {
             return Err(file_error("block_size must be positive".into()));
         }

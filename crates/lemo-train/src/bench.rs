@@ -7,7 +7,7 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use lemo_kernels::LemoBackend;
@@ -17,9 +17,13 @@ use serde::Serialize;
 
 use crate::device::{BackendJob, PrecisionKind};
 use crate::memory::{self, gib};
+use crate::sparsity::{self, SparsitySettings, sparse_keep};
 use crate::train::config::Method;
 use crate::train::optim::{self, AdamW, AdamWSettings, NamedTensors};
 use crate::train::{forward_backward, int_tokens};
+use burn::module::AutodiffModule;
+use lemo_models::token_plan::{TokenPlan, TokenSparsity};
+use lemo_sparsity::calibration::Block;
 
 /// Uniform random weights with the standard deviation of Hugging Face's N(0, 0.02) init, ones for
 /// norms, zeros for biases: fast enough to build a 7B model in seconds (xorshift, not a normal
@@ -72,6 +76,9 @@ pub struct BenchResult {
     /// "device" (CubeCL pool bytes in use, sampled) or "host-rss" (CPU backend).
     pub mem_source: String,
     pub trainable_params: usize,
+    /// `--method lemo`: mean kept fraction of the token-eliminating attention and MLP blocks.
+    pub keep_attention: Option<f64>,
+    pub keep_mlp: Option<f64>,
 }
 
 pub struct BenchJob {
@@ -84,6 +91,8 @@ pub struct BenchJob {
     pub lora_rank: usize,
     pub seed: u64,
     pub precision: PrecisionKind,
+    /// `--method lemo`: thresholds from a file, or kept fractions on the bench's own sequence.
+    pub sparsity: SparsitySettings,
 }
 
 impl BackendJob for BenchJob {
@@ -102,13 +111,14 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
-/// Step times, peak and after-forward bytes, and the model after the steps.
-type Measured<B> = (Vec<f64>, u64, u64, CausalLm<B>);
+/// Step times, peak and after-forward bytes, the model after the steps and the last step's
+/// token plan.
+type Measured<B> = (Vec<f64>, u64, u64, CausalLm<B>, Option<TokenPlan>);
 
 fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchResult>> {
     type AB<B> = Autodiff<B>;
     if job.method == Method::Lemo {
-        bail!("--method lemo (token elimination) is not available yet: use lora or longlora");
+        job.sparsity.validate()?;
     }
     let config = ModelConfig::from_file(&job.config)?;
     let name = job
@@ -159,6 +169,8 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
             after_forward_gib: None,
             mem_source: memory::source().into(),
             trainable_params: trainable,
+            keep_attention: None,
+            keep_mlp: None,
         };
         if ran_out {
             result.oom = true;
@@ -171,18 +183,44 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
         let tokens: Vec<u32> = (0..seq_len)
             .map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32)
             .collect();
+        let thresholds = if job.method == Method::Lemo {
+            model.check_token_elimination(seq_len)?;
+            Some(match &job.sparsity.thresholds {
+                Some(path) => sparsity::read_thresholds(path, &config)?,
+                None => sparsity::quantile_thresholds(
+                    &model.valid(),
+                    &config,
+                    std::slice::from_ref(&tokens),
+                    &job.sparsity,
+                ),
+            })
+        } else {
+            None
+        };
         B::memory_cleanup(&device);
         let outcome = catch_unwind(AssertUnwindSafe(|| -> Result<Measured<AB<B>>> {
             let mut model = model.clone();
             let mut optimizer = AdamW::<B>::new(AdamWSettings::default());
             let (mut times, mut peak, mut after_forward) = (Vec::new(), 0u64, 0u64);
+            let mut plan = None;
             for step in 0..job.warmup + job.steps {
                 let t0 = Instant::now();
                 let mut grads = NamedTensors::<B>::new();
                 let batch = int_tokens::<AB<B>>(std::slice::from_ref(&tokens), &device);
                 let scale = 1.0 / (seq_len - 1) as f64;
-                let (_, _, mem) =
-                    forward_backward(&model, batch, 1024, scale, job.checkpointing, &mut grads);
+                let mut token_sparsity = thresholds
+                    .as_ref()
+                    .map_or(TokenSparsity::Dense, TokenSparsity::select);
+                let (_, _, mem) = forward_backward(
+                    &model,
+                    batch,
+                    1024,
+                    scale,
+                    job.checkpointing,
+                    &mut token_sparsity,
+                    &mut grads,
+                );
+                plan = token_sparsity.into_plan();
                 let after_backward = memory::sample().in_use;
                 let params = optim::trainable_values::<AB<B>, _>(&model);
                 let updated = optimizer.step(params, &grads, 1e-4);
@@ -200,10 +238,14 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                         .max(memory::sample().os_peak);
                 }
             }
-            Ok((times, peak, after_forward, model))
+            Ok((times, peak, after_forward, model, plan))
         }));
         match outcome {
-            Ok(Ok((times, peak, after_forward, _))) => {
+            Ok(Ok((times, peak, after_forward, _, plan))) => {
+                if let Some(plan) = plan {
+                    result.keep_attention = Some(sparse_keep(&plan, Block::Attention));
+                    result.keep_mlp = Some(sparse_keep(&plan, Block::Mlp));
+                }
                 let mut sorted = times.clone();
                 sorted.sort_by(f64::total_cmp);
                 let median = sorted[sorted.len() / 2];

@@ -8,11 +8,13 @@ use lemo_models::token_plan::TokenSparsity;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use lemo_kernels::LemoBackend;
+use lemo_sparsity::calibration::Block;
 
 use crate::device::BackendJob;
+use crate::sparsity::{SparsitySettings, THRESHOLDS_FILE, read_thresholds, sparse_keep};
 
 /// Rows of the vocabulary projection computed at once.
 const LOSS_CHUNK_ROWS: usize = 1024;
@@ -23,6 +25,11 @@ pub struct EvalReport {
     pub ppl: f64,
     /// Next-token predictions scored.
     pub tokens: usize,
+    /// `--method lemo`: mean kept fraction of the token-eliminating attention and MLP blocks.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keep_attention: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keep_mlp: Option<f64>,
 }
 
 pub struct EvalJob {
@@ -31,6 +38,8 @@ pub struct EvalJob {
     pub seq_len: Option<usize>,
     pub stride: usize,
     pub setup: crate::modelio::ModelSetup,
+    /// `--method lemo`: score with token elimination, by `--thresholds` or the adapter's.
+    pub sparsity: Option<SparsitySettings>,
 }
 
 /// `(start, end)` of each scored window of a document of `len` tokens.
@@ -59,6 +68,23 @@ impl BackendJob for EvalJob {
         {
             bail!("--seq-len {seq_len} is longer than this model supports ({limit} positions)");
         }
+        let thresholds = match &self.sparsity {
+            Some(settings) => {
+                model.check_token_elimination(seq_len)?;
+                let beside_adapter = self.setup.adapter.as_ref().map(|a| a.join(THRESHOLDS_FILE));
+                let path = settings
+                    .thresholds
+                    .clone()
+                    .or(beside_adapter.filter(|p| p.exists()))
+                    .context("eval --method lemo needs --thresholds FILE (written by `train --method lemo` beside its adapter, or by `calibrate`)")?;
+                eprintln!(
+                    "lemo: token elimination with the thresholds of {}",
+                    path.display()
+                );
+                Some(read_thresholds(&path, &config)?)
+            }
+            None => None,
+        };
         let vocab = config.vocab_size();
         for (index, document) in self.documents.iter().enumerate() {
             if let Some(bad) = document.iter().find(|&&id| id as usize >= vocab) {
@@ -82,13 +108,21 @@ impl BackendJob for EvalJob {
             bail!("no document has the two tokens needed to score a prediction");
         }
         let started = Instant::now();
+        let plan_len = plan.len() as f64;
         let (mut loss_sum, mut tokens) = (0.0f64, 0usize);
+        let (mut keep_attention, mut keep_mlp) = (0.0, 0.0);
         for (index, (document, start, end)) in plan.iter().enumerate() {
             let ids: Vec<i32> = document[*start..*end].iter().map(|&id| id as i32).collect();
             let input =
                 Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, end - start]), &device);
-            let (sum, count) =
-                model.next_token_loss_sum(input, LOSS_CHUNK_ROWS, &mut TokenSparsity::Dense);
+            let mut sparsity = thresholds
+                .as_ref()
+                .map_or(TokenSparsity::Dense, TokenSparsity::select);
+            let (sum, count) = model.next_token_loss_sum(input, LOSS_CHUNK_ROWS, &mut sparsity);
+            if let Some(plan) = sparsity.into_plan() {
+                keep_attention += sparse_keep(&plan, Block::Attention) / plan_len;
+                keep_mlp += sparse_keep(&plan, Block::Mlp) / plan_len;
+            }
             loss_sum += sum.into_scalar().elem::<f64>();
             tokens += count;
             eprint!(
@@ -105,6 +139,8 @@ impl BackendJob for EvalJob {
             loss,
             ppl: loss.exp(),
             tokens,
+            keep_attention: thresholds.as_ref().map(|_| keep_attention),
+            keep_mlp: thresholds.as_ref().map(|_| keep_mlp),
         })
     }
 }

@@ -11,6 +11,7 @@ mod memory;
 mod modelio;
 mod passkey;
 mod preset;
+mod sparsity;
 mod train;
 
 use std::path::PathBuf;
@@ -87,6 +88,12 @@ enum Command {
         /// Linear RoPE position interpolation for this context (overrides the adapter's).
         #[arg(long)]
         target_context: Option<usize>,
+        /// lora: every token through every layer; lemo: perplexity with token elimination by
+        /// --thresholds (default: the adapter's thresholds.json).
+        #[arg(long, value_enum, default_value_t = train::config::Method::Lora)]
+        method: train::config::Method,
+        #[command(flatten)]
+        sparsity: sparsity::SparsityArgs,
         /// bf16 (model and activations; LoRA, gradients and optimizer f32) or f32
         /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
         #[arg(long, value_enum)]
@@ -121,6 +128,11 @@ enum Command {
         /// Also write all results as one JSON array to this file.
         #[arg(long)]
         out: Option<PathBuf>,
+        /// --method lemo: without --thresholds, every token-eliminating block keeps
+        /// --target-keep of the token blocks of the bench's sequence (random weights have no
+        /// loss to calibrate against).
+        #[command(flatten)]
+        sparsity: sparsity::SparsityArgs,
         /// bf16 (model and activations; LoRA, gradients and optimizer f32) or f32
         /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
         #[arg(long, value_enum)]
@@ -201,12 +213,14 @@ fn run(cli: Cli) -> Result<()> {
             lora_rank,
             seed,
             out,
+            sparsity,
             precision,
             device,
         } => {
             let device = device.resolve();
             let precision = device.precision(precision)?;
             let job = bench::BenchJob {
+                sparsity: sparsity.settings(),
                 config: model,
                 method,
                 seq_lens,
@@ -259,8 +273,14 @@ fn run(cli: Cli) -> Result<()> {
             device,
             tokenizer,
             json,
+            method,
             ..
         } if passkey || longbench => {
+            if method == train::config::Method::Lemo {
+                anyhow::bail!(
+                    "--method lemo scores perplexity only; passkey and LongBench run the model dense"
+                );
+            }
             let device = device.resolve();
             let precision = device.precision(precision)?;
             let path = tokenizer
@@ -321,6 +341,8 @@ fn run(cli: Cli) -> Result<()> {
             json,
             adapter,
             target_context,
+            method,
+            sparsity,
             precision,
             device,
             ..
@@ -342,12 +364,17 @@ fn run(cli: Cli) -> Result<()> {
                 target_context,
                 precision,
             };
+            let sparsity = (method == train::config::Method::Lemo).then(|| sparsity.settings());
+            if let Some(settings) = &sparsity {
+                settings.validate()?;
+            }
             let report = device.run(eval::EvalJob {
                 model,
                 documents,
                 seq_len,
                 stride,
                 setup,
+                sparsity,
             })?;
             if json {
                 println!("{}", serde_json::to_string(&report)?);
@@ -356,6 +383,9 @@ fn run(cli: Cli) -> Result<()> {
                     "loss {:.6}  perplexity {:.4}  over {} predicted tokens",
                     report.loss, report.ppl, report.tokens
                 );
+                if let (Some(attention), Some(mlp)) = (report.keep_attention, report.keep_mlp) {
+                    println!("kept fraction: attention {attention:.3}, MLP {mlp:.3}");
+                }
             }
         }
         Command::Generate {

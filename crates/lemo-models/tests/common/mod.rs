@@ -119,11 +119,11 @@ pub fn assert_same_gradients<B: AutodiffBackend>(
 }
 
 /// Thresholds under which every block keeps the best half of its token blocks of `block_size`
-/// (the first and the last always among them): an infinite threshold and a floor of one half.
+/// (the first and the last always among them): the largest threshold and a floor of one half.
 pub fn half_kept<B: LemoBackend>(model: &CausalLm<B>, block_size: usize) -> Thresholds {
     let all = LayerThresholds {
-        attention: Some(f32::INFINITY),
-        mlp: Some(f32::INFINITY),
+        attention: Some(f32::MAX),
+        mlp: Some(f32::MAX),
     };
     Thresholds {
         block_size,
@@ -136,8 +136,8 @@ pub fn half_kept<B: LemoBackend>(model: &CausalLm<B>, block_size: usize) -> Thre
 /// Thresholds that run every block through the token-sparse path but keep every token.
 pub fn every_token_kept<B: LemoBackend>(model: &CausalLm<B>, block_size: usize) -> Thresholds {
     let all = LayerThresholds {
-        attention: Some(f32::NEG_INFINITY),
-        mlp: Some(f32::NEG_INFINITY),
+        attention: Some(f32::MIN),
+        mlp: Some(f32::MIN),
     };
     Thresholds {
         block_size,

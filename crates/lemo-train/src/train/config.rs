@@ -10,6 +10,7 @@ use lemo_models::lora::LLAMA_PROJECTIONS;
 use serde::{Deserialize, Serialize};
 
 use crate::device::{DeviceKind, PrecisionKind};
+use crate::sparsity::{SparsityArgs, SparsitySettings};
 use crate::train::optim::Schedule;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
@@ -20,7 +21,8 @@ pub enum Method {
     /// LongLoRA: shifted sparse attention (S2) while training, dense attention at evaluation,
     /// embeddings and normalization weights train with the adapters.
     Longlora,
-    /// LeMo's token elimination (not built yet).
+    /// LeMo's token elimination: each layer's attention and MLP blocks process only their
+    /// informative token blocks; the others ride the residual stream unchanged.
     Lemo,
 }
 
@@ -77,6 +79,20 @@ pub struct TrainConfig {
     /// S2 group size for longlora; unset: a quarter of the sequence (LongLoRA's ratio).
     pub s2_group_size: Option<usize>,
     pub checkpointing: bool,
+    /// lemo: thresholds file; unset: calibrate on the first training sequences.
+    pub thresholds: Option<PathBuf>,
+    /// lemo: kept fraction calibration aims at.
+    pub target_keep: f64,
+    /// lemo: tokens per block of the elimination.
+    pub block_size: usize,
+    /// lemo: least fraction of each sequence's blocks a block keeps.
+    pub min_keep: f64,
+    /// lemo: layers that keep every token.
+    pub dense_layers: Vec<usize>,
+    /// lemo: sequences calibration profiles and evaluates on.
+    pub calibration_sequences: usize,
+    /// lemo: finite-difference rounds of calibration.
+    pub calibration_rounds: usize,
     /// Rows of the vocabulary projection per segment of the segment-based loss.
     pub loss_segment: usize,
     pub seed: u64,
@@ -100,6 +116,7 @@ pub struct TrainConfig {
 
 impl Default for TrainConfig {
     fn default() -> Self {
+        let lemo = SparsitySettings::default();
         Self {
             model: None,
             tokenizer: None,
@@ -131,6 +148,13 @@ impl Default for TrainConfig {
             train_norms: None,
             s2_group_size: None,
             checkpointing: false,
+            thresholds: lemo.thresholds,
+            target_keep: lemo.target_keep,
+            block_size: lemo.block_size,
+            min_keep: lemo.min_keep,
+            dense_layers: lemo.dense_layers,
+            calibration_sequences: lemo.calibration_sequences,
+            calibration_rounds: lemo.calibration_rounds,
             loss_segment: 1024,
             seed: 42,
             val_fraction: 0.02,
@@ -206,6 +230,19 @@ impl TrainConfig {
         self.train_norms.unwrap_or(self.method == Method::Longlora)
     }
 
+    /// The token-elimination settings (`--method lemo`).
+    pub fn sparsity(&self) -> SparsitySettings {
+        SparsitySettings {
+            thresholds: self.thresholds.clone(),
+            target_keep: self.target_keep,
+            block_size: self.block_size,
+            min_keep: self.min_keep,
+            dense_layers: self.dense_layers.clone(),
+            calibration_sequences: self.calibration_sequences,
+            calibration_rounds: self.calibration_rounds,
+        }
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.preset.is_none() && self.model.is_none() {
             bail!("no model: pass --model PATH (or --preset tiny)");
@@ -214,7 +251,7 @@ impl TrainConfig {
             bail!("no training data: pass --data FILE_OR_DIR");
         }
         if self.method == Method::Lemo {
-            bail!("--method lemo (token elimination) is not available yet: use lora or longlora");
+            self.sparsity().validate()?;
         }
         if self.steps == 0 || self.batch_size == 0 || self.grad_accum == 0 {
             bail!("--steps, --batch-size and --grad-accum must be positive");
@@ -256,7 +293,9 @@ pub struct TrainArgs {
     /// Continue a run: its folder (latest checkpoint) or one checkpoint folder.
     #[arg(long)]
     pub resume: Option<PathBuf>,
-    /// lora (dense baseline), longlora (S2 attention + trainable embeddings/norms), lemo.
+    /// lora (dense baseline), longlora (S2 attention + trainable embeddings/norms), or lemo
+    /// (token elimination: each layer processes only its informative token blocks, chosen by
+    /// per-layer thresholds calibrated toward --target-keep) [default: lora].
     #[arg(long, value_enum)]
     pub method: Option<Method>,
     /// Training sequence length in tokens [default: the target context, else the model's].
@@ -327,6 +366,8 @@ pub struct TrainArgs {
     /// backward pass (one more forward pass, memory of one layer's activations).
     #[arg(long)]
     pub checkpointing: bool,
+    #[command(flatten)]
+    pub sparsity: SparsityArgs,
     /// Positions per segment of the segment-based loss [default: 1024].
     #[arg(long)]
     pub loss_segment: Option<usize>,
@@ -431,6 +472,19 @@ impl TrainArgs {
         if self.checkpointing {
             put("checkpointing", Some(toml::Value::Boolean(true)));
         }
+        let lemo = &self.sparsity;
+        put("thresholds", path(&lemo.thresholds));
+        put("target_keep", float(lemo.target_keep));
+        put("block_size", int(lemo.block_size));
+        put("min_keep", float(lemo.min_keep));
+        put(
+            "dense_layers",
+            lemo.dense_layers.as_ref().map(|v| {
+                toml::Value::Array(v.iter().map(|&l| toml::Value::Integer(l as i64)).collect())
+            }),
+        );
+        put("calibration_sequences", int(lemo.calibration_sequences));
+        put("calibration_rounds", int(lemo.calibration_rounds));
         put("loss_segment", int(self.loss_segment));
         put("seed", self.seed.map(|v| toml::Value::Integer(v as i64)));
         put("val_fraction", float(self.val_fraction));

@@ -26,9 +26,11 @@ use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer};
 use crate::device::{BackendJob, PrecisionKind};
 use crate::memory::{self, PeakTracker, gib};
 use crate::modelio::{TRAINING_INFO_FILE, TrainingInfo, interpolated_rope};
+use crate::sparsity::{self, THRESHOLDS_FILE, sparse_keep};
 use burn_dataset::Dataset;
 use checkpoint::{CheckpointFiles, TrainerState};
 use config::{Method, TrainConfig};
+use lemo_sparsity::calibration::Block;
 use optim::{AdamW, AdamWSettings, NamedTensors};
 
 /// What a finished (or stopped) run reports.
@@ -66,7 +68,8 @@ impl BackendJob for TrainJob {
 /// `segment` positions at a time during the forward pass, so at most one segment's logits exist
 /// at once; the backward pass then starts from the hidden-state gradients they left. With
 /// `checkpointing`, only each layer's input is kept and the backward pass recomputes one layer
-/// at a time.
+/// at a time. Each block processes the rows `sparsity` gives it (the kept rows of `--method
+/// lemo`), and the plan it chose is left in `sparsity`.
 ///
 /// `scale` multiplies the loss (1 / predicted tokens / accumulation steps). Gradients of the
 /// trainable parameters are added into `grads`; returns the unscaled loss sum, the number of
@@ -78,6 +81,7 @@ pub fn forward_backward<B: AutodiffBackend + LemoBackend>(
     segment: usize,
     scale: f64,
     checkpointing: bool,
+    sparsity: &mut TokenSparsity,
     grads: &mut NamedTensors<B::InnerBackend>,
 ) -> (f64, usize, u64)
 where
@@ -89,7 +93,7 @@ where
             tokens,
             segment,
             scale,
-            &mut TokenSparsity::Dense,
+            sparsity,
             &mut |gradients| {
                 after_forward.get_or_insert_with(|| memory::sample().in_use);
                 optim::accumulate_grads(model, gradients, grads);
@@ -97,8 +101,7 @@ where
         );
         (loss_sum, predictions, after_forward.unwrap_or_default())
     } else {
-        let (loss, predictions) =
-            model.next_token_loss_sum(tokens, segment, &mut TokenSparsity::Dense);
+        let (loss, predictions) = model.next_token_loss_sum(tokens, segment, sparsity);
         let after_forward = memory::sample().in_use;
         let loss_sum = loss.clone().inner();
         let model_grads = loss.mul_scalar(scale).backward();
@@ -264,6 +267,40 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
             .collect()
     };
 
+    // Token elimination: the run's thresholds, from --thresholds, from the run folder when
+    // resuming, or calibrated on the first training sequences with the fresh adapter.
+    let thresholds = if config.method == Method::Lemo {
+        model.check_token_elimination(seq_len)?;
+        let settings = config.sparsity();
+        let saved = out.join(THRESHOLDS_FILE);
+        let thresholds = match &settings.thresholds {
+            Some(path) => sparsity::read_thresholds(path, &model_config)?,
+            None if job.resume.is_some() && saved.exists() => {
+                sparsity::read_thresholds(&saved, &model_config)?
+            }
+            None => {
+                let count = settings.calibration_sequences.min(corpus.train_len());
+                let sequences: Vec<Vec<u32>> =
+                    (0..count).map(|i| corpus.train_sequence(i)).collect();
+                eprintln!(
+                    "lemo: calibrating per-layer thresholds on {count} training sequences toward a kept fraction of {}",
+                    settings.target_keep
+                );
+                sparsity::calibrate(
+                    &model.valid(),
+                    &model_config,
+                    &model_path.display().to_string(),
+                    &sequences,
+                    &settings,
+                )?
+            }
+        };
+        sparsity::write_thresholds(&saved, &thresholds)?;
+        Some(thresholds)
+    } else {
+        None
+    };
+
     // Optimizer and resume.
     let settings = AdamWSettings {
         beta1: config.beta1,
@@ -344,6 +381,9 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
     let write_adapter = |model: &CausalLm<AB<B>>, dir: &Path| -> Result<()> {
         let inner = model.valid();
         inner.save_adapter(dir, &lora, &model_path.display().to_string())?;
+        if let Some(thresholds) = &thresholds {
+            sparsity::write_thresholds(&dir.join(THRESHOLDS_FILE), thresholds)?;
+        }
         lemo_models::adapter::write_atomically(
             &dir.join(TRAINING_INFO_FILE),
             serde_json::to_string_pretty(&info)?.as_bytes(),
@@ -377,6 +417,7 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
         let mut grads = NamedTensors::<B>::new();
         let (mut loss_sum, mut predictions) = (0.0, 0usize);
         let mut after_forward = 0u64;
+        let (mut keep_attention, mut keep_mlp) = (0.0, 0.0);
         let predictions_per_micro = config.batch_size * (seq_len - 1);
         let scale = 1.0 / (predictions_per_micro * config.grad_accum) as f64;
         for micro in 0..config.grad_accum {
@@ -385,14 +426,22 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
                 .map(|i| corpus.train_sequence(i))
                 .collect();
             let tokens = int_tokens::<AB<B>>(&batch, &device);
+            let mut token_sparsity = thresholds
+                .as_ref()
+                .map_or(TokenSparsity::Dense, TokenSparsity::select);
             let (loss, n, mem) = forward_backward(
                 &model,
                 tokens,
                 config.loss_segment,
                 scale,
                 config.checkpointing,
+                &mut token_sparsity,
                 &mut grads,
             );
+            if let Some(plan) = token_sparsity.into_plan() {
+                keep_attention += sparse_keep(&plan, Block::Attention) / config.grad_accum as f64;
+                keep_mlp += sparse_keep(&plan, Block::Mlp) / config.grad_accum as f64;
+            }
             loss_sum += loss;
             predictions += n;
             after_forward = after_forward.max(mem);
@@ -444,18 +493,24 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
             "mem_peak_gib": gib(peak.peak),
             "mem_source": memory::source(),
             "precision": precision.name(),
+            "keep_attention": thresholds.as_ref().map(|_| keep_attention),
+            "keep_mlp": thresholds.as_ref().map(|_| keep_mlp),
             "elapsed_s": elapsed_before + run_started.elapsed().as_secs_f64(),
         }))?;
         bar.set_position(done as u64);
+        let kept = match &thresholds {
+            Some(_) => format!(" | kept {keep_attention:.2}/{keep_mlp:.2}"),
+            None => String::new(),
+        };
         bar.set_message(format!(
-            "loss {loss:.4} | lr {lr:.2e} | {:.0} tok/s | mem {:.2} GiB",
+            "loss {loss:.4} | lr {lr:.2e} | {:.0} tok/s | mem {:.2} GiB{kept}",
             tokens_per_step as f64 / step_time,
             gib(peak.peak)
         ));
         if !bar.is_hidden() {
         } else if done == 1 || done % (config.steps / 20).max(1) == 0 || done == config.steps {
             eprintln!(
-                "step {done}/{} | loss {loss:.4} | lr {lr:.2e} | {:.0} tok/s | mem {:.2} GiB",
+                "step {done}/{} | loss {loss:.4} | lr {lr:.2e} | {:.0} tok/s | mem {:.2} GiB{kept}",
                 config.steps,
                 tokens_per_step as f64 / step_time,
                 gib(peak.peak)

@@ -122,7 +122,8 @@ fn line_chart(path: &Path, title: &str, y_label: &str, lines: &[Line]) -> Result
     draw().map_err(|e| anyhow::anyhow!("drawing {}: {e}", path.display()))
 }
 
-/// Draws `plots/loss.svg`, `plots/lr.svg` and `plots/memory.svg` from the run's metrics.
+/// Draws `plots/loss.svg`, `plots/lr.svg`, `plots/memory.svg` and, for `--method lemo`,
+/// `plots/kept.svg` from the run's metrics.
 pub fn plot(out: &Path) -> Result<Vec<PathBuf>> {
     let records = read_metrics(out)?;
     let dir = out.join("plots");
@@ -158,5 +159,20 @@ pub fn plot(out: &Path) -> Result<Vec<PathBuf>> {
             ),
         ],
     )?;
-    Ok(vec![loss, lr, memory])
+    let mut plots = vec![loss, lr, memory];
+    let keep_attention = series(&records, "train", "keep_attention");
+    if !keep_attention.is_empty() {
+        let keep = dir.join("kept.svg");
+        line_chart(
+            &keep,
+            "Kept fraction of tokens (token-eliminating blocks)",
+            "kept fraction",
+            &[
+                ("attention", keep_attention, BLUE),
+                ("MLP", series(&records, "train", "keep_mlp"), RED),
+            ],
+        )?;
+        plots.push(keep);
+    }
+    Ok(plots)
 }

@@ -1,0 +1,423 @@
+//! `--method lemo`: the thresholds a run eliminates tokens with (from a file, or calibrated on
+//! the user's data first), and the `calibrate` and `profile` subcommands.
+//!
+//! Calibration (see `lemo_sparsity::calibration`): the token-block scores of every block of every
+//! layer are profiled on a few sequences; each threshold starts at its layer's mean score; one or
+//! more rounds of central finite differences of
+//! `J = (loss - dense_loss) / dense_loss + 4 (keep - target)^2` move each block's threshold; a
+//! common shift then puts the kept fraction on the target.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use burn::tensor::ElementConversion;
+use clap::Args;
+use lemo_kernels::LemoBackend;
+use lemo_models::token_plan::{TokenPlan, TokenSparsity};
+use lemo_models::{CausalLm, ModelConfig};
+use lemo_sparsity::calibration::{Block, Calibrator, LayerProfile, objective};
+use lemo_sparsity::thresholds::Measured;
+use lemo_sparsity::{LayerThresholds, Thresholds};
+use serde::{Deserialize, Serialize};
+
+use crate::train::int_tokens;
+
+/// File name of the thresholds a run used, in its folder and beside its adapter.
+pub const THRESHOLDS_FILE: &str = "thresholds.json";
+
+/// Rows of the vocabulary projection per segment of the loss while calibrating.
+const LOSS_SEGMENT: usize = 1024;
+
+/// Largest fraction of a block's token blocks calibration lets it drop.
+const MAX_DROP: f64 = 0.95;
+
+/// Finite-difference step in drop fraction, and the largest move of one refinement round.
+const PROBE: f64 = 0.05;
+const STEP: f64 = 0.1;
+
+/// How token elimination is set up; `train` reads these from its configuration, the other
+/// subcommands from [`SparsityArgs`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SparsitySettings {
+    /// Thresholds file; unset: calibrate.
+    pub thresholds: Option<PathBuf>,
+    /// Kept fraction calibration aims at, over the token-eliminating blocks.
+    pub target_keep: f64,
+    pub block_size: usize,
+    /// Least fraction of each sequence's blocks a block keeps whatever the scores.
+    pub min_keep: f64,
+    /// Layers kept dense.
+    pub dense_layers: Vec<usize>,
+    /// Sequences calibration profiles and evaluates on.
+    pub calibration_sequences: usize,
+    /// Finite-difference refinement rounds (0: the paper's mean initialization and the shift).
+    pub calibration_rounds: usize,
+}
+
+impl Default for SparsitySettings {
+    fn default() -> Self {
+        Self {
+            thresholds: None,
+            target_keep: 0.5,
+            block_size: 64,
+            min_keep: 0.1,
+            dense_layers: vec![0],
+            calibration_sequences: 4,
+            calibration_rounds: 1,
+        }
+    }
+}
+
+impl SparsitySettings {
+    pub fn validate(&self) -> Result<()> {
+        if !(self.target_keep > 0.0 && self.target_keep <= 1.0) {
+            bail!(
+                "--target-keep {} is outside (0, 1]: it is the fraction of tokens each block keeps",
+                self.target_keep
+            );
+        }
+        if !(0.0..=1.0).contains(&self.min_keep) {
+            bail!("--min-keep {} is outside [0, 1]", self.min_keep);
+        }
+        if self.block_size == 0 || !self.block_size.is_multiple_of(8) {
+            bail!(
+                "--block-size {} must be a positive multiple of 8",
+                self.block_size
+            );
+        }
+        if self.calibration_sequences == 0 {
+            bail!("--calibration-sequences must be positive");
+        }
+        Ok(())
+    }
+}
+
+/// Token-elimination flags of `eval`, `bench`, `calibrate` and `profile`.
+#[derive(Debug, Args, Clone, Default)]
+pub struct SparsityArgs {
+    /// Thresholds file (from `train --method lemo` or `calibrate`) [default: calibrate].
+    #[arg(long)]
+    pub thresholds: Option<PathBuf>,
+    /// Fraction of tokens each token-eliminating block keeps, what calibration aims at [default: 0.5].
+    #[arg(long)]
+    pub target_keep: Option<f64>,
+    /// Tokens per block of the elimination [default: 64].
+    #[arg(long)]
+    pub block_size: Option<usize>,
+    /// Least fraction of a sequence's blocks any block keeps [default: 0.1].
+    #[arg(long)]
+    pub min_keep: Option<f64>,
+    /// Layers that keep every token, comma-separated [default: 0].
+    #[arg(long, value_delimiter = ',')]
+    pub dense_layers: Option<Vec<usize>>,
+    /// Sequences calibration profiles and evaluates on [default: 4].
+    #[arg(long)]
+    pub calibration_sequences: Option<usize>,
+    /// Finite-difference refinement rounds of calibration [default: 1].
+    #[arg(long)]
+    pub calibration_rounds: Option<usize>,
+}
+
+impl SparsityArgs {
+    /// The flags given, over `settings`.
+    pub fn apply(&self, mut settings: SparsitySettings) -> SparsitySettings {
+        if let Some(v) = &self.thresholds {
+            settings.thresholds = Some(v.clone());
+        }
+        if let Some(v) = self.target_keep {
+            settings.target_keep = v;
+        }
+        if let Some(v) = self.block_size {
+            settings.block_size = v;
+        }
+        if let Some(v) = self.min_keep {
+            settings.min_keep = v;
+        }
+        if let Some(v) = &self.dense_layers {
+            settings.dense_layers = v.clone();
+        }
+        if let Some(v) = self.calibration_sequences {
+            settings.calibration_sequences = v;
+        }
+        if let Some(v) = self.calibration_rounds {
+            settings.calibration_rounds = v;
+        }
+        settings
+    }
+
+    pub fn settings(&self) -> SparsitySettings {
+        self.apply(SparsitySettings::default())
+    }
+}
+
+/// Thresholds with every block of `config`'s shape set by `layer`.
+fn thresholds_for_model(
+    config: &ModelConfig,
+    model_name: &str,
+    settings: &SparsitySettings,
+    layers: Vec<LayerThresholds>,
+) -> Thresholds {
+    Thresholds {
+        model: model_name.to_string(),
+        block_size: settings.block_size,
+        min_keep: settings.min_keep as f32,
+        target_keep: Some(settings.target_keep),
+        layers,
+        ..Thresholds::keep_all(
+            config.architecture(),
+            config.num_layers(),
+            config.hidden_size(),
+        )
+    }
+}
+
+/// Reads `settings.thresholds`, checked against the model.
+pub fn read_thresholds(path: &Path, config: &ModelConfig) -> Result<Thresholds> {
+    let thresholds = Thresholds::read(path)?;
+    thresholds.check_model(
+        path,
+        config.architecture(),
+        config.num_layers(),
+        config.hidden_size(),
+    )?;
+    Ok(thresholds)
+}
+
+/// What one evaluation of a set of thresholds measured.
+#[derive(Debug, Clone, Copy)]
+pub struct Evaluation {
+    pub loss: f64,
+    /// Mean kept fraction of the token-eliminating attention / MLP blocks (1 when none).
+    pub keep_attention: f64,
+    pub keep_mlp: f64,
+}
+
+impl Evaluation {
+    /// Mean kept fraction over both kinds of token-eliminating blocks.
+    pub fn keep(&self) -> f64 {
+        0.5 * (self.keep_attention + self.keep_mlp)
+    }
+}
+
+/// Mean kept fraction of the blocks of one kind that eliminate tokens (1 when none does).
+pub fn sparse_keep(plan: &TokenPlan, block: Block) -> f64 {
+    let kept: Vec<f64> = plan
+        .layers
+        .iter()
+        .filter_map(|l| l.block(block).map(|k| k.fraction()))
+        .collect();
+    if kept.is_empty() {
+        1.0
+    } else {
+        kept.iter().sum::<f64>() / kept.len() as f64
+    }
+}
+
+/// Mean next-token loss of `sequences` and the kept fractions under `thresholds` (dense with
+/// `None`).
+pub fn evaluate<B: LemoBackend>(
+    model: &CausalLm<B>,
+    sequences: &[Vec<u32>],
+    thresholds: Option<&Thresholds>,
+) -> Evaluation {
+    let device = model.lm_head_weight().device();
+    let (mut loss, mut count) = (0.0, 0usize);
+    let (mut keep_attention, mut keep_mlp) = (0.0, 0.0);
+    for sequence in sequences {
+        let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
+        let mut sparsity = thresholds.map_or(TokenSparsity::Dense, TokenSparsity::select);
+        let (sum, n) = model.next_token_loss_sum(tokens, LOSS_SEGMENT, &mut sparsity);
+        loss += sum.into_scalar().elem::<f64>();
+        count += n;
+        let plan = sparsity.into_plan().unwrap_or_default();
+        keep_attention += sparse_keep(&plan, Block::Attention);
+        keep_mlp += sparse_keep(&plan, Block::Mlp);
+    }
+    let n = sequences.len().max(1) as f64;
+    Evaluation {
+        loss: loss / count.max(1) as f64,
+        keep_attention: keep_attention / n,
+        keep_mlp: keep_mlp / n,
+    }
+}
+
+/// Token-block scores of every block of every layer on `sequences`, from dense passes.
+pub fn profile<B: LemoBackend>(
+    model: &CausalLm<B>,
+    config: &ModelConfig,
+    sequences: &[Vec<u32>],
+    block_size: usize,
+) -> Vec<LayerProfile> {
+    let device = model.lm_head_weight().device();
+    let observe = Thresholds {
+        block_size,
+        ..Thresholds::keep_all(
+            config.architecture(),
+            config.num_layers(),
+            config.hidden_size(),
+        )
+    };
+    let mut profiles = vec![LayerProfile::default(); config.num_layers()];
+    for sequence in sequences {
+        let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
+        let mut sparsity = TokenSparsity::Select {
+            thresholds: &observe,
+            plan: TokenPlan::default(),
+            record_scores: true,
+        };
+        model.hidden_states(tokens, None, &mut sparsity);
+        let plan = sparsity.into_plan().unwrap_or_default();
+        for (profile, scores) in profiles.iter_mut().zip(plan.scores) {
+            profile
+                .attention
+                .extend(scores.attention.unwrap_or_default());
+            profile.mlp.extend(scores.mlp.unwrap_or_default());
+        }
+    }
+    profiles
+}
+
+fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(len),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} {bar:30.cyan/blue} {pos}/{len} | ETA {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(what.to_string());
+    bar
+}
+
+/// Layer-specific thresholds for `model` calibrated on `sequences` toward
+/// `settings.target_keep` (see the module docs); progress on stderr.
+pub fn calibrate<B: LemoBackend>(
+    model: &CausalLm<B>,
+    config: &ModelConfig,
+    model_name: &str,
+    sequences: &[Vec<u32>],
+    settings: &SparsitySettings,
+) -> Result<Thresholds> {
+    if sequences.is_empty() {
+        bail!("calibration needs at least one sequence of data");
+    }
+    let started = Instant::now();
+    let profiles = profile(model, config, sequences, settings.block_size);
+    let mut calibrator = Calibrator::new(
+        profiles,
+        &settings.dense_layers,
+        settings.target_keep,
+        MAX_DROP,
+    );
+    let sparse: Vec<(usize, Block)> = (0..calibrator.num_layers())
+        .flat_map(|l| [(l, Block::Attention), (l, Block::Mlp)])
+        .filter(|&(l, b)| calibrator.is_sparse(l, b))
+        .collect();
+    if sparse.is_empty() {
+        bail!(
+            "every layer is listed in --dense-layers {:?}: nothing to eliminate tokens in",
+            settings.dense_layers
+        );
+    }
+    let dense = evaluate(model, sequences, None);
+    let cost = |calibrator_thresholds: Vec<LayerThresholds>| {
+        let thresholds = thresholds_for_model(config, model_name, settings, calibrator_thresholds);
+        let e = evaluate(model, sequences, Some(&thresholds));
+        objective(e.loss, dense.loss, e.keep(), settings.target_keep)
+    };
+    let bar = progress(
+        (settings.calibration_rounds * sparse.len() * 2) as u64,
+        "calibrate: refining thresholds",
+    );
+    for _ in 0..settings.calibration_rounds {
+        let gradients: Vec<f64> = sparse
+            .iter()
+            .map(|&(layer, block)| {
+                let up = cost(calibrator.perturbed(layer, block, PROBE));
+                bar.inc(1);
+                let down = cost(calibrator.perturbed(layer, block, -PROBE));
+                bar.inc(1);
+                (up - down) / (2.0 * PROBE)
+            })
+            .collect();
+        // Scale-free step: the block with the steepest slope moves by STEP.
+        let steepest = gradients.iter().fold(0.0f64, |m, g| m.max(g.abs()));
+        if steepest > 0.0 {
+            for (&(layer, block), g) in sparse.iter().zip(&gradients) {
+                calibrator.descend(layer, block, *g, STEP / steepest);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    // Step 3: bisection on a common shift of the drop fractions until the kept fraction is on
+    // the target (it falls as the shift grows).
+    let keep_at = |delta: f64| {
+        let thresholds =
+            thresholds_for_model(config, model_name, settings, calibrator.shifted(delta));
+        evaluate(model, sequences, Some(&thresholds))
+    };
+    let (mut low, mut high) = (-1.0, 1.0);
+    let bar = progress(12, "calibrate: meeting the target");
+    for _ in 0..12 {
+        let middle = 0.5 * (low + high);
+        if keep_at(middle).keep() > settings.target_keep {
+            low = middle;
+        } else {
+            high = middle;
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    calibrator.shift(0.5 * (low + high));
+    let mut thresholds =
+        thresholds_for_model(config, model_name, settings, calibrator.thresholds());
+    let measured = evaluate(model, sequences, Some(&thresholds));
+    thresholds.measured = Some(Measured {
+        dense_loss: dense.loss,
+        loss: measured.loss,
+        keep_attention: measured.keep_attention,
+        keep_mlp: measured.keep_mlp,
+        sequences: sequences.len(),
+        seq_len: sequences[0].len(),
+    });
+    eprintln!(
+        "calibrate: kept fraction {:.3} (attention {:.3}, MLP {:.3}) at loss {:.4} vs dense {:.4} ({:+.2}%), {:.1}s",
+        measured.keep(),
+        measured.keep_attention,
+        measured.keep_mlp,
+        measured.loss,
+        dense.loss,
+        100.0 * (measured.loss - dense.loss) / dense.loss,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(thresholds)
+}
+
+/// Thresholds that keep `settings.target_keep` of the profiled token blocks of every
+/// token-eliminating block, with no refinement: what `bench` uses on random weights, where no
+/// loss is worth refining against.
+pub fn quantile_thresholds<B: LemoBackend>(
+    model: &CausalLm<B>,
+    config: &ModelConfig,
+    sequences: &[Vec<u32>],
+    settings: &SparsitySettings,
+) -> Thresholds {
+    let profiles = profile(model, config, sequences, settings.block_size);
+    let mut calibrator = Calibrator::new(
+        profiles,
+        &settings.dense_layers,
+        settings.target_keep,
+        MAX_DROP,
+    );
+    calibrator.set_keep(settings.target_keep);
+    thresholds_for_model(config, "", settings, calibrator.thresholds())
+}
+
+/// Writes `thresholds` to `path` atomically.
+pub fn write_thresholds(path: &Path, thresholds: &Thresholds) -> Result<()> {
+    lemo_models::adapter::write_atomically(path, thresholds.to_json().as_bytes())
+        .with_context(|| format!("cannot write {}", path.display()))
+}
