@@ -30,6 +30,23 @@ enum Task {
     },
     /// Run CI's script (.ci/run) here.
     Ci,
+    /// Per-layer token-elimination thresholds for a model on your data (the paper's Algorithm 1
+    /// toward `--target-keep`): `lemo-train calibrate` with the same options, e.g.
+    /// `cargo xtask calibrate-thresholds --model M --data D --seq-len 2048 --target-keep 0.5
+    /// --out thresholds.json`.
+    #[command(name = "calibrate-thresholds")]
+    CalibrateThresholds {
+        /// Options of `lemo-train calibrate` (see its --help).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        options: Vec<String>,
+    },
+    /// Token-block informativeness per layer and block type on a few sequences of your data,
+    /// and a heat map of the kept blocks: `lemo-train profile` with the same options.
+    Profile {
+        /// Options of `lemo-train profile` (see its --help).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        options: Vec<String>,
+    },
 }
 
 fn root() -> PathBuf {
@@ -74,6 +91,16 @@ fn workspace_binaries(root: &Path) -> Result<Vec<String>> {
         .collect())
 }
 
+/// Runs a `lemo-train` subcommand (release build) in the caller's folder, so that relative
+/// paths mean what the caller meant.
+fn lemo_train(root: &Path, subcommand: &str, options: &[String]) -> Result<()> {
+    run(Command::new("cargo")
+        .args(["run", "--release", "--quiet", "--manifest-path"])
+        .arg(root.join("Cargo.toml"))
+        .args(["-p", "lemo-train", "--", subcommand])
+        .args(options))
+}
+
 fn main() -> Result<()> {
     let root = root();
     match Cli::parse().task {
@@ -114,6 +141,8 @@ fn main() -> Result<()> {
         Task::Ci => run(Command::new("bash")
             .arg(root.join(".ci/run"))
             .current_dir(&root))?,
+        Task::CalibrateThresholds { options } => lemo_train(&root, "calibrate", &options)?,
+        Task::Profile { options } => lemo_train(&root, "profile", &options)?,
     }
     Ok(())
 }

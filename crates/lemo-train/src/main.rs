@@ -101,6 +101,12 @@ enum Command {
         #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
         device: DeviceKind,
     },
+    /// Per-layer token-elimination thresholds calibrated on your data toward --target-keep
+    /// (written as JSON for `train --method lemo --thresholds`).
+    Calibrate(Box<sparsity::InspectArgs>),
+    /// Informativeness statistics per layer and block type, and a heat map of kept token
+    /// blocks (profile.json, kept.svg).
+    Profile(Box<sparsity::InspectArgs>),
     /// Time and memory of a few training steps of a random-init model, per sequence length
     /// (one JSON line each).
     Bench {
@@ -202,6 +208,14 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(args) => {
             let summary = run_train(*args)?;
             print_train_summary(&summary);
+        }
+        Command::Calibrate(args) => {
+            let path = sparsity::run_calibrate(*args)?;
+            println!("{}", path.display());
+        }
+        Command::Profile(args) => {
+            let path = sparsity::run_profile(*args)?;
+            println!("{}", path.display());
         }
         Command::Bench {
             model,

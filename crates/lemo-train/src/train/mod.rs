@@ -584,7 +584,10 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
 }
 
 /// BOS to put before documents and EOS after them: the tokenizer's, else the model config's.
-fn special_ids(config: &ModelConfig, tokenizer: &mut LazyTokenizer) -> (Option<u32>, Option<u32>) {
+pub(crate) fn special_ids(
+    config: &ModelConfig,
+    tokenizer: &mut LazyTokenizer,
+) -> (Option<u32>, Option<u32>) {
     let from_tokenizer = tokenizer.get().ok().map(|t| (t.bos_id(), t.eos_id()));
     let (bos, eos) = from_tokenizer.unwrap_or((None, None));
     let model_bos = match config {

@@ -1,5 +1,5 @@
 //! `--method lemo`: the thresholds a run eliminates tokens with (from a file, or calibrated on
-//! the user's data first), and the `calibrate` and `profile` subcommands.
+//! the user's data first), and the `calibrate` and `profile` subcommands ([`inspect`]).
 //!
 //! Calibration (see `lemo_sparsity::calibration`): the token-block scores of every block of every
 //! layer are profiled on a few sequences; each threshold starts at its layer's mean score; one or
@@ -22,6 +22,10 @@ use lemo_sparsity::{LayerThresholds, Thresholds};
 use serde::{Deserialize, Serialize};
 
 use crate::train::int_tokens;
+
+mod inspect;
+
+pub use inspect::{InspectArgs, run_calibrate, run_profile};
 
 /// File name of the thresholds a run used, in its folder and beside its adapter.
 pub const THRESHOLDS_FILE: &str = "thresholds.json";
@@ -152,7 +156,7 @@ impl SparsityArgs {
 }
 
 /// Thresholds with every block of `config`'s shape set by `layer`.
-fn thresholds_for_model(
+pub(crate) fn thresholds_for_model(
     config: &ModelConfig,
     model_name: &str,
     settings: &SparsitySettings,

@@ -1,0 +1,314 @@
+//! `calibrate` and `profile`: thresholds and informativeness statistics of a model on the
+//! user's data, without training.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use lemo_kernels::LemoBackend;
+use lemo_models::token_plan::{TokenPlan, TokenSparsity};
+use lemo_models::{CausalLm, ModelConfig};
+use lemo_sparsity::calibration::{Block, Calibrator};
+use plotters::prelude::*;
+use serde_json::json;
+
+use super::{
+    SparsityArgs, SparsitySettings, calibrate, profile, read_thresholds, thresholds_for_model,
+    write_thresholds,
+};
+use crate::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
+use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer};
+use crate::device::{BackendJob, DeviceKind, PrecisionKind};
+use crate::modelio::{self, ModelSetup};
+use crate::train::{int_tokens, special_ids};
+
+/// What `calibrate` and `profile` read.
+#[derive(Debug, Args, Clone)]
+pub struct InspectArgs {
+    /// Hugging Face model folder or llama2.c .bin checkpoint.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// Text files, JSONL (`text` or `input_ids`), raw token .bin files, or a folder of these.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Tokenizer for text data [default: the one beside the model].
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Bytes per token id in .bin token files: 2 or 4.
+    #[arg(long, default_value_t = 2)]
+    pub token_width: u8,
+    /// Sequence length in tokens [default: --target-context, else the model's trained context].
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// A PEFT adapter to apply first (with the RoPE scaling it was trained with).
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// Linear RoPE position interpolation for this context.
+    #[arg(long)]
+    pub target_context: Option<usize>,
+    #[command(flatten)]
+    pub sparsity: SparsityArgs,
+    /// calibrate: the thresholds file to write [default: thresholds.json];
+    /// profile: the folder for profile.json and kept.svg [default: profile].
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+    #[arg(long, value_enum)]
+    pub precision: Option<PrecisionKind>,
+    #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
+    pub device: DeviceKind,
+}
+
+enum Task {
+    Calibrate,
+    Profile,
+}
+
+struct InspectJob {
+    args: InspectArgs,
+    settings: SparsitySettings,
+    precision: PrecisionKind,
+    task: Task,
+}
+
+/// `lemo-train calibrate`: writes the thresholds file; returns its path.
+pub fn run_calibrate(args: InspectArgs) -> Result<PathBuf> {
+    run(args, Task::Calibrate)
+}
+
+/// `lemo-train profile`: writes `profile.json` and `kept.svg`; returns the folder.
+pub fn run_profile(args: InspectArgs) -> Result<PathBuf> {
+    run(args, Task::Profile)
+}
+
+fn run(args: InspectArgs, task: Task) -> Result<PathBuf> {
+    let settings = args.sparsity.settings();
+    settings.validate()?;
+    let device = args.device.resolve();
+    let precision = device.precision(args.precision)?;
+    device.run(InspectJob {
+        args,
+        settings,
+        precision,
+        task,
+    })
+}
+
+impl BackendJob for InspectJob {
+    type Output = PathBuf;
+
+    fn run<B: LemoBackend>(self, device: B::Device) -> Result<PathBuf> {
+        let args = &self.args;
+        let setup = ModelSetup {
+            adapter: args.adapter.clone(),
+            target_context: args.target_context,
+            precision: self.precision,
+        };
+        let (model, config) = modelio::load::<B>(&args.model, &setup, &device)?;
+        let seq_len = args
+            .seq_len
+            .or(args.target_context)
+            .unwrap_or(config.max_position_embeddings());
+        model.check_token_elimination(seq_len)?;
+        let sequences =
+            read_sequences(args, &config, seq_len, self.settings.calibration_sequences)?;
+        let name = args.model.display().to_string();
+        match self.task {
+            Task::Calibrate => {
+                let thresholds = calibrate(&model, &config, &name, &sequences, &self.settings)?;
+                let out = args.out.clone().unwrap_or_else(|| "thresholds.json".into());
+                write_thresholds(&out, &thresholds)?;
+                eprintln!("calibrate: wrote {}", out.display());
+                Ok(out)
+            }
+            Task::Profile => {
+                let out = args.out.clone().unwrap_or_else(|| "profile".into());
+                write_profile(&model, &config, &name, &sequences, &self.settings, &out)?;
+                Ok(out)
+            }
+        }
+    }
+}
+
+/// The first `count` sequences of `seq_len` tokens of the data, packed as `train` packs them.
+fn read_sequences(
+    args: &InspectArgs,
+    config: &ModelConfig,
+    seq_len: usize,
+    count: usize,
+) -> Result<Vec<Vec<u32>>> {
+    let tokenizer_path = args
+        .tokenizer
+        .clone()
+        .or_else(|| find_tokenizer(&args.model));
+    let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
+    let documents = read_documents_cached(
+        &args.data,
+        TokenWidth::from_bytes(args.token_width)?,
+        &mut tokenizer,
+        tokenizer_path.as_deref(),
+        default_cache_dir().as_deref(),
+    )?;
+    let vocab = config.vocab_size();
+    if let Some(bad) = documents.iter().flatten().find(|&&id| id as usize >= vocab) {
+        bail!("token id {bad} is outside the model's vocabulary of {vocab} (wrong tokenizer?)");
+    }
+    let (bos, eos) = special_ids(config, &mut tokenizer);
+    let corpus = Corpus::new(
+        &documents,
+        &PackOptions {
+            seq_len,
+            bos,
+            eos,
+            val_fraction: 0.0,
+            seed: 0,
+        },
+    )?;
+    Ok((0..count.min(corpus.train_len()))
+        .map(|i| corpus.train_sequence(i))
+        .collect())
+}
+
+/// Percentiles `[10, 50, 90]`, the mean and the count of `values`.
+fn statistics(values: &[f32]) -> serde_json::Value {
+    if values.is_empty() {
+        return serde_json::Value::Null;
+    }
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f32::total_cmp);
+    let at = |q: f64| sorted[((q * (sorted.len() - 1) as f64).round()) as usize];
+    let mean = sorted.iter().map(|&v| v as f64).sum::<f64>() / sorted.len() as f64;
+    json!({"mean": mean, "p10": at(0.1), "median": at(0.5), "p90": at(0.9), "blocks": sorted.len()})
+}
+
+/// Per layer and block type, statistics of the token-block scores over `sequences`; the kept
+/// blocks of the first sequence under the thresholds (`--thresholds`, else the paper's initial
+/// ones, each layer's mean score) drawn as a heat map, layers by token blocks.
+fn write_profile<B: LemoBackend>(
+    model: &CausalLm<B>,
+    config: &ModelConfig,
+    name: &str,
+    sequences: &[Vec<u32>],
+    settings: &SparsitySettings,
+    out: &Path,
+) -> Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let profiles = profile(model, config, sequences, settings.block_size);
+    let thresholds = match &settings.thresholds {
+        Some(path) => read_thresholds(path, config)?,
+        None => {
+            let calibrator = Calibrator::new(
+                profiles.clone(),
+                &settings.dense_layers,
+                settings.target_keep,
+                1.0,
+            );
+            thresholds_for_model(config, name, settings, calibrator.thresholds())
+        }
+    };
+    let device = model.lm_head_weight().device();
+    let tokens = int_tokens::<B>(&sequences[..1], &device);
+    let mut sparsity = TokenSparsity::select(&thresholds);
+    model.hidden_states(tokens, None, &mut sparsity);
+    let plan = sparsity.into_plan().unwrap_or_default();
+    let layers: Vec<serde_json::Value> = profiles
+        .iter()
+        .enumerate()
+        .map(|(index, p)| {
+            let kept = |block| {
+                plan.layers
+                    .get(index)
+                    .and_then(|l| l.block(block))
+                    .map_or(1.0, |k| k.fraction())
+            };
+            json!({
+                "layer": index,
+                "attention": statistics(&p.attention),
+                "mlp": statistics(&p.mlp),
+                "threshold_attention": thresholds.layers[index].attention,
+                "threshold_mlp": thresholds.layers[index].mlp,
+                "kept_attention": kept(Block::Attention),
+                "kept_mlp": kept(Block::Mlp),
+            })
+        })
+        .collect();
+    let report = json!({
+        "model": name,
+        "sequences": sequences.len(),
+        "seq_len": sequences[0].len(),
+        "block_size": settings.block_size,
+        "thresholds": settings.thresholds.as_ref().map_or("initial (each layer's mean score)".into(), |p| p.display().to_string()),
+        "layers": layers,
+    });
+    let json_path = out.join("profile.json");
+    lemo_models::adapter::write_atomically(
+        &json_path,
+        serde_json::to_string_pretty(&report)?.as_bytes(),
+    )?;
+    let map = out.join("kept.svg");
+    heat_map(
+        &map,
+        &plan,
+        config.num_layers(),
+        sequences[0].len(),
+        settings.block_size,
+    )?;
+    eprintln!(
+        "profile: wrote {} and {}",
+        json_path.display(),
+        map.display()
+    );
+    Ok(())
+}
+
+/// Kept token blocks of the first sequence: one row per layer, the attention block's half above
+/// the MLP block's; kept blocks dark, dropped ones light, dense layers grey.
+fn heat_map(
+    path: &Path,
+    plan: &TokenPlan,
+    layers: usize,
+    seq_len: usize,
+    block_size: usize,
+) -> Result<()> {
+    let blocks = seq_len.div_ceil(block_size);
+    let root = SVGBackend::new(path, (1000, (60 + 24 * layers) as u32)).into_drawing_area();
+    let draw = || -> std::result::Result<(), Box<dyn std::error::Error>> {
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                "Kept token blocks by layer (top half: attention, bottom: MLP)",
+                ("sans-serif", 18),
+            )
+            .margin(10)
+            .x_label_area_size(30)
+            .y_label_area_size(50)
+            .build_cartesian_2d(0.0..blocks as f64, 0.0..layers as f64)?;
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_desc("token block")
+            .y_desc("layer")
+            .draw()?;
+        for layer in 0..layers {
+            for (half, block) in [(0.5, Block::Attention), (0.0, Block::Mlp)] {
+                let kept = plan.layers.get(layer).and_then(|l| l.block(block));
+                for n in 0..blocks {
+                    let color = match kept {
+                        None => RGBColor(200, 200, 200),
+                        Some(k) if k.rows[..k.kept].contains(&((n * block_size) as u32)) => {
+                            RGBColor(30, 80, 160)
+                        }
+                        Some(_) => RGBColor(235, 240, 250),
+                    };
+                    let y = layer as f64 + half;
+                    chart.plotting_area().draw(&Rectangle::new(
+                        [(n as f64, y), (n as f64 + 1.0, y + 0.5)],
+                        color.filled(),
+                    ))?;
+                }
+            }
+        }
+        root.present()?;
+        Ok(())
+    };
+    draw().map_err(|e| anyhow::anyhow!("drawing {}: {e}", path.display()))
+}
