@@ -5,6 +5,7 @@
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::tensor::TensorMetadata;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::ops::{FloatTensor, IntTensor};
@@ -105,6 +106,51 @@ pub trait ComputeBackend: Backend {
         eps: f32,
     ) -> FloatTensor<Self> {
         token_movement::reference::gather_rms_norm_primitive::<Self>(x, rows, weight, eps)
+    }
+
+    /// Gather-RMSNorm output, the f32 `rstd` of each kept row (`[batch * kept]`) and a copy of
+    /// the kept input rows (`[batch, kept, hidden]`): all the backward pass needs, so `x` itself
+    /// need not be kept.
+    fn lemo_gather_rms_norm_forward(
+        x: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let kept = Self::lemo_gather_rows(x, rows);
+        let (out, rstd) = Self::lemo_rms_norm_forward(kept.clone(), weight, eps);
+        (out, rstd, kept)
+    }
+
+    /// `(d x, d weight)` of gather-RMSNorm from the saved kept rows, the rows, the weight, `rstd`
+    /// and `d out`: `d x` is `grad_x` (the gradient `x` already has, `[batch, seq, hidden]`, or
+    /// zeros without it) with the RMSNorm gradient of each kept row added into its row; the
+    /// weight gradient only when `weight_grad`.
+    #[allow(clippy::too_many_arguments)]
+    fn lemo_gather_rms_norm_backward(
+        kept: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        weight: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        grad_x: Option<FloatTensor<Self>>,
+        seq: usize,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let grad_x = grad_x.unwrap_or_else(|| {
+            let [batch, _, hidden] = kept.shape().dims();
+            Self::float_zeros(
+                [batch, seq, hidden].into(),
+                &Self::float_device(&kept),
+                kept.dtype().into(),
+            )
+        });
+        let (grad_kept, grad_weight) =
+            Self::lemo_rms_norm_backward(kept, weight, rstd, grad, weight_grad);
+        (
+            Self::lemo_scatter_add_rows(grad_x, rows, grad_kept),
+            grad_weight,
+        )
     }
 
     /// `x` with `values [batch, kept, hidden]` added into its rows `rows`; see
@@ -219,6 +265,60 @@ where
         fused::rope::kernel::rope(x, cos, sin, positions, inverse)
     }
 
+    fn lemo_gather_rms_norm(
+        x: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> FloatTensor<Self> {
+        token_movement::kernel::gather_rms_norm(x, rows, weight, eps, false).0
+    }
+
+    fn lemo_gather_rms_norm_forward(
+        x: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (out, rstd, kept) = token_movement::kernel::gather_rms_norm(x, rows, weight, eps, true);
+        (out, rstd, kept.expect("saved rows"))
+    }
+
+    fn lemo_gather_rms_norm_backward(
+        kept: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        weight: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        grad_x: Option<FloatTensor<Self>>,
+        seq: usize,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let grad_weight = weight_grad.then(|| {
+            fused::rms_norm::reference::weight_grad::<Self>(
+                kept.clone(),
+                rstd.clone(),
+                grad.clone(),
+            )
+        });
+        let grad_x = token_movement::kernel::gather_rms_norm_backward(
+            kept, rows, weight, rstd, grad, grad_x, seq,
+        );
+        (grad_x, grad_weight)
+    }
+
+    fn lemo_scatter_add_rows(
+        x: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        values: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        token_movement::kernel::scatter_add_rows(x, rows, values)
+    }
+
+    fn lemo_gather_rows(x: FloatTensor<Self>, rows: IntTensor<Self>) -> FloatTensor<Self> {
+        token_movement::kernel::gather_rows(x, rows)
+    }
+
     fn lemo_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         fused::swiglu::kernel::forward(gate, up)
     }
@@ -308,6 +408,65 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
         inverse: bool,
     ) -> FloatTensor<Self> {
         fused::rope::autodiff::rope::<B, C>(x, cos, sin, positions, inverse)
+    }
+
+    fn lemo_gather_rms_norm(
+        x: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> FloatTensor<Self> {
+        token_movement::autodiff::gather_rms_norm::<B, C>(x, rows, weight, eps)
+    }
+
+    fn lemo_gather_rms_norm_forward(
+        x: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        weight: FloatTensor<Self>,
+        eps: f32,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (out, rstd, kept) =
+            B::lemo_gather_rms_norm_forward(Self::inner(x), rows, Self::inner(weight), eps);
+        (
+            Self::from_inner(out),
+            Self::from_inner(rstd),
+            Self::from_inner(kept),
+        )
+    }
+
+    fn lemo_gather_rms_norm_backward(
+        kept: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        weight: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        grad_x: Option<FloatTensor<Self>>,
+        seq: usize,
+        weight_grad: bool,
+    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let (grad_x, grad_weight) = B::lemo_gather_rms_norm_backward(
+            Self::inner(kept),
+            rows,
+            Self::inner(weight),
+            Self::inner(rstd),
+            Self::inner(grad),
+            grad_x.map(Self::inner),
+            seq,
+            weight_grad,
+        );
+        (Self::from_inner(grad_x), grad_weight.map(Self::from_inner))
+    }
+
+    fn lemo_scatter_add_rows(
+        x: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        values: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        token_movement::autodiff::scatter_add_rows::<B, C>(x, rows, values)
+    }
+
+    fn lemo_gather_rows(x: FloatTensor<Self>, rows: IntTensor<Self>) -> FloatTensor<Self> {
+        token_movement::autodiff::gather_rows::<B, C>(x, rows)
     }
 
     fn lemo_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -1,9 +1,13 @@
 //! Parity of the flash attention kernels (wgpu, f32) with the materialized reference: output,
-//! logsumexp and the three gradients, on fresh random inputs every run (the seed is printed).
+//! logsumexp and the three gradients, on fresh random inputs every run (the seed is printed and
+//! can be set with `LEMO_TEST_SEED`).
+
+mod common;
 
 use burn::backend::Autodiff;
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, ElementConversion, Tensor};
+use common::{random, seed};
 use lemo_kernels::attention::{self, AttentionOptions, reference};
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
 
@@ -38,35 +42,12 @@ impl Case {
     }
 }
 
-fn seed<B: Backend>(device: &B::Device) {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    println!("seed {seed}");
-    B::seed(device, seed);
-}
-
-fn random<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
-    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
-}
-
-/// `max |actual - expected| / max |expected|`.
-fn relative_error<B: Backend, const D: usize>(actual: Tensor<B, D>, expected: Tensor<B, D>) -> f32 {
-    let scale: f32 = expected.clone().abs().max().into_scalar().elem();
-    let error: f32 = (actual - expected).abs().max().into_scalar().elem();
-    error / scale.max(1e-6)
-}
-
 fn assert_close<B: Backend, const D: usize>(
     what: &str,
     actual: Tensor<B, D>,
     expected: Tensor<B, D>,
 ) {
-    assert_eq!(actual.dims(), expected.dims(), "{what}: shapes differ");
-    let error = relative_error(actual, expected);
-    println!("{what}: relative error {error:e}");
-    assert!(error < TOLERANCE, "{what}: relative error {error}");
+    common::assert_close(what, actual, expected, TOLERANCE);
 }
 
 /// Forward, lse and (when `gradients`) dq, dk, dv of `attention` on backend `B` against the

@@ -1,41 +1,30 @@
 //! Parity of the fused RMSNorm, RoPE and SwiGLU kernels (wgpu, f32) with their plain Burn
 //! references, forward and backward (both through autodiff), on fresh random inputs.
 
+mod common;
+
 use burn::backend::Autodiff;
-use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
+use common::seed;
 use lemo_kernels::WgpuBackend;
 use lemo_kernels::fused::{self, rms_norm, rope, swiglu};
 
 type B = Autodiff<WgpuBackend>;
 
+const TOLERANCE: f32 = 1e-4;
+
 fn seeded() -> burn::tensor::Device<B> {
     let device = Default::default();
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    println!("seed {seed}");
-    B::seed(&device, seed);
+    seed::<B>(&device);
     device
 }
 
 fn random<const D: usize>(shape: [usize; D], device: &burn::tensor::Device<B>) -> Tensor<B, D> {
-    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
-}
-
-/// `max |a - b| / max |b|`.
-fn relative<const D: usize>(actual: Tensor<B, D>, expected: Tensor<B, D>) -> f32 {
-    let scale: f32 = expected.clone().abs().max().into_scalar();
-    let error: f32 = (actual - expected).abs().max().into_scalar();
-    error / scale.max(1e-12)
+    common::random(shape, device)
 }
 
 fn assert_close<const D: usize>(name: &str, actual: Tensor<B, D>, expected: Tensor<B, D>) {
-    assert_eq!(actual.dims(), expected.dims(), "{name}: shape");
-    let error = relative(actual, expected);
-    println!("{name}: relative error {error:.2e}");
-    assert!(error < 1e-4, "{name}: relative error {error}");
+    common::assert_close(name, actual, expected, TOLERANCE);
 }
 
 fn rms_norm_case(shape: [usize; 3]) {

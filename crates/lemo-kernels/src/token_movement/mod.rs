@@ -12,6 +12,8 @@
 //! attention over the kept rows stays causal). Under autodiff the gather saves only the kept rows
 //! of `x`, never `x` itself, which is what lets the residual stream be updated in place.
 
+pub(crate) mod autodiff;
+pub(crate) mod kernel;
 pub mod reference;
 
 use burn::tensor::{Int, Tensor, TensorPrimitive};

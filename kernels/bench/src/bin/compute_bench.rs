@@ -17,6 +17,7 @@ use std::time::Duration;
 use burn::backend::Autodiff;
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use cubecl::prelude::{ComputeClient, Runtime};
+use lemo_kernel_bench::time_calls;
 use lemo_kernels::memory::{memory_cleanup, memory_stats};
 use lemo_kernels::{CpuBackend, CudaBackend, fused, gemm, loss};
 use serde_json::{Value, json};
@@ -96,33 +97,6 @@ fn gpu_relative<const D: usize>(actual: Tensor<B, D>, expected: Tensor<B, D>) ->
     let norm: f32 = expected.powi_scalar(2).sum().sqrt().into_scalar();
     let error = (diff / norm.max(1e-30)) as f64;
     if error.is_nan() { f64::INFINITY } else { error }
-}
-
-/// Median time of one call: `repeats` timed loops of `calls` back-to-back calls (each loop
-/// between two device synchronizations), after one warm-up loop.
-fn time_calls<O: Send + 'static>(
-    client: &Client,
-    repeats: usize,
-    calls: usize,
-    run: impl Fn() -> O + Send + Sync,
-) -> Duration {
-    let looped = || {
-        let mut last = None;
-        for _ in 0..calls {
-            last = Some(run());
-        }
-        last
-    };
-    drop(looped());
-    let mut times: Vec<Duration> = (0..repeats.max(1))
-        .map(|_| {
-            let (output, duration) = client.profile(looped, "compute_bench").expect("profiling");
-            drop(output);
-            cubecl::future::block_on(duration.resolve()).duration() / calls as u32
-        })
-        .collect();
-    times.sort();
-    times[times.len() / 2]
 }
 
 /// A tiny cubecl kernel reading `tensor`: placed after a GEMM it makes the profiler's final

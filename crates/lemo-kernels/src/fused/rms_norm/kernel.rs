@@ -39,19 +39,41 @@ fn lane_sum<N: Size>(value: Vector<f32, N>) -> f32 {
     sum
 }
 
-/// One cube per row of `x [rows, hidden / N]` (vectors of `N`): the sum of squares is reduced
-/// over the cube, then each thread writes its vectors of the normalized row.
+/// Offset of the first vector of row `row` of a `[rows, hidden / N]` tensor, or, with `map`,
+/// of row `map[b, i]` of sequence `b` of a `[batch, seq, hidden / N]` tensor for `row = b * kept
+/// + i` (token movement: the rows a block of a token-sparse layer keeps).
+#[cube]
+fn row_start<I: Int>(
+    row: usize,
+    map: &ComptimeOption<Tensor<I>>,
+    seq: usize,
+    vectors: usize,
+) -> usize {
+    #[comptime]
+    let row = match map {
+        ComptimeOption::Some(map) => (row / map.shape(1)) * seq + usize::cast_from(map[row]),
+        ComptimeOption::None => row,
+    };
+    row * vectors
+}
+
+/// One cube per output row of `out [rows, hidden / N]` (vectors of `N`), reading row `rows` of
+/// `x` through `gather` (see [`row_start`]): the sum of squares is reduced over the cube, then
+/// each thread writes its vectors of the normalized row, and of the input row to `saved`.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn rms_norm_forward_kernel<F: Float, N: Size>(
+pub(crate) fn rms_norm_forward_kernel<F: Float, I: Int, N: Size>(
     x: &Tensor<Vector<F, N>>,
+    gather: &ComptimeOption<Tensor<I>>,
     weight: &Tensor<Vector<F, N>>,
     out: &mut Tensor<Vector<F, N>>,
+    saved: &mut ComptimeOption<Tensor<Vector<F, N>>>,
     rstd: &mut Tensor<f32>,
     rows: usize,
+    seq: usize,
     eps: f32,
     #[comptime] threads: usize,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let row = CUBE_POS;
     if row >= rows {
@@ -59,6 +81,7 @@ fn rms_norm_forward_kernel<F: Float, N: Size>(
     }
     let vectors = weight.len();
     let hidden = vectors * weight.vector_size();
+    let source = row_start::<I>(row, gather, seq, vectors);
     let start = row * vectors;
     let unit = UNIT_POS as usize;
     let steps = vectors.div_ceil(threads);
@@ -67,7 +90,7 @@ fn rms_norm_forward_kernel<F: Float, N: Size>(
     for step in 0..steps {
         let i = unit + step * threads;
         if i < vectors {
-            let value = Vector::<f32, N>::cast_from(x[start + i]);
+            let value = Vector::<f32, N>::cast_from(x[source + i]);
             squares += lane_sum::<N>(value * value);
         }
     }
@@ -76,7 +99,12 @@ fn rms_norm_forward_kernel<F: Float, N: Size>(
     for step in 0..steps {
         let i = unit + step * threads;
         if i < vectors {
-            let value = Vector::<f32, N>::cast_from(x[start + i]);
+            let raw = x[source + i];
+            #[comptime]
+            if let ComptimeOption::Some(saved) = saved {
+                saved[start + i] = raw;
+            }
+            let value = Vector::<f32, N>::cast_from(raw);
             let scale = Vector::<f32, N>::cast_from(weight[i]);
             out[start + i] = Vector::cast_from(value * scale * Vector::new(r));
         }
@@ -86,18 +114,22 @@ fn rms_norm_forward_kernel<F: Float, N: Size>(
     }
 }
 
-/// `d x = r (w g) - x r^3 mean(w g x)`, one cube per row like the forward.
+/// `d x = r (w g) - x r^3 mean(w g x)`, one cube per row of `x [rows, hidden / N]` like the
+/// forward. The row is written to row `CUBE_POS` of `grad_x`, or, with `scatter`, added into its
+/// row through the map (see [`row_start`]).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn rms_norm_backward_kernel<F: Float, N: Size>(
+pub(crate) fn rms_norm_backward_kernel<F: Float, I: Int, N: Size>(
     x: &Tensor<Vector<F, N>>,
     weight: &Tensor<Vector<F, N>>,
     rstd: &Tensor<f32>,
     grad: &Tensor<Vector<F, N>>,
     grad_x: &mut Tensor<Vector<F, N>>,
+    scatter: &ComptimeOption<Tensor<I>>,
     rows: usize,
+    seq: usize,
     #[comptime] threads: usize,
-    #[define(F)] _dtype: StorageType,
+    #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let row = CUBE_POS;
     if row >= rows {
@@ -106,6 +138,7 @@ fn rms_norm_backward_kernel<F: Float, N: Size>(
     let vectors = weight.len();
     let hidden = vectors * weight.vector_size();
     let start = row * vectors;
+    let target = row_start::<I>(row, scatter, seq, vectors);
     let unit = UNIT_POS as usize;
     let steps = vectors.div_ceil(threads);
 
@@ -127,8 +160,12 @@ fn rms_norm_backward_kernel<F: Float, N: Size>(
             let weighted =
                 Vector::<f32, N>::cast_from(grad[start + i]) * Vector::cast_from(weight[i]);
             let value = Vector::<f32, N>::cast_from(x[start + i]);
-            grad_x[start + i] =
-                Vector::cast_from(weighted * Vector::new(r) - value * Vector::new(correction));
+            let mut grad_row = weighted * Vector::new(r) - value * Vector::new(correction);
+            #[comptime]
+            if let ComptimeOption::Some(_) = scatter {
+                grad_row += Vector::cast_from(grad_x[target + i]);
+            }
+            grad_x[target + i] = Vector::cast_from(grad_row);
         }
     }
 }
@@ -138,36 +175,78 @@ fn rows_of<R: CubeRuntime>(x: &CubeTensor<R>) -> (usize, usize) {
     (x.meta.num_elements() / hidden.max(1), hidden)
 }
 
-/// RMSNorm forward: one cube of 256 threads per row, two passes over the row (the second from
-/// cache). Reads `x` once and writes `y` once: O(rows * hidden) bytes, no intermediate tensor.
-pub(crate) fn forward<R: CubeRuntime>(
+/// Rows of `[batch, seq, hidden]` tensors that a token-sparse block reads or writes:
+/// `rows [batch, kept]` (integers in `0..seq`, see [`crate::token_movement`]).
+pub(crate) struct RowMap<R: CubeRuntime> {
+    pub rows: CubeTensor<R>,
+    pub seq: usize,
+}
+
+impl<R: CubeRuntime> RowMap<R> {
+    pub(crate) fn new(rows: CubeTensor<R>, seq: usize) -> Self {
+        Self {
+            rows: into_contiguous(rows),
+            seq,
+        }
+    }
+
+    fn arg(map: &Option<Self>) -> (Option<TensorArg<R>>, usize, StorageType) {
+        match map {
+            Some(map) => (
+                Some(map.rows.clone().into_tensor_arg()),
+                map.seq,
+                map.rows.dtype.into(),
+            ),
+            None => (None, 0, DType::I32.into()),
+        }
+    }
+}
+
+/// RMSNorm forward `(y, rstd, saved)` of the rows of `x` that `gather` selects (`y [batch, kept,
+/// hidden]`), or of every row of `x` without it (`y` shaped like `x`), with a copy of the input
+/// rows it read when `save_input`. One cube of 256 threads per output row, two passes over the
+/// row (the second from cache): reads each selected row once and writes `y` (and the copy) once,
+/// O(output rows * hidden) bytes, no intermediate tensor.
+pub(crate) fn forward_rows<R: CubeRuntime>(
     x: CubeTensor<R>,
+    gather: Option<RowMap<R>>,
     weight: CubeTensor<R>,
     eps: f32,
-) -> (CubeTensor<R>, CubeTensor<R>) {
+    save_input: bool,
+) -> (CubeTensor<R>, CubeTensor<R>, Option<CubeTensor<R>>) {
     let x = into_contiguous(x);
     let weight = into_contiguous(weight);
-    let (rows, hidden) = rows_of(&x);
+    let hidden = rows_of(&x).1;
     assert_eq!(weight.meta.num_elements(), hidden, "RMSNorm weight size");
+    let shape = match &gather {
+        Some(map) => {
+            let rows = map.rows.meta.shape();
+            assert_eq!(
+                x.meta.num_dims(),
+                3,
+                "gathered RMSNorm input must be [batch, seq, hidden]"
+            );
+            assert_eq!(rows[0], x.meta.shape()[0], "one row set per sequence");
+            Shape::from([rows[0], rows[1], hidden])
+        }
+        None => x.meta.shape().clone(),
+    };
+    let rows = shape.num_elements() / hidden.max(1);
     let client = x.client.clone();
-    let out = empty_device_contiguous_dtype(
-        client.clone(),
-        x.device.clone(),
-        x.meta.shape().clone(),
-        x.dtype,
-    );
-    let rstd = empty_device_contiguous_dtype(
-        client.clone(),
-        x.device.clone(),
-        Shape::from([rows]),
-        DType::F32,
-    );
+    let empty = |shape: Shape, dtype| {
+        empty_device_contiguous_dtype(client.clone(), x.device.clone(), shape, dtype)
+    };
+    let out = empty(shape.clone(), x.dtype);
+    let saved = save_input.then(|| empty(shape, x.dtype));
+    let rstd = empty(Shape::from([rows]), DType::F32);
     if rows == 0 {
-        return (out, rstd);
+        return (out, rstd, saved);
     }
     let vector = vector_size(&x, hidden);
-    let dtype = x.dtype;
-    // SAFETY: every index is bounded by `rows` and the weight's length.
+    let (gather_arg, seq, index_dtype) = RowMap::arg(&gather);
+    let dtypes = [x.dtype.into(), index_dtype];
+    // SAFETY: every index is bounded by `rows` and the weight's length; gathered rows must lie
+    // in `0..seq` (the contract of `crate::token_movement`).
     unsafe {
         rms_norm_forward_kernel::launch_unchecked::<R>(
             &client,
@@ -175,43 +254,73 @@ pub(crate) fn forward<R: CubeRuntime>(
             CubeDim::new_1d(THREADS as u32),
             vector,
             x.into_tensor_arg(),
+            gather_arg.into(),
             weight.into_tensor_arg(),
             out.clone().into_tensor_arg(),
+            saved.clone().map(|saved| saved.into_tensor_arg()).into(),
             rstd.clone().into_tensor_arg(),
             rows,
+            seq,
             eps,
             THREADS,
-            dtype.into(),
+            dtypes,
         );
     }
+    (out, rstd, saved)
+}
+
+/// RMSNorm forward of every row of `x`: `(y, rstd)`, see [`forward_rows`].
+pub(crate) fn forward<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    weight: CubeTensor<R>,
+    eps: f32,
+) -> (CubeTensor<R>, CubeTensor<R>) {
+    let (out, rstd, _) = forward_rows(x, None, weight, eps, false);
     (out, rstd)
 }
 
-/// RMSNorm backward for `x`: one cube per row, reads `x` and `d y` once (twice from cache) and
-/// writes `d x`: O(rows * hidden) bytes.
-pub(crate) fn backward<R: CubeRuntime>(
+/// RMSNorm backward for `x` (the rows the forward read): one cube per row, reads `x` and `d y`
+/// once (twice from cache). Without `scatter` it writes `d x` shaped like `x`; with it, `d x` is
+/// added into the mapped rows of `target` (contiguous, `x`'s dtype, written in place and
+/// returned). O(rows * hidden) bytes either way.
+pub(crate) fn backward_rows<R: CubeRuntime>(
     x: CubeTensor<R>,
     weight: CubeTensor<R>,
     rstd: CubeTensor<R>,
     grad: CubeTensor<R>,
+    scatter: Option<(RowMap<R>, CubeTensor<R>)>,
 ) -> CubeTensor<R> {
     let x = into_contiguous(x);
     let grad = into_contiguous(grad);
     let weight = into_contiguous(weight);
     let (rows, hidden) = rows_of(&x);
     let client = x.client.clone();
-    let grad_x = empty_device_contiguous_dtype(
-        client.clone(),
-        x.device.clone(),
-        x.meta.shape().clone(),
-        x.dtype,
-    );
+    let (map, grad_x) = match scatter {
+        Some((map, target)) => {
+            assert!(
+                target.is_contiguous() && target.dtype == x.dtype,
+                "RMSNorm gradient target must be contiguous in the input's dtype"
+            );
+            (Some(map), target)
+        }
+        None => (
+            None,
+            empty_device_contiguous_dtype(
+                client.clone(),
+                x.device.clone(),
+                x.meta.shape().clone(),
+                x.dtype,
+            ),
+        ),
+    };
     if rows == 0 {
         return grad_x;
     }
     let vector = vector_size(&x, hidden);
-    let dtype = x.dtype;
-    // SAFETY: every index is bounded by `rows` and the weight's length.
+    let (map_arg, seq, index_dtype) = RowMap::arg(&map);
+    let dtypes = [x.dtype.into(), index_dtype];
+    // SAFETY: every index is bounded by `rows` and the weight's length; mapped rows must lie in
+    // `0..seq` (the contract of `crate::token_movement`).
     unsafe {
         rms_norm_backward_kernel::launch_unchecked::<R>(
             &client,
@@ -223,10 +332,22 @@ pub(crate) fn backward<R: CubeRuntime>(
             rstd.into_tensor_arg(),
             grad.into_tensor_arg(),
             grad_x.clone().into_tensor_arg(),
+            map_arg.into(),
             rows,
+            seq,
             THREADS,
-            dtype.into(),
+            dtypes,
         );
     }
     grad_x
+}
+
+/// RMSNorm backward for `x`: `d x` shaped like `x`, see [`backward_rows`].
+pub(crate) fn backward<R: CubeRuntime>(
+    x: CubeTensor<R>,
+    weight: CubeTensor<R>,
+    rstd: CubeTensor<R>,
+    grad: CubeTensor<R>,
+) -> CubeTensor<R> {
+    backward_rows(x, weight, rstd, grad, None)
 }

@@ -1,0 +1,75 @@
+//! Helpers shared by the parity tests: seeding (printed, overridable with `LEMO_TEST_SEED`),
+//! random inputs, a small host-side generator, and the relative-error check.
+#![allow(dead_code)] // each test binary uses its own subset
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Distribution, ElementConversion, Tensor};
+
+/// Seeds `B`'s generator on `device` with `LEMO_TEST_SEED` when it is set, else with the clock,
+/// prints the seed (rerun a failure with `LEMO_TEST_SEED=<seed>`) and returns it.
+pub fn seed<B: Backend>(device: &B::Device) -> u64 {
+    let seed = match std::env::var("LEMO_TEST_SEED") {
+        Ok(value) => value.parse().expect("LEMO_TEST_SEED must be an integer"),
+        Err(_) => std::time::UNIX_EPOCH.elapsed().unwrap().as_nanos() as u64,
+    };
+    println!("seed {seed} (rerun with LEMO_TEST_SEED={seed})");
+    B::seed(device, seed);
+    seed
+}
+
+/// Standard normal samples of `shape`.
+pub fn random<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
+}
+
+/// SplitMix64: host-side choices (index sets, sizes) that follow the printed seed.
+pub struct HostRng(u64);
+
+impl HostRng {
+    pub fn new(seed: u64) -> Self {
+        Self(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n`.
+    pub fn below(&mut self, n: usize) -> usize {
+        (self.next_u64() % n as u64) as usize
+    }
+}
+
+/// `max |actual - expected| / max |expected|`.
+pub fn relative_error<B: Backend, const D: usize>(
+    actual: Tensor<B, D>,
+    expected: Tensor<B, D>,
+) -> f32 {
+    let scale: f32 = expected.clone().abs().max().into_scalar().elem();
+    let error: f32 = (actual - expected).abs().max().into_scalar().elem();
+    error / scale.max(1e-12)
+}
+
+/// Asserts equal shapes and a relative error (see [`relative_error`]) of at most `tolerance`,
+/// printing it; `0.0` asks for bit-equal results. An all-zero expectation fails: it would hide
+/// an output that was never written.
+pub fn assert_close<B: Backend, const D: usize>(
+    what: &str,
+    actual: Tensor<B, D>,
+    expected: Tensor<B, D>,
+    tolerance: f32,
+) {
+    assert_eq!(actual.dims(), expected.dims(), "{what}: shapes differ");
+    let scale: f32 = expected.clone().abs().max().into_scalar().elem();
+    assert!(scale > 0.0, "{what}: the expected tensor is all zeros");
+    let error = relative_error(actual, expected);
+    println!("{what}: relative error {error:.2e}");
+    assert!(
+        error <= tolerance,
+        "{what}: relative error {error} over {tolerance}"
+    );
+}
