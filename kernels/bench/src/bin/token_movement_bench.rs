@@ -287,8 +287,11 @@ fn parity<B: ComputeBackend>(hidden: usize, dtype: DType, tolerance: f64) -> Vec
     let rows = kept_rows::<B>(batch, seq, 0.5, &device);
     let (x, weight, grad) = inputs::<B>(batch, seq, hidden, dtype, &device);
     let kept = rows.dims()[1];
-    let values =
-        Tensor::<B, 3>::random([batch, kept, hidden], Distribution::Normal(0.0, 1.0), &device);
+    let values = Tensor::<B, 3>::random(
+        [batch, kept, hidden],
+        Distribution::Normal(0.0, 1.0),
+        &device,
+    );
     let mut checks = vec![
         (
             "gather_rms_norm",
@@ -314,7 +317,11 @@ fn parity<B: ComputeBackend>(hidden: usize, dtype: DType, tolerance: f64) -> Vec
         (
             "scatter_add_rows",
             relative(
-                token_movement::scatter_add_rows(x.clone(), rows.clone(), values.clone().cast(dtype)),
+                token_movement::scatter_add_rows(
+                    x.clone(),
+                    rows.clone(),
+                    values.clone().cast(dtype),
+                ),
                 reference::scatter_add_rows(x.clone(), rows.clone(), values.cast(dtype)),
             ),
         ),
@@ -333,7 +340,10 @@ fn parity<B: ComputeBackend>(hidden: usize, dtype: DType, tolerance: f64) -> Vec
         .into_iter()
         .map(|(check, error)| {
             let ok = error <= tolerance;
-            println!("parity {check}: {error:.2e} {}", if ok { "ok" } else { "FAIL" });
+            println!(
+                "parity {check}: {error:.2e} {}",
+                if ok { "ok" } else { "FAIL" }
+            );
             json!({"check": check, "relative_error": error, "tolerance": tolerance, "ok": ok})
         })
         .collect()
@@ -369,7 +379,9 @@ fn time_path<R: CubeRuntime, BT: BoolElement>(
     };
     // One step to compile and to size the loops (about 20 ms each).
     let first = time_calls(&client, 1, 1, step);
-    let calls = (0.02 / first.as_secs_f64().max(1e-6)).ceil().clamp(2.0, 50.0) as usize;
+    let calls = (0.02 / first.as_secs_f64().max(1e-6))
+        .ceil()
+        .clamp(2.0, 50.0) as usize;
     (time_calls(&client, repeats, calls, step), kept)
 }
 
