@@ -12,10 +12,21 @@ fn check(batch: usize, q_heads: usize, kv_heads: usize, seq: usize, head_dim: us
     let q = random::<WgpuBackend, 4>([batch, q_heads, seq, head_dim], &device);
     let k = random::<WgpuBackend, 4>([batch, kv_heads, seq, head_dim], &device);
     let scores = block_scores::block_scores(q.clone(), k.clone(), block);
-    let expected = reference::block_scores(q, k, block, (head_dim as f32).powf(-0.5));
+    let scale = (head_dim as f32).powf(-0.5);
+    let expected = reference::block_scores(q.clone(), k.clone(), block, scale);
     let blocks = seq.div_ceil(block);
     assert_eq!(scores.dims(), [batch, blocks, blocks]);
-    assert_close("block scores", scores, expected, 1e-5);
+    assert_close("block scores", scores, expected.clone(), 1e-5);
+    // The GEMM strips of the tensor-core path, forced into strips of one or two blocks.
+    let strip_bytes = batch * q_heads * seq * 4 * block;
+    let strips = block_scores::chunked::block_scores_in_strips(
+        q.clone(),
+        k.clone(),
+        block,
+        scale,
+        strip_bytes,
+    );
+    assert_close("block scores in GEMM strips", strips, expected, 1e-5);
 }
 
 #[test]

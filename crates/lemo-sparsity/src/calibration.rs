@@ -1,8 +1,10 @@
 //! Layer-specific thresholds (the paper's Algorithm 1) with an objective that can be met.
 //!
-//! Each block of each layer (attention, MLP) has a threshold. It is parametrized by the fraction
-//! `d` of the layer's profiled token-block scores it drops, `T = quantile(scores, d)`, so that one
-//! finite-difference step means the same in every layer whatever the scale of its scores.
+//! Each block of each layer (attention, MLP) has a threshold, relative to the mean token-block
+//! score of the same sequence (see [`crate::selection::KeptRows::select`]); profiles therefore
+//! hold scores divided by their sequence's mean. A threshold is parametrized by the fraction `d`
+//! of the profiled scores it drops, `T = quantile(scores, d)`, so that one finite-difference step
+//! means the same in every layer.
 //!
 //! 1. Initialization (as the paper): `T` is the mean profiled score of the block's layer.
 //! 2. Refinement: the paper's objective, accuracy alone, is highest with nothing dropped and
@@ -11,8 +13,9 @@
 //!    where `keep` is the mean kept fraction of the token-eliminating blocks and `target` the
 //!    user's: each block's `d` moves against the central difference `(J(d+e) - J(d-e)) / 2e`.
 //!    Blocks whose dropping costs loss move toward dense, cheap ones drop more.
-//! 3. A common shift of every `d` (bisection) then puts the measured `keep` on the target, so the
-//!    refinement decides *where* tokens are dropped and the target decides *how many*.
+//! 3. A common shift of the `d` of every attention block, and one of every MLP block (bisection),
+//!    then put each kind's measured kept fraction on the target, so the refinement decides
+//!    *where* tokens are dropped and the target decides *how many*.
 
 use crate::thresholds::LayerThresholds;
 
@@ -143,9 +146,9 @@ impl Calibrator {
         })
     }
 
-    /// Thresholds with every drop fraction moved by `delta`.
-    pub fn shifted(&self, delta: f64) -> Vec<LayerThresholds> {
-        self.thresholds_with(|_, _, d| d + delta)
+    /// Thresholds with the drop fraction of every block of one kind moved by `delta`.
+    pub fn shifted(&self, block: Block, delta: f64) -> Vec<LayerThresholds> {
+        self.thresholds_with(|_, b, d| if b == slot(block) { d + delta } else { d })
     }
 
     fn thresholds_with(&self, drop: impl Fn(usize, usize, f64) -> f64) -> Vec<LayerThresholds> {
@@ -187,10 +190,10 @@ impl Calibrator {
         }
     }
 
-    /// Step 3: moves every drop fraction by `delta` for good.
-    pub fn shift(&mut self, delta: f64) {
+    /// Step 3: moves the drop fraction of every block of one kind by `delta` for good.
+    pub fn shift(&mut self, block: Block, delta: f64) {
         for blocks in &mut self.drop {
-            for d in blocks.iter_mut().flatten() {
+            if let Some(d) = &mut blocks[slot(block)] {
                 *d = (*d + delta).clamp(0.0, self.max_drop);
             }
         }
@@ -229,8 +232,9 @@ mod tests {
         let mut calibrator = Calibrator::new(vec![profile(&[1.0, 2.0, 3.0, 4.0])], &[], 0.5, 0.8);
         calibrator.descend(0, Block::Mlp, -10.0, 1.0);
         assert_eq!(calibrator.drop_fraction(0, Block::Mlp), Some(0.8));
-        calibrator.shift(-2.0);
+        calibrator.shift(Block::Attention, -2.0);
         assert_eq!(calibrator.drop_fraction(0, Block::Attention), Some(0.0));
+        assert_eq!(calibrator.drop_fraction(0, Block::Mlp), Some(0.8));
         assert_eq!(calibrator.thresholds()[0].attention, Some(f32::MIN));
         // Perturbing one block leaves the others alone.
         let moved = calibrator.perturbed(0, Block::Attention, 0.5);

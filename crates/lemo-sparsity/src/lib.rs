@@ -10,7 +10,8 @@
 //! - MLP: the mean absolute activation (`silu(gate) * up`, or OPT's ReLU output) of the block's
 //!   tokens ([`informativeness::mlp`]).
 //!
-//! A block is kept when its score reaches the layer's threshold ([`Thresholds`]); the first block
+//! A block is kept when its score reaches the layer's threshold ([`Thresholds`]) times the mean
+//! score of the sequence's blocks; the first block
 //! (the attention sink) and the last block are always kept, and a floor on the kept fraction
 //! holds whatever the scores ([`selection`]). Thresholds come from calibration
 //! ([`calibration`]): each starts at the layer's mean score and is refined toward a target kept

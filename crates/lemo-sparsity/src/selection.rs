@@ -26,9 +26,13 @@ impl KeptRows {
     }
 
     /// Selects from token-block scores `[batch, blocks]` (one host read): each sequence keeps
-    /// its blocks scoring at least `threshold`, its first and last block, and at least
-    /// `min_keep` of its blocks (the best-scoring ones); then every sequence is topped up with
-    /// its best remaining blocks to the largest count of the batch.
+    /// its blocks scoring at least `threshold` times its own mean block score, its first and last
+    /// block, and at least `min_keep` of its blocks (the best-scoring ones); then every sequence
+    /// is topped up with its best remaining blocks to the largest count of the batch.
+    ///
+    /// Thresholds are relative to the sequence's mean so that they mean the same whatever the
+    /// scale of the scores, which moves as an adapter trains and between layers (the paper's
+    /// initial threshold, the layer's mean score, is the relative threshold 1).
     pub fn select<B: Backend>(
         scores: &Tensor<B, 2>,
         block_size: usize,
@@ -65,7 +69,8 @@ impl KeptRows {
                     blocks,
                     "one score per block of {block_size} tokens"
                 );
-                let mut kept = kept_blocks(s, threshold);
+                let mean = s.iter().map(|&v| v as f64).sum::<f64>() / s.len().max(1) as f64;
+                let mut kept = kept_blocks(s, (threshold as f64 * mean) as f32);
                 top_up(&mut kept, s, floor);
                 kept
             })
@@ -152,9 +157,9 @@ mod tests {
     fn the_floor_adds_the_best_blocks_and_the_batch_is_equalized() {
         let first: &[f32] = &[0.0, 9.0, 1.0, 8.0, 0.0, 0.0];
         let second: &[f32] = &[0.0, 0.0, 0.0, 0.0, 7.0, 0.0];
-        // Threshold 5: the first keeps {0, 1, 3, 5}, the second {0, 4, 5}, topped up with its best
-        // remaining block (the lowest index among equals): {0, 1, 4, 5}.
-        let kept = KeptRows::from_block_scores(&[first, second], 2, 12, 5.0, 0.0);
+        // 2.5 times each mean (3 and 7/6): the first keeps {0, 1, 3, 5}, the second {0, 4, 5},
+        // topped up with its best remaining block (the lowest index among equals): {0, 1, 4, 5}.
+        let kept = KeptRows::from_block_scores(&[first, second], 2, 12, 2.5, 0.0);
         assert_eq!(kept.kept, 8);
         assert_eq!(&kept.rows[..8], &[0, 1, 2, 3, 6, 7, 10, 11]);
         assert_eq!(&kept.rows[8..], &[0, 1, 2, 3, 8, 9, 10, 11]);

@@ -17,7 +17,8 @@ pub enum ThresholdsError {
     },
 }
 
-/// One layer's thresholds; `None` keeps that block dense.
+/// One layer's thresholds, relative to the mean token-block score of the same sequence (see
+/// [`crate::selection::KeptRows::select`]); `None` keeps that block dense.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, Default)]
 pub struct LayerThresholds {
     pub attention: Option<f32>,

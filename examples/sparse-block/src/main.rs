@@ -82,9 +82,9 @@ fn main() {
     );
 
     let scores = block.scores(h.clone(), block_size);
-    // Keep the blocks scoring at least the mean, the first and last, and at least half of them.
-    let threshold: f32 = scores.clone().mean().into_scalar();
-    let kept = KeptRows::select(&scores, block_size, seq, threshold, 0.5);
+    // Keep the blocks scoring at least their sequence's mean (a relative threshold of 1), the
+    // first and last, and at least half of them.
+    let kept = KeptRows::select(&scores, block_size, seq, 1.0, 0.5);
     println!(
         "kept {} of {seq} rows per sequence ({:.0}%)",
         kept.kept,

@@ -5,6 +5,7 @@
 //! the diagonal (`n > m`) are 0. Token-block informativeness is reduced from these by
 //! `lemo-sparsity`.
 
+pub mod chunked;
 pub(crate) mod kernel;
 pub mod reference;
 

@@ -5,7 +5,8 @@
 //! layer are profiled on a few sequences; each threshold starts at its layer's mean score; one or
 //! more rounds of central finite differences of
 //! `J = (loss - dense_loss) / dense_loss + 4 (keep - target)^2` move each block's threshold; a
-//! common shift then puts the kept fraction on the target.
+//! common shift per kind of block then puts the attention and the MLP kept fractions on the
+//! target.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -246,7 +247,8 @@ pub fn evaluate<B: LemoBackend>(
     }
 }
 
-/// Token-block scores of every block of every layer on `sequences`, from dense passes.
+/// Token-block scores of every block of every layer on `sequences`, from dense passes, each
+/// divided by the mean of its sequence's scores in that layer and block.
 pub fn profile<B: LemoBackend>(
     model: &CausalLm<B>,
     config: &ModelConfig,
@@ -356,26 +358,30 @@ pub fn calibrate<B: LemoBackend>(
         }
     }
     bar.finish_and_clear();
-    // Step 3: bisection on a common shift of the drop fractions until the kept fraction is on
-    // the target (it falls as the shift grows).
-    let keep_at = |delta: f64| {
-        let thresholds =
-            thresholds_for_model(config, model_name, settings, calibrator.shifted(delta));
-        evaluate(model, sequences, Some(&thresholds))
-    };
-    let (mut low, mut high) = (-1.0, 1.0);
-    let bar = progress(12, "calibrate: meeting the target");
-    for _ in 0..12 {
-        let middle = 0.5 * (low + high);
-        if keep_at(middle).keep() > settings.target_keep {
-            low = middle;
-        } else {
-            high = middle;
+    // Step 3: for each kind of block, bisection on a common shift of the drop fractions until
+    // its kept fraction is on the target (it falls as the shift grows).
+    let bar = progress(24, "calibrate: meeting the target");
+    for block in [Block::Attention, Block::Mlp] {
+        let (mut low, mut high) = (-1.0, 1.0);
+        for _ in 0..12 {
+            let middle = 0.5 * (low + high);
+            let shifted = calibrator.shifted(block, middle);
+            let thresholds = thresholds_for_model(config, model_name, settings, shifted);
+            let e = evaluate(model, sequences, Some(&thresholds));
+            let keep = match block {
+                Block::Attention => e.keep_attention,
+                Block::Mlp => e.keep_mlp,
+            };
+            if keep > settings.target_keep {
+                low = middle;
+            } else {
+                high = middle;
+            }
+            bar.inc(1);
         }
-        bar.inc(1);
+        calibrator.shift(block, 0.5 * (low + high));
     }
     bar.finish_and_clear();
-    calibrator.shift(0.5 * (low + high));
     let mut thresholds =
         thresholds_for_model(config, model_name, settings, calibrator.thresholds());
     let measured = evaluate(model, sequences, Some(&thresholds));
