@@ -181,8 +181,8 @@ impl GgufFile {
 /// How a Hugging Face tensor name is stored in a llama-architecture GGUF file.
 struct GgufName {
     name: String,
-    /// `q_proj`/`k_proj` rows (and biases) are in llama.cpp's interleaved RoPE order, for heads
-    /// of this many rows.
+    /// `q_proj`/`k_proj` rows (and biases) are in llama.cpp's interleaved RoPE order within
+    /// each head.
     interleaved_heads: bool,
 }
 
