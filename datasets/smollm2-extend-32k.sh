@@ -37,7 +37,7 @@ record() {
   shift
   echo "+ $*" >&2
   local started=$SECONDS output
-  output=$("$@" | tail -n 1)
+  output=$("$@" | tail -n 1) || output="{\"error\": \"exit status $?\"}"
   printf '{"case": "%s", "command": "%s", "seconds": %d, "result": %s}\n' \
     "$label" "$*" $((SECONDS - started)) "$output" >>"$RESULTS"
 }
