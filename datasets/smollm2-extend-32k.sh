@@ -9,8 +9,8 @@
 #   MODEL=$M BOOKS=../shared/data/corpora/gutenberg datasets/smollm2-extend-32k.sh
 #
 # env: LEMO (binary, default target/release/lemo-train), MODEL, BOOKS, RUN (run folder, default
-#      runs/smollm2-32k), RESULTS (default $RUN/results.jsonl), STEPS (default 60), LR (default
-#      5e-4), TRIALS (passkey prompts per length, default 5), DEVICE (default cuda), TARGET (the
+#      runs/smollm2-32k), RESULTS (default $RUN/results.jsonl), STEPS (default 150), LR (default
+#      5e-4), TRIALS (passkey prompts per length, default 10), DEVICE (default cuda), TARGET (the
 #      context to extend to, default 32768) and LENGTHS (evaluated lengths, default
 #      "8192 16384 32768"): small values make a quick check of the recipe on a CPU.
 set -euo pipefail
@@ -19,9 +19,9 @@ MODEL=${MODEL:?set MODEL to SmolLM2-135M-Instruct.Q4_1.gguf (cargo xtask fetch-m
 BOOKS=${BOOKS:?set BOOKS to the folder of Gutenberg books (../shared/data/corpora/gutenberg)}
 RUN=${RUN:-runs/smollm2-32k}
 RESULTS=${RESULTS:-$RUN/results.jsonl}
-STEPS=${STEPS:-60}
+STEPS=${STEPS:-150}
 LR=${LR:-5e-4}
-TRIALS=${TRIALS:-5}
+TRIALS=${TRIALS:-10}
 DEVICE=${DEVICE:-cuda}
 TARGET=${TARGET:-32768}
 read -r -a LENGTHS <<<"${LENGTHS:-8192 16384 32768}"

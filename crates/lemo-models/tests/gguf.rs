@@ -264,6 +264,28 @@ fn malformed_files_end_in_one_line_errors() {
     );
 }
 
+#[test]
+fn reads_versions_2_and_3_only() {
+    let mut bytes = tiny_llama().build();
+    for (version, readable) in [(1u32, false), (2, true), (3, true), (4, false)] {
+        bytes[4..8].copy_from_slice(&version.to_le_bytes());
+        match Header::parse(&bytes) {
+            Ok(header) => {
+                assert!(readable, "version {version} parsed");
+                assert_eq!(header.version, version);
+                assert_eq!(header.tensors.len(), 20);
+            }
+            Err(message) => {
+                assert!(!readable, "version {version}: {message}");
+                assert!(
+                    message.contains(&format!("GGUF version {version}")),
+                    "{message}"
+                );
+            }
+        }
+    }
+}
+
 /// Random bytes, and valid files with bytes overwritten, cut short or with counts made huge,
 /// must parse or fail with an error; never panic or allocate what a count claims.
 #[test]
