@@ -399,19 +399,37 @@ fn smollm2_token_ids_match_llama_cpp() {
     }
 }
 
+/// Every text's ids under the tokenizer of `model` equal llama.cpp's in `ids`, and decode back.
+fn check_token_ids(model: &str, texts: &Value, ids: &Value) {
+    let tokenizer = Tokenizer::from_file(&fixture(model)).unwrap();
+    for (name, text) in texts.as_object().unwrap() {
+        let text = text.as_str().unwrap();
+        let found = tokenizer.encode(text).unwrap();
+        let reference: Vec<u32> = serde_json::from_value(ids[name].clone()).unwrap();
+        assert_eq!(found, reference, "{model} {name}: {text:?}");
+        if name != "control" {
+            assert_eq!(tokenizer.decode(&found), text, "{model} {name} round trip");
+        }
+    }
+}
+
 /// A SentencePiece-style vocabulary (byte fallback, scored merges, BOS added by default).
 #[test]
 fn sentencepiece_token_ids_match_llama_cpp() {
-    let tokenizer = Tokenizer::from_file(&fixture("spm.gguf")).unwrap();
     let expected = read_json(&fixture("spm.json"));
-    for (name, text) in expected["texts"].as_object().unwrap() {
-        let text = text.as_str().unwrap();
-        let ids = tokenizer.encode(text).unwrap();
-        let reference: Vec<u32> = serde_json::from_value(expected["ids"][name].clone()).unwrap();
-        assert_eq!(ids, reference, "{name}: {text:?}");
-        if name != "control" {
-            assert_eq!(tokenizer.decode(&ids), text, "{name} round trip");
-        }
+    check_token_ids("spm.gguf", &expected["texts"], &expected["ids"]);
+}
+
+/// Byte-level BPE under GPT-2's and Llama 3's pre-tokenizers (Llama 3 adds BOS).
+#[test]
+fn byte_level_bpe_token_ids_match_llama_cpp() {
+    let expected = read_json(&fixture("bpe.json"));
+    for pre in ["gpt-2", "llama-bpe"] {
+        check_token_ids(
+            &format!("bpe-{pre}.gguf"),
+            &expected["texts"],
+            &expected["ids"][pre],
+        );
     }
 }
 

@@ -46,10 +46,6 @@ impl GgufFile {
         })
     }
 
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     pub fn metadata(&self, key: &str) -> Option<&Value> {
         self.header.metadata.get(key)
     }

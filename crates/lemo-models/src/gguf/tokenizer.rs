@@ -49,7 +49,7 @@ pub fn from_gguf(path: &Path) -> Result<HuggingFaceTokenizer> {
     );
 
     let (mut spec, add_bos_default) = match model {
-        "gpt2" => (gpt2_spec(&file, &tokens)?, false),
+        "gpt2" => gpt2_spec(&file, &tokens)?,
         "llama" => (
             sentencepiece_spec(&file, &tokens)?,
             // llama.cpp adds BOS for SentencePiece vocabularies unless told otherwise.
@@ -112,8 +112,9 @@ fn vocab_json(tokens: &[&str]) -> Json {
     )
 }
 
-/// Byte-level BPE; the pre-tokenizer is chosen by name, as llama.cpp chooses its regexes.
-fn gpt2_spec(file: &GgufFile, tokens: &[&str]) -> Result<Json> {
+/// Byte-level BPE; the pre-tokenizer is chosen by name, as llama.cpp chooses its regexes. Also
+/// says whether BOS is added when the metadata does not say (llama.cpp adds it for Llama 3).
+fn gpt2_spec(file: &GgufFile, tokens: &[&str]) -> Result<(Json, bool)> {
     let merges = string_array(file, "tokenizer.ggml.merges")?
         .ok_or_else(|| file.error("a gpt2 tokenizer needs tokenizer.ggml.merges"))?;
     let pre = file
@@ -122,6 +123,7 @@ fn gpt2_spec(file: &GgufFile, tokens: &[&str]) -> Result<Json> {
         .unwrap_or("gpt-2");
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
     let split = |pattern: &str| json!({"type": "Split", "pattern": {"Regex": pattern}, "behavior": "Isolated", "invert": false});
+    let is_llama3 = matches!(pre, "llama-bpe" | "llama3");
     let (pre_tokenizer, ignore_merges) = match pre {
         "gpt-2" | "gpt2" => (
             split_then_bytes(split(GPT2_PATTERN), byte_level(false)),
@@ -137,7 +139,7 @@ fn gpt2_spec(file: &GgufFile, tokens: &[&str]) -> Result<Json> {
             false,
         ),
         // A word that is itself a token is taken whole, before any merge.
-        "llama-bpe" | "llama3" => (
+        _ if is_llama3 => (
             split_then_bytes(split(LLAMA3_PATTERN), byte_level(false)),
             true,
         ),
@@ -147,7 +149,7 @@ fn gpt2_spec(file: &GgufFile, tokens: &[&str]) -> Result<Json> {
             )));
         }
     };
-    Ok(json!({
+    let spec = json!({
         "version": "1.0",
         "normalizer": null,
         "pre_tokenizer": pre_tokenizer,
@@ -164,7 +166,8 @@ fn gpt2_spec(file: &GgufFile, tokens: &[&str]) -> Result<Json> {
             "vocab": vocab_json(tokens),
             "merges": merges,
         },
-    }))
+    });
+    Ok((spec, is_llama3))
 }
 
 fn split_then_bytes(split: Json, bytes: Json) -> Json {
