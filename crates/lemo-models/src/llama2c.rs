@@ -143,7 +143,7 @@ impl Llama2cCheckpoint {
 
 /// Reorders the rows of a `[heads * head_dim, in]` projection so that each head's interleaved
 /// pairs `(2i, 2i + 1)` become the rotate-half pairs `(i, i + head_dim / 2)`.
-fn interleaved_to_rotate_half(
+pub(crate) fn interleaved_to_rotate_half(
     values: &[f32],
     rows: usize,
     cols: usize,

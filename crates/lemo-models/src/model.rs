@@ -13,6 +13,7 @@ use lemo_kernels::precision::Precision;
 use crate::cache::KvCache;
 use crate::config::{ModelConfig, RopeConfig, RopeScaling};
 use crate::decoder::{self, Decoder};
+use crate::gguf::{GgufFile, GgufWeights};
 use crate::llama::Llama;
 use crate::llama2c::Llama2cCheckpoint;
 use crate::lora::{Linear, LoraConfig};
@@ -36,6 +37,8 @@ pub enum ModelFormat {
     HuggingFace,
     /// A llama2.c v0 checkpoint `.bin`.
     Llama2c,
+    /// A llama.cpp `.gguf` file (weights, configuration and tokenizer in one).
+    Gguf,
 }
 
 impl ModelFormat {
@@ -46,13 +49,13 @@ impl ModelFormat {
             }
             Ok(ModelFormat::HuggingFace)
         } else if path.is_file() {
-            if path.extension().is_some_and(|e| e == "bin") {
-                Ok(ModelFormat::Llama2c)
-            } else {
-                Err(Error::format(
+            match path.extension().and_then(|e| e.to_str()) {
+                Some("bin") => Ok(ModelFormat::Llama2c),
+                Some("gguf") => Ok(ModelFormat::Gguf),
+                _ => Err(Error::format(
                     path,
-                    "expected a Hugging Face model folder or a llama2.c .bin checkpoint",
-                ))
+                    "expected a Hugging Face model folder, a llama2.c .bin checkpoint or a .gguf file",
+                )),
             }
         } else {
             Err(Error::io(
@@ -64,7 +67,7 @@ impl ModelFormat {
 }
 
 impl<B: LemoBackend> CausalLm<B> {
-    /// Loads a Hugging Face folder or a llama2.c checkpoint onto `device`, its weights stored
+    /// Loads a Hugging Face folder, a llama2.c checkpoint or a GGUF file onto `device`, its weights stored
     /// and its hidden states computed as `precision` says (see [`Self::build`]).
     pub fn from_path(
         path: &Path,
@@ -86,6 +89,18 @@ impl<B: LemoBackend> CausalLm<B> {
                 let mut checkpoint = Llama2cCheckpoint::open(path)?;
                 let config = ModelConfig::Llama(checkpoint.config().clone());
                 let model = Self::build(&config, &mut checkpoint, device, precision)?;
+                Ok((model, config))
+            }
+            ModelFormat::Gguf => {
+                let file = GgufFile::open(path)?;
+                let llama = file.llama_config()?;
+                let mut weights = GgufWeights::new(file, &llama);
+                let config = ModelConfig::Llama(llama);
+                let model =
+                    Self::build(&config, &mut weights, device, precision).map_err(|e| match e {
+                        Error::Shape(message) => Error::format(path, message),
+                        other => other,
+                    })?;
                 Ok((model, config))
             }
         }

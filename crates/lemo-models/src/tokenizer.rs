@@ -28,16 +28,20 @@ pub enum Tokenizer {
 }
 
 impl Tokenizer {
-    /// Loads `*.json` as a Hugging Face tokenizer and `*.bin` as a llama2.c tokenizer.
+    /// Loads `*.json` as a Hugging Face tokenizer, `*.bin` as a llama2.c tokenizer and `*.gguf`
+    /// as the tokenizer in a GGUF model's metadata.
     pub fn from_file(path: &Path) -> Result<Self> {
         match path.extension().and_then(|extension| extension.to_str()) {
             Some("json") => Ok(Self::HuggingFace(Box::new(
                 HuggingFaceTokenizer::from_file(path)?,
             ))),
             Some("bin") => Ok(Self::Llama2c(Llama2cTokenizer::from_file(path)?)),
+            Some("gguf") => Ok(Self::HuggingFace(Box::new(
+                crate::gguf::tokenizer::from_gguf(path)?,
+            ))),
             _ => Err(Error::format(
                 path,
-                "unknown tokenizer format: expected a Hugging Face tokenizer.json or a llama2.c .bin",
+                "unknown tokenizer format: expected a Hugging Face tokenizer.json, a llama2.c .bin or a .gguf model",
             )),
         }
     }
@@ -129,6 +133,16 @@ impl HuggingFaceTokenizer {
         };
         let bos_id = special_id("bos_token", &BOS_SPELLINGS);
         let eos_id = special_id("eos_token", &EOS_SPELLINGS);
+        Ok(Self::from_parts(path, inner, bos_id, eos_id))
+    }
+
+    /// A tokenizer built elsewhere (from a GGUF file's metadata); `path` names it in errors.
+    pub(crate) fn from_parts(
+        path: &Path,
+        inner: tokenizers::Tokenizer,
+        bos_id: Option<u32>,
+        eos_id: Option<u32>,
+    ) -> Self {
         let special_ids = inner
             .get_added_tokens_decoder()
             .into_iter()
@@ -143,7 +157,7 @@ impl HuggingFaceTokenizer {
         let has_byte_level = decoder.is_some_and(|decoder| {
             decoder_contains(decoder, &|d| matches!(d, DecoderWrapper::ByteLevel(_)))
         });
-        Ok(Self {
+        Self {
             path: path.to_path_buf(),
             inner,
             bos_id,
@@ -152,7 +166,7 @@ impl HuggingFaceTokenizer {
             special_ids,
             has_byte_fallback,
             has_byte_level,
-        })
+        }
     }
 
     fn encode(&self, text: &str) -> Result<Vec<u32>> {

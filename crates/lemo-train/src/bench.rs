@@ -120,19 +120,25 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
     if job.method == Method::Lemo {
         job.sparsity.validate()?;
     }
-    let config = ModelConfig::from_file(&job.config)?;
     let name = job
         .config
         .file_stem()
         .map_or("model".into(), |s| s.to_string_lossy().to_string());
     let started = Instant::now();
     AB::<B>::seed(&device, job.seed);
-    let base = CausalLm::<AB<B>>::build(
-        &config,
-        &mut FastRandomWeights { seed: job.seed },
-        &device,
-        job.precision.policy(),
-    )?;
+    // A GGUF file carries its weights: benchmark those rather than random ones.
+    let (base, config) = if job.config.extension().is_some_and(|e| e == "gguf") {
+        CausalLm::<AB<B>>::from_path(&job.config, &device, job.precision.policy())?
+    } else {
+        let config = ModelConfig::from_file(&job.config)?;
+        let base = CausalLm::<AB<B>>::build(
+            &config,
+            &mut FastRandomWeights { seed: job.seed },
+            &device,
+            job.precision.policy(),
+        )?;
+        (base, config)
+    };
     let lora = LoraConfig {
         rank: job.lora_rank,
         alpha: 2.0 * job.lora_rank as f64,

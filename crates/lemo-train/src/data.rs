@@ -96,8 +96,12 @@ pub fn read_token_file(path: &Path, width: TokenWidth) -> Result<Vec<u32>> {
 }
 
 /// Where a model's tokenizer lives when `--tokenizer` is not given: `tokenizer.json` in a
-/// Hugging Face folder; `tokenizer.bin` or a single `tok*.bin` beside a llama2.c checkpoint.
+/// Hugging Face folder; `tokenizer.bin` or a single `tok*.bin` beside a llama2.c checkpoint; the
+/// model file itself for GGUF, whose metadata holds the tokenizer.
 pub fn find_tokenizer(model: &Path) -> Option<PathBuf> {
+    if model.is_file() && model.extension().is_some_and(|e| e == "gguf") {
+        return Some(model.to_path_buf());
+    }
     if model.is_dir() {
         return Some(model.join("tokenizer.json")).filter(|p| p.exists());
     }

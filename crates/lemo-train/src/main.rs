@@ -42,7 +42,8 @@ enum Command {
     Train(Box<train::config::TrainArgs>),
     /// Mean next-token cross-entropy and perplexity of a model over a dataset.
     Eval {
-        /// Hugging Face model folder (config.json + *.safetensors) or llama2.c .bin checkpoint.
+        /// Hugging Face model folder (config.json + *.safetensors), llama2.c .bin checkpoint or
+        /// .gguf file.
         #[arg(long)]
         model: PathBuf,
         /// Plain text, JSONL (`text` or `input_ids` per line), a raw token .bin, or a folder of
@@ -110,7 +111,8 @@ enum Command {
     /// Time and memory of a few training steps of a random-init model, per sequence length
     /// (one JSON line each).
     Bench {
-        /// Hugging Face config.json (or a folder holding one), e.g. bench/configs/llama-2-7b.json.
+        /// Hugging Face config.json (or a folder holding one), e.g. bench/configs/llama-2-7b.json,
+        /// whose model gets random weights; or a .gguf file, whose own weights are used.
         #[arg(long)]
         model: PathBuf,
         #[arg(long, value_enum, default_value_t = train::config::Method::Lora)]
@@ -187,7 +189,7 @@ enum Command {
     },
     /// Token ids of a text (BOS included where the tokenizer adds it).
     Tokenize {
-        /// tokenizer.json (Hugging Face) or tokenizer.bin (llama2.c).
+        /// tokenizer.json (Hugging Face), tokenizer.bin (llama2.c) or a .gguf model.
         #[arg(long)]
         tokenizer: PathBuf,
         #[arg(long, conflicts_with = "file", required_unless_present = "file")]

@@ -275,7 +275,8 @@ pub struct TrainArgs {
     /// TOML file with any of the options below (snake_case keys, e.g. `seq_len = 4096`).
     #[arg(long)]
     pub config: Option<PathBuf>,
-    /// Hugging Face model folder (config.json + *.safetensors) or llama2.c .bin checkpoint.
+    /// Hugging Face model folder (config.json + *.safetensors), llama2.c .bin checkpoint or
+    /// .gguf file.
     #[arg(long)]
     pub model: Option<PathBuf>,
     /// tokenizer.json or llama2.c tokenizer .bin [default: the one beside the model].

@@ -1,0 +1,259 @@
+//! GGUF files (llama.cpp's format) as frozen bases: the header and tensor table are read from a
+//! memory map, each tensor is dequantized to f32 when the model asks for it under its Hugging
+//! Face name, and the configuration and tokenizer come from the file's metadata.
+//!
+//! llama.cpp's converter reorders the rows of each head of `q_proj` and `k_proj` so that RoPE
+//! rotates interleaved pairs `(2i, 2i + 1)`; our Llama rotates halves `(i, i + head_dim / 2)`, as
+//! Hugging Face checkpoints do, so those rows are put back on load. Adapters trained on a GGUF
+//! base therefore use the Hugging Face row order and load into PEFT on the original checkpoint.
+
+mod quant;
+mod reader;
+pub mod tokenizer;
+
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+
+pub use quant::GgmlType;
+pub use reader::{Header, TensorInfo, Value};
+
+use crate::config::{LlamaConfig, RopeConfig, RopeScaling};
+use crate::llama2c::interleaved_to_rotate_half;
+use crate::weights::WeightSource;
+use crate::{Error, Result};
+
+/// The architectures whose tensors lemo maps onto its Llama model.
+const LLAMA_ARCHITECTURES: [&str; 1] = ["llama"];
+
+/// An open GGUF file: memory-mapped, its header parsed and checked.
+pub struct GgufFile {
+    path: PathBuf,
+    map: Mmap,
+    pub header: Header,
+}
+
+impl GgufFile {
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: read-only mapping of a file lemo never writes.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let header = Header::parse(&map).map_err(|message| Error::format(path, message))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            map,
+            header,
+        })
+    }
+
+    pub fn metadata(&self, key: &str) -> Option<&Value> {
+        self.header.metadata.get(key)
+    }
+
+    fn error(&self, message: impl Into<String>) -> Error {
+        Error::format(&self.path, message)
+    }
+
+    /// A tensor's f32 values in row-major order.
+    pub fn dequantize(&self, info: &TensorInfo) -> Vec<f32> {
+        info.ggml_type
+            .dequantize(&self.map[info.start..info.start + info.len])
+    }
+
+    /// `general.architecture`, which names the prefix of the model's metadata keys.
+    pub fn architecture(&self) -> Result<&str> {
+        self.metadata("general.architecture")
+            .and_then(Value::as_str)
+            .ok_or_else(|| self.error("no general.architecture in the metadata"))
+    }
+
+    /// The Llama configuration the metadata describes.
+    pub fn llama_config(&self) -> Result<LlamaConfig> {
+        let arch = self.architecture()?;
+        if !LLAMA_ARCHITECTURES.contains(&arch) {
+            return Err(self.error(format!(
+                "unsupported architecture {arch:?}: lemo runs GGUF models of architecture {}",
+                LLAMA_ARCHITECTURES.join(", ")
+            )));
+        }
+        let key = |name: &str| format!("{arch}.{name}");
+        let optional = |name: &str| -> Result<Option<usize>> {
+            match self.metadata(&key(name)) {
+                None => Ok(None),
+                Some(value) => value
+                    .as_u64()
+                    .and_then(|v| usize::try_from(v).ok())
+                    .map(Some)
+                    .ok_or_else(|| self.error(format!("{} is not a count: {value:?}", key(name)))),
+            }
+        };
+        let required = |name: &str| {
+            optional(name)?.ok_or_else(|| self.error(format!("no {} in the metadata", key(name))))
+        };
+        let hidden_size = required("embedding_length")?;
+        let heads = required("attention.head_count")?;
+        let kv_heads = optional("attention.head_count_kv")?.unwrap_or(heads);
+        if heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return Err(self.error(format!(
+                "attention.head_count ({heads}) must be a positive multiple of attention.head_count_kv ({kv_heads})"
+            )));
+        }
+        let head_dim = optional("attention.key_length")?.unwrap_or(hidden_size / heads);
+        let rotary_dims = optional("rope.dimension_count")?.unwrap_or(head_dim);
+        if rotary_dims != head_dim || !head_dim.is_multiple_of(2) || head_dim == 0 {
+            return Err(self.error(format!(
+                "RoPE over {rotary_dims} of {head_dim} head dimensions: lemo rotates whole heads of even size"
+            )));
+        }
+        let float = |name: &str| self.metadata(&key(name)).and_then(Value::as_f64);
+        let max_position_embeddings = required("context_length")?;
+        let embed = self
+            .header
+            .tensors
+            .get("token_embd.weight")
+            .ok_or_else(|| self.error("no token_embd.weight tensor"))?;
+        let vocab_size = match optional("vocab_size")? {
+            Some(v) => v,
+            None => *embed
+                .dims
+                .last()
+                .expect("tensors have at least one dimension"),
+        };
+        if self.header.tensors.contains_key("rope_freqs.weight") {
+            return Err(self.error(
+                "per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) are not supported",
+            ));
+        }
+        Ok(LlamaConfig {
+            vocab_size,
+            hidden_size,
+            intermediate_size: required("feed_forward_length")?,
+            num_hidden_layers: required("block_count")?,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim,
+            rms_norm_eps: float("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+            max_position_embeddings,
+            rope: RopeConfig {
+                theta: float("rope.freq_base").unwrap_or(10000.0),
+                scaling: self.rope_scaling(arch)?,
+            },
+            tie_word_embeddings: !self.header.tensors.contains_key("output.weight"),
+            attention_bias: self.header.tensors.contains_key("blk.0.attn_q.bias"),
+            mlp_bias: self.header.tensors.contains_key("blk.0.ffn_up.bias"),
+            sliding_window: None,
+            bos_token_id: self.token_id("tokenizer.ggml.bos_token_id"),
+            eos_token_id: self
+                .token_id("tokenizer.ggml.eos_token_id")
+                .into_iter()
+                .collect(),
+        })
+    }
+
+    fn rope_scaling(&self, arch: &str) -> Result<RopeScaling> {
+        let scaling_type = self
+            .metadata(&format!("{arch}.rope.scaling.type"))
+            .and_then(Value::as_str)
+            .unwrap_or("none");
+        let factor = self
+            .metadata(&format!("{arch}.rope.scaling.factor"))
+            .and_then(Value::as_f64);
+        match (scaling_type, factor) {
+            ("none", _) => Ok(RopeScaling::Default),
+            ("linear", Some(factor)) if factor > 0.0 => Ok(RopeScaling::Linear { factor }),
+            (other, _) => Err(self.error(format!(
+                "RoPE scaling {other:?} (factor {factor:?}) is not supported: lemo reads none and linear"
+            ))),
+        }
+    }
+
+    pub fn token_id(&self, key: &str) -> Option<u32> {
+        self.metadata(key)
+            .and_then(Value::as_u64)
+            .and_then(|v| u32::try_from(v).ok())
+    }
+}
+
+/// How a Hugging Face tensor name is stored in a llama-architecture GGUF file.
+struct GgufName {
+    name: String,
+    /// `q_proj`/`k_proj` rows (and biases) are in llama.cpp's interleaved RoPE order within
+    /// each head.
+    interleaved_heads: bool,
+}
+
+fn gguf_name(hf_name: &str) -> Option<GgufName> {
+    let plain = |name: String| {
+        Some(GgufName {
+            name,
+            interleaved_heads: false,
+        })
+    };
+    match hf_name {
+        "model.embed_tokens.weight" => return plain("token_embd.weight".into()),
+        "model.norm.weight" => return plain("output_norm.weight".into()),
+        "lm_head.weight" => return plain("output.weight".into()),
+        _ => {}
+    }
+    let rest = hf_name.strip_prefix("model.layers.")?;
+    let (layer, rest) = rest.split_once('.')?;
+    let layer: usize = layer.parse().ok()?;
+    let (module, suffix) = rest.rsplit_once('.')?;
+    let (gguf_module, interleaved_heads) = match module {
+        "input_layernorm" => ("attn_norm", false),
+        "post_attention_layernorm" => ("ffn_norm", false),
+        "self_attn.q_proj" => ("attn_q", true),
+        "self_attn.k_proj" => ("attn_k", true),
+        "self_attn.v_proj" => ("attn_v", false),
+        "self_attn.o_proj" => ("attn_output", false),
+        "mlp.gate_proj" => ("ffn_gate", false),
+        "mlp.up_proj" => ("ffn_up", false),
+        "mlp.down_proj" => ("ffn_down", false),
+        _ => return None,
+    };
+    Some(GgufName {
+        name: format!("blk.{layer}.{gguf_module}.{suffix}"),
+        interleaved_heads,
+    })
+}
+
+/// The weights of a llama-architecture GGUF file under Hugging Face names.
+pub struct GgufWeights {
+    file: GgufFile,
+    head_dim: usize,
+}
+
+impl GgufWeights {
+    pub fn new(file: GgufFile, config: &LlamaConfig) -> Self {
+        Self {
+            file,
+            head_dim: config.head_dim,
+        }
+    }
+}
+
+impl WeightSource for GgufWeights {
+    fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
+        let Some(mapped) = gguf_name(name) else {
+            return Ok(None);
+        };
+        let Some(info) = self.file.header.tensors.get(&mapped.name) else {
+            return Ok(None);
+        };
+        let found = info.shape();
+        if found != shape {
+            return Err(self.file.error(format!(
+                "tensor {} ({name}) has shape {found:?} but the metadata implies {shape:?}",
+                mapped.name
+            )));
+        }
+        let values = self.file.dequantize(info);
+        Ok(Some(if mapped.interleaved_heads {
+            let rows = shape[0];
+            let cols = shape.get(1).copied().unwrap_or(1);
+            interleaved_to_rotate_half(&values, rows, cols, self.head_dim)
+        } else {
+            values
+        }))
+    }
+}

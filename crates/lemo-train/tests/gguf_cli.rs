@@ -1,0 +1,124 @@
+//! `lemo-train` on GGUF files: SmolLM2-135M from the model cache (`cargo xtask fetch-model
+//! smollm2-135m`) answers as llama.cpp does, and a damaged file ends in a one-line error.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn lemo(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lemo-train"))
+        .args(args)
+        .output()
+        .expect("run lemo-train")
+}
+
+fn reference() -> Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../lemo-models/tests/fixtures/gguf/smollm2.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// The cached SmolLM2 file, or `None` with the reason printed.
+fn smollm2() -> Option<PathBuf> {
+    let cache = std::env::var_os("LEMO_MODEL_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/lemo/models")));
+    let path = cache.map(|c| c.join("SmolLM2-135M-Instruct.Q4_1.gguf"));
+    match path {
+        Some(path) if path.exists() => Some(path),
+        _ => {
+            println!(
+                "skipping: SmolLM2-135M is not in the model cache (run `cargo xtask fetch-model smollm2-135m`)"
+            );
+            None
+        }
+    }
+}
+
+#[test]
+fn generate_continues_a_chat_prompt_as_llama_cpp_does() {
+    let Some(model) = smollm2() else { return };
+    let prompt =
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
+    let output = lemo(&[
+        "generate",
+        "--device",
+        "cpu",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "32",
+    ]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    // The prompt is echoed without its control tokens; generation stops at EOS (<|im_end|>).
+    let expected = format!(
+        "user\nWhat is the capital of France?\nassistant\n{}\n",
+        reference()["greedy_text"].as_str().unwrap()
+    );
+    assert_eq!(stdout, expected);
+}
+
+#[test]
+fn tokenize_reads_the_tokenizer_from_the_gguf_file() {
+    let Some(model) = smollm2() else { return };
+    let texts: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../lemo-models/tests/fixtures/gguf/texts.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let text = texts["tokenize"]["code"].as_str().unwrap();
+    let output = lemo(&[
+        "tokenize",
+        "--tokenizer",
+        model.to_str().unwrap(),
+        "--text",
+        text,
+        "--json",
+    ]);
+    let ids: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(ids, reference()["tokenize"]["code"]);
+}
+
+#[test]
+fn a_truncated_gguf_file_is_a_one_line_error() {
+    let dir = std::env::temp_dir().join(format!("lemo-gguf-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("cut.gguf");
+    // A GGUF v3 header that promises one tensor and one metadata entry, then ends.
+    let mut bytes = b"GGUF".to_vec();
+    bytes.extend(3u32.to_le_bytes());
+    bytes.extend(1u64.to_le_bytes());
+    bytes.extend(1u64.to_le_bytes());
+    std::fs::write(&path, &bytes).unwrap();
+    let data = dir.join("text.txt");
+    std::fs::write(&data, "hello").unwrap();
+    let output = lemo(&[
+        "eval",
+        "--device",
+        "cpu",
+        "--model",
+        path.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+    ]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    let last = stderr.trim_end().lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: ") && last.contains("cut.gguf") && last.contains("truncated"),
+        "{stderr}"
+    );
+    assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+}
