@@ -14,8 +14,10 @@
 //!
 //! Each step updates the residual stream (and, backward, the gradient) that the next step reads,
 //! like a stack of layers. Forward is the training forward (what the backward pass needs is
-//! saved); forward+backward is one step of each. Device-timed (cubecl's profiler, loops of
-//! back-to-back steps between two synchronizations, median of repeats). With `--torch FILE`
+//! saved); forward+backward is one step of each. Timed with cubecl's profiler: loops of
+//! back-to-back steps between two device synchronizations, median of repeats (on CUDA that is
+//! the host clock between the synchronizations, so host work inside a step counts; on wgpu it
+//! sums kernel timestamps and misses it). With `--torch FILE`
 //! (from `kernels/reference/token_movement_torch.py`), PyTorch's eager naive path on the same
 //! shapes is merged into the report. Parity of the three operations (and of the fused backward
 //! against the naive one) comes first, in the benchmark's dtype.
@@ -29,7 +31,9 @@ use std::time::Duration;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{
+    DType, Distribution, ElementConversion, Int, Tensor, TensorData, TensorPrimitive,
+};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
 use lemo_kernel_bench::time_calls;
 use lemo_kernels::ComputeBackend;
@@ -139,9 +143,9 @@ fn inputs<B: Backend>(
     device: &B::Device,
 ) -> (Tensor<B, 3>, Tensor<B, 1>, Tensor<B, 3>) {
     let normal = Distribution::Normal(0.0, 1.0);
-    let x = Tensor::random([batch, seq, hidden], normal, device).cast(dtype);
-    let weight = (Tensor::random([hidden], normal, device) * 0.1 + 1.0).cast(dtype);
-    let grad = Tensor::random([batch, seq, hidden], normal, device).cast(dtype);
+    let x = Tensor::<B, 3>::random([batch, seq, hidden], normal, device).cast(dtype);
+    let weight = (Tensor::<B, 1>::random([hidden], normal, device) * 0.1 + 1.0).cast(dtype);
+    let grad = Tensor::<B, 3>::random([batch, seq, hidden], normal, device).cast(dtype);
     (x, weight, grad)
 }
 
@@ -273,8 +277,9 @@ fn relative<B: Backend, const D: usize>(actual: Tensor<B, D>, expected: Tensor<B
         .powi_scalar(2)
         .sum()
         .sqrt()
-        .into_scalar();
-    let norm: f32 = expected.powi_scalar(2).sum().sqrt().into_scalar();
+        .into_scalar()
+        .elem();
+    let norm: f32 = expected.powi_scalar(2).sum().sqrt().into_scalar().elem();
     let error = (diff / norm.max(1e-30)) as f64;
     if error.is_nan() { f64::INFINITY } else { error }
 }
@@ -455,7 +460,7 @@ fn run<R: CubeRuntime, BT: BoolElement>(args: &Args, dtype: DType, tolerance: f6
     }
     json!({
         "benchmark": "token_movement",
-        "description": "one block of a token-sparse layer on x [1, S, hidden]: fused gather-RMSNorm + in-place scatter-add vs naive select + RMSNorm + zero-pad + add; forward = training forward, forward_backward = one step of each; device time per step, median",
+        "description": "one block of a token-sparse layer on x [1, S, hidden]: fused gather-RMSNorm + in-place scatter-add vs naive select + RMSNorm + zero-pad + add; forward = training forward, forward_backward = one step of each; time per step between device synchronizations (cubecl profiler), median",
         "dtype": format!("{dtype:?}").to_lowercase(),
         "hidden": args.hidden,
         "keep": args.keep,
