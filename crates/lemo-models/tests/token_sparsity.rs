@@ -173,11 +173,11 @@ fn each_sequence_of_a_batch_keeps_its_own_rows() {
             scores: Vec::new(),
         };
         let alone = model.hidden_states(
-            tokens.clone().slice([sequence..sequence + 1]),
+            tokens.clone().narrow(0, sequence, 1),
             None,
             &mut TokenSparsity::Replay(&own),
         );
-        let batched = hidden.clone().slice([sequence..sequence + 1]);
+        let batched = hidden.clone().narrow(0, sequence, 1);
         let scale: f32 = alone.clone().abs().max().into_scalar();
         let difference: f32 = (alone - batched).abs().max().into_scalar();
         assert!(

@@ -247,6 +247,22 @@ pub fn evaluate<B: LemoBackend>(
     }
 }
 
+/// Scores divided by their mean, as thresholds are relative to it (see `KeptRows::select`).
+fn relative_to_mean(scores: Option<Vec<f32>>) -> Vec<f32> {
+    let scores = scores.unwrap_or_default();
+    let mean = scores.iter().map(|&s| s as f64).sum::<f64>() / scores.len().max(1) as f64;
+    scores
+        .into_iter()
+        .map(|s| {
+            if mean > 0.0 {
+                (s as f64 / mean) as f32
+            } else {
+                1.0
+            }
+        })
+        .collect()
+}
+
 /// Token-block scores of every block of every layer on `sequences`, from dense passes, each
 /// divided by the mean of its sequence's scores in that layer and block.
 pub fn profile<B: LemoBackend>(
@@ -275,10 +291,8 @@ pub fn profile<B: LemoBackend>(
         model.hidden_states(tokens, None, &mut sparsity);
         let plan = sparsity.into_plan().unwrap_or_default();
         for (profile, scores) in profiles.iter_mut().zip(plan.scores) {
-            profile
-                .attention
-                .extend(scores.attention.unwrap_or_default());
-            profile.mlp.extend(scores.mlp.unwrap_or_default());
+            profile.attention.extend(relative_to_mean(scores.attention));
+            profile.mlp.extend(relative_to_mean(scores.mlp));
         }
     }
     profiles
