@@ -198,7 +198,7 @@ where
     };
     let mut replay = match (&recorded, &*sparsity) {
         (Some(plan), _) => TokenSparsity::Replay(plan),
-        (None, TokenSparsity::Replay(plan)) => TokenSparsity::Replay(*plan),
+        (None, TokenSparsity::Replay(plan)) => TokenSparsity::Replay(plan),
         _ => TokenSparsity::Dense,
     };
     let shared = decoder.shared(positions.clone(), batch);

@@ -8,7 +8,7 @@
 
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, Int, Tensor};
+use burn::tensor::{Distribution, ElementConversion, Int, Tensor};
 use lemo_kernels::attention::{AttentionOptions, attention};
 use lemo_kernels::token_movement::{gather_rms_norm, scatter_add_rows};
 use lemo_kernels::{CpuBackend, LemoBackend};
@@ -93,13 +93,14 @@ fn main() {
 
     let out = block.forward(h.clone(), kept.to_tensor(&device));
     let grads = out.clone().sum().backward();
-    let unchanged: f32 = (out - h)
+    let unchanged = (out - h)
         .abs()
         .sum_dim(2)
         .equal_elem(0.0)
         .int()
         .sum()
-        .into_scalar();
+        .into_scalar()
+        .elem::<i64>();
     println!(
         "rows the block left untouched: {unchanged} of {}; gradient of W_o: {:?}",
         batch * seq,
