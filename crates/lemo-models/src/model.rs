@@ -74,36 +74,33 @@ impl<B: LemoBackend> CausalLm<B> {
         device: &B::Device,
         precision: Precision,
     ) -> Result<(Self, ModelConfig)> {
-        match ModelFormat::detect(path)? {
-            ModelFormat::HuggingFace => {
-                let config = ModelConfig::from_file(path)?;
-                let mut weights = SafetensorsWeights::open(path)?;
-                let model =
-                    Self::build(&config, &mut weights, device, precision).map_err(|e| match e {
-                        Error::Shape(message) => Error::format(path, message),
-                        other => other,
-                    })?;
-                Ok((model, config))
-            }
-            ModelFormat::Llama2c => {
-                let mut checkpoint = Llama2cCheckpoint::open(path)?;
-                let config = ModelConfig::Llama(checkpoint.config().clone());
-                let model = Self::build(&config, &mut checkpoint, device, precision)?;
-                Ok((model, config))
-            }
-            ModelFormat::Gguf => {
-                let file = GgufFile::open(path)?;
-                let llama = file.llama_config()?;
-                let mut weights = GgufWeights::new(file, &llama);
-                let config = ModelConfig::Llama(llama);
-                let model =
-                    Self::build(&config, &mut weights, device, precision).map_err(|e| match e {
-                        Error::Shape(message) => Error::format(path, message),
-                        other => other,
-                    })?;
-                Ok((model, config))
-            }
-        }
+        let (config, mut source): (ModelConfig, Box<dyn WeightSource>) =
+            match ModelFormat::detect(path)? {
+                ModelFormat::HuggingFace => (
+                    ModelConfig::from_file(path)?,
+                    Box::new(SafetensorsWeights::open(path)?),
+                ),
+                ModelFormat::Llama2c => {
+                    let checkpoint = Llama2cCheckpoint::open(path)?;
+                    (
+                        ModelConfig::Llama(checkpoint.config().clone()),
+                        Box::new(checkpoint),
+                    )
+                }
+                ModelFormat::Gguf => {
+                    let file = GgufFile::open(path)?;
+                    let llama = file.llama_config()?;
+                    let weights = GgufWeights::new(file, &llama);
+                    (ModelConfig::Llama(llama), Box::new(weights))
+                }
+            };
+        // A weight that disagrees with the config is a problem of this file: name it.
+        let model =
+            Self::build(&config, source.as_mut(), device, precision).map_err(|e| match e {
+                Error::Shape(message) => Error::format(path, message),
+                other => other,
+            })?;
+        Ok((model, config))
     }
 
     /// Builds a model of `config` from any weight source (a checkpoint, or random weights). The

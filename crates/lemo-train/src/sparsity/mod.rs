@@ -312,6 +312,22 @@ fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
     bar
 }
 
+/// A calibrator at the paper's initial thresholds, from the profile of `sequences`.
+fn profiled_calibrator<B: LemoBackend>(
+    model: &CausalLm<B>,
+    config: &ModelConfig,
+    sequences: &[Vec<u32>],
+    settings: &SparsitySettings,
+) -> Calibrator {
+    let profiles = profile(model, config, sequences, settings.block_size);
+    Calibrator::new(
+        profiles,
+        &settings.dense_layers,
+        settings.target_keep,
+        MAX_DROP,
+    )
+}
+
 /// Layer-specific thresholds for `model` calibrated on `sequences` toward
 /// `settings.target_keep` (see the module docs); progress on stderr.
 pub fn calibrate<B: LemoBackend>(
@@ -325,13 +341,7 @@ pub fn calibrate<B: LemoBackend>(
         bail!("calibration needs at least one sequence of data");
     }
     let started = Instant::now();
-    let profiles = profile(model, config, sequences, settings.block_size);
-    let mut calibrator = Calibrator::new(
-        profiles,
-        &settings.dense_layers,
-        settings.target_keep,
-        MAX_DROP,
-    );
+    let mut calibrator = profiled_calibrator(model, config, sequences, settings);
     let sparse: Vec<(usize, Block)> = (0..calibrator.num_layers())
         .flat_map(|l| [(l, Block::Attention), (l, Block::Mlp)])
         .filter(|&(l, b)| calibrator.is_sparse(l, b))
@@ -429,13 +439,7 @@ pub fn quantile_thresholds<B: LemoBackend>(
     sequences: &[Vec<u32>],
     settings: &SparsitySettings,
 ) -> Thresholds {
-    let profiles = profile(model, config, sequences, settings.block_size);
-    let mut calibrator = Calibrator::new(
-        profiles,
-        &settings.dense_layers,
-        settings.target_keep,
-        MAX_DROP,
-    );
+    let mut calibrator = profiled_calibrator(model, config, sequences, settings);
     calibrator.set_keep(settings.target_keep);
     thresholds_for_model(config, "", settings, calibrator.thresholds())
 }
