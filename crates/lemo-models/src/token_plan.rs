@@ -1,4 +1,5 @@
-//! Which rows each block of each layer processes in one forward pass (LeMo token elimination).
+//! Which rows each block of each layer keeps in the graph of one forward pass (LeMo token
+//! elimination; the pass itself computes every row, see `decoder::SparseBlock`).
 //!
 //! A pass runs under a [`TokenSparsity`]: dense, selecting kept rows by thresholds from exact
 //! scores (and recording them in a [`TokenPlan`]), or replaying a recorded plan, which is how the
