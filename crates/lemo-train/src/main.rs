@@ -210,6 +210,14 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(args) => {
             let summary = run_train(*args)?;
             print_train_summary(&summary);
+            if summary.interrupted {
+                eprintln!(
+                    "interrupted after step {}: continue with `lemo-train train --resume {}`",
+                    summary.steps_done,
+                    summary.out.display()
+                );
+                std::process::exit(train::interrupt::EXIT_STATUS);
+            }
         }
         Command::Calibrate(args) => {
             let path = sparsity::run_calibrate(*args)?;
@@ -249,8 +257,10 @@ fn run(cli: Cli) -> Result<()> {
             };
             let results = device.run(job)?;
             if let Some(path) = out {
-                std::fs::write(&path, serde_json::to_string_pretty(&results)?)
-                    .with_context(|| format!("cannot write {}", path.display()))?;
+                lemo_models::adapter::write_atomically(
+                    &path,
+                    serde_json::to_string_pretty(&results)?.as_bytes(),
+                )?;
             }
         }
         Command::Passkey {
@@ -269,8 +279,7 @@ fn run(cli: Cli) -> Result<()> {
                 text.push('\n');
             }
             match out {
-                Some(path) => std::fs::write(&path, text)
-                    .with_context(|| format!("cannot write {}", path.display()))?,
+                Some(path) => lemo_models::adapter::write_atomically(&path, text.as_bytes())?,
                 None => print!("{text}"),
             }
         }
@@ -461,6 +470,7 @@ fn run(cli: Cli) -> Result<()> {
 /// saved configuration < flags) and trains.
 fn run_train(args: train::config::TrainArgs) -> Result<train::TrainSummary> {
     use train::config::TrainConfig;
+    use train::run_dir::Start;
     let overrides = args.overrides()?;
     let (config, resume) = if let Some(path) = &args.resume {
         let checkpoint = train::checkpoint::resolve(path)?;
@@ -476,11 +486,18 @@ fn run_train(args: train::config::TrainArgs) -> Result<train::TrainSummary> {
         }
         (config.merged(&overrides)?, None)
     };
+    let start = match (&resume, args.overwrite) {
+        (Some(_), _) => Start::Resume,
+        (None, true) => Start::Overwrite,
+        (None, false) => Start::Fresh,
+    };
+    train::run_dir::prepare(&config.out, start)?;
     let device = config.device.resolve();
     let precision = device.precision(config.precision)?;
     device.run(train::TrainJob {
         config,
         resume,
+        start,
         precision,
     })
 }
@@ -499,7 +516,7 @@ fn print_train_summary(summary: &train::TrainSummary) {
         println!("  adapter (PEFT)   {}", adapter.display());
     } else {
         println!(
-            "  adapter          not written: the run stopped early; continue with --resume {}",
+            "  adapter          not written: the run stopped early; continue: --resume {}",
             summary.out.display()
         );
     }

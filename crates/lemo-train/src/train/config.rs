@@ -101,6 +101,8 @@ pub struct TrainConfig {
     /// Validation sequences scored per validation (0: all).
     pub val_sequences: usize,
     pub checkpoint_every: usize,
+    /// Wall time between checkpoints besides `checkpoint_every` ("10m", "90s", "1h"; "0": off).
+    pub save_every: String,
     pub keep_checkpoints: usize,
     /// Append EOS after each document when packing (unset: yes, except llama2.c models).
     pub append_eos: Option<bool>,
@@ -161,6 +163,7 @@ impl Default for TrainConfig {
             val_every: 100,
             val_sequences: 8,
             checkpoint_every: 100,
+            save_every: "10m".to_string(),
             keep_checkpoints: 2,
             append_eos: None,
             cache_dir: None,
@@ -262,8 +265,41 @@ impl TrainConfig {
         if self.lr.is_nan() || self.lr <= 0.0 || self.lora_rank == 0 {
             bail!("--lr and --lora-rank must be positive");
         }
+        self.save_interval()?;
         Ok(())
     }
+
+    /// `save_every` as a duration; `None` when wall-time checkpoints are off.
+    pub fn save_interval(&self) -> Result<Option<std::time::Duration>> {
+        parse_duration(&self.save_every)
+            .with_context(|| format!("--save-every {:?}", self.save_every))
+    }
+}
+
+/// `"90s"`, `"10m"`, `"2h"` or plain seconds; `"0"` or `"off"` is `None`.
+pub fn parse_duration(text: &str) -> Result<Option<std::time::Duration>> {
+    let text = text.trim();
+    if text == "0" || text == "off" {
+        return Ok(None);
+    }
+    let (number, unit) = match text.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
+        Some((at, _)) => text.split_at(at),
+        None => (text, "s"),
+    };
+    let seconds_per_unit = match unit {
+        "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        _ => bail!("unknown unit {unit:?}: use s, m or h, e.g. 10m"),
+    };
+    let value: f64 = number
+        .parse()
+        .ok()
+        .filter(|v: &f64| v.is_finite() && *v > 0.0)
+        .context("expected a positive duration such as 10m, 90s or 1h (0 turns it off)")?;
+    Ok(Some(std::time::Duration::from_secs_f64(
+        value * seconds_per_unit,
+    )))
 }
 
 /// `train` flags: each overrides the configuration file and preset when given.
@@ -292,8 +328,12 @@ pub struct TrainArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Continue a run: its folder (latest checkpoint) or one checkpoint folder.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["out", "overwrite"])]
     pub resume: Option<PathBuf>,
+    /// Replace the run already in --out (its adapter, checkpoints, metrics and plots); without
+    /// it a new run refuses a folder that holds one.
+    #[arg(long)]
+    pub overwrite: bool,
     /// lora (dense baseline), longlora (S2 attention + trainable embeddings/norms), or lemo
     /// (token elimination: each layer processes only its informative token blocks, chosen by
     /// per-layer thresholds calibrated toward --target-keep) [default: lora].
@@ -387,7 +427,11 @@ pub struct TrainArgs {
     /// Write a checkpoint every N steps (and always at the end) [default: 100].
     #[arg(long)]
     pub checkpoint_every: Option<usize>,
-    /// Checkpoints kept; older ones are deleted [default: 2].
+    /// Also write a checkpoint when this much wall time passed since the last one: 10m, 90s,
+    /// 1h, or 0 for off [default: 10m].
+    #[arg(long)]
+    pub save_every: Option<String>,
+    /// Checkpoints kept; older ones of this run are deleted [default: 2].
     #[arg(long)]
     pub keep_checkpoints: Option<usize>,
     /// Append EOS to each document when packing [default: yes, except llama2.c models].
@@ -492,6 +536,10 @@ impl TrainArgs {
         put("val_every", int(self.val_every));
         put("val_sequences", int(self.val_sequences));
         put("checkpoint_every", int(self.checkpoint_every));
+        put(
+            "save_every",
+            self.save_every.clone().map(toml::Value::String),
+        );
         put("keep_checkpoints", int(self.keep_checkpoints));
         put("append_eos", self.append_eos.map(toml::Value::Boolean));
         put("cache_dir", path(&self.cache_dir));
