@@ -221,3 +221,66 @@ pub fn load(checkpoint: &Path) -> Result<CheckpointFiles> {
         optimizer_step,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn saved_checkpoint(out: &Path) -> PathBuf {
+        let files = CheckpointFiles {
+            state: TrainerState {
+                step: 3,
+                seed: 1,
+                seq_len: 16,
+                train_sequences: 4,
+                tokens_seen: 48,
+                elapsed_s: 1.0,
+                run_id: Some("run".into()),
+            },
+            trainable: vec![("a".into(), vec![1.0, 2.0, 3.0])],
+            optimizer: vec![("a.m".into(), vec![0.5; 3])],
+            optimizer_step: 3,
+        };
+        save(out, &files, 2, |dir| Ok(std::fs::create_dir_all(dir)?)).unwrap()
+    }
+
+    #[test]
+    fn an_empty_state_file_is_named_in_the_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint = saved_checkpoint(dir.path());
+        std::fs::write(checkpoint.join(STATE_FILE), "").unwrap();
+        let message = format!("{:#}", load(&checkpoint).err().unwrap());
+        assert!(message.contains("trainer_state.json"), "{message}");
+    }
+
+    /// Mutated state and tensor files load or fail with an error, never panic.
+    #[test]
+    fn mutated_checkpoints_never_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoint = saved_checkpoint(dir.path());
+        let mut rng = lemo_test_support::HostRng::new(lemo_test_support::seed());
+        for file in [STATE_FILE, "trainable.safetensors", "optimizer.safetensors"] {
+            let path = checkpoint.join(file);
+            let valid = std::fs::read(&path).unwrap();
+            for _ in 0..500 {
+                let mut bytes = valid.clone();
+                match rng.below(3) {
+                    0 => bytes.truncate(rng.below(valid.len())),
+                    1 => {
+                        for _ in 0..1 + rng.below(4) {
+                            bytes[rng.below(valid.len())] = rng.next_u64() as u8;
+                        }
+                    }
+                    _ => {
+                        let at = rng.below(valid.len().min(64) - 8);
+                        bytes[at..at + 8].copy_from_slice(&u64::MAX.to_le_bytes());
+                    }
+                }
+                std::fs::write(&path, &bytes).unwrap();
+                let _ = load(&checkpoint);
+            }
+            std::fs::write(&path, &valid).unwrap();
+        }
+        assert!(load(&checkpoint).is_ok());
+    }
+}

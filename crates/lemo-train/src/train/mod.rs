@@ -29,8 +29,9 @@ use serde_json::json;
 
 use crate::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
 use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer};
-use crate::device::{BackendJob, PrecisionKind};
+use crate::device::{BackendJob, DeviceKind, PrecisionKind};
 use crate::memory::{self, PeakTracker, gib};
+use crate::memory_plan;
 use crate::modelio::{TRAINING_INFO_FILE, TrainingInfo, interpolated_rope};
 use crate::sparsity::{self, THRESHOLDS_FILE, sparse_keep};
 use burn_dataset::Dataset;
@@ -64,6 +65,33 @@ pub struct TrainJob {
     pub start: run_dir::Start,
     /// `config.precision` resolved for the device.
     pub precision: PrecisionKind,
+    /// The device the run uses (whose free memory the memory plan reads).
+    pub device: DeviceKind,
+    /// Train even where the memory plan predicts the run will not fit.
+    pub skip_memory_plan: bool,
+}
+
+/// What the memory plan needs of a run.
+fn plan_input(
+    config: &TrainConfig,
+    model: ModelConfig,
+    seq_len: usize,
+    precision: PrecisionKind,
+) -> memory_plan::PlanInput {
+    memory_plan::PlanInput {
+        model,
+        seq_len,
+        batch_size: config.batch_size,
+        method: config.method,
+        checkpointing: config.checkpointing,
+        precision,
+        lora_rank: config.lora_rank,
+        lora_targets: config.lora_targets.clone(),
+        train_extras: config.train_embeddings() || config.train_norms(),
+        loss_segment: config.loss_segment,
+        target_keep: config.target_keep,
+        dense_layers: config.dense_layers.len(),
+    }
 }
 
 impl BackendJob for TrainJob {
@@ -106,6 +134,16 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
 
     AB::<B>::seed(&device, config.seed);
     let precision = job.precision;
+    let planned_config = crate::modelio::read_config(&model_path)?;
+    let planned_seq_len = config
+        .seq_len
+        .or(config.target_context)
+        .unwrap_or(planned_config.max_position_embeddings());
+    crate::modelio::check_seq_len(&planned_config, planned_seq_len, config.target_context)?;
+    if !job.skip_memory_plan {
+        let plan = plan_input(&config, planned_config, planned_seq_len, precision);
+        memory_plan::check(&plan, memory_plan::free_memory(job.device))?;
+    }
     let (mut model, model_config) =
         CausalLm::<AB<B>>::from_path(&model_path, &device, precision.policy())?;
     let trained_context = model_config.max_position_embeddings();
