@@ -8,7 +8,7 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData, activation::softm
 use lemo_kernels::LemoBackend;
 use lemo_models::model::ModelFormat;
 use lemo_models::tokenizer::Tokenizer;
-use lemo_models::{CausalLm, KvCache};
+use lemo_models::KvCache;
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 
 use crate::device::BackendJob;
