@@ -41,6 +41,19 @@ pub trait LemoBackend: Backend + crate::ComputeBackend {
         attention::reference::attention_with_lse_primitive::<Self>(q, k, v, options)
     }
 
+    /// `out`, attention's output computed earlier with its `lse`; see
+    /// [`attention::attention_with_value`].
+    fn lemo_attention_with_value(
+        _q: FloatTensor<Self>,
+        _k: FloatTensor<Self>,
+        _v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        _lse: FloatTensor<Self>,
+        _options: AttentionOptions,
+    ) -> FloatTensor<Self> {
+        out
+    }
+
     /// Gradients `(dq, dk, dv)` of attention from its inputs, output, `lse` and output gradient.
     #[allow(clippy::too_many_arguments)]
     fn lemo_attention_backward(

@@ -13,7 +13,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 use crate::backend::CpuBackend;
 use crate::memory::{self, MemoryStats};
-use crate::{fused, gemm, loss, precision, token_movement};
+use crate::{fused, gemm, known_value, loss, precision, token_movement};
 
 /// Gradients the segment-based loss computes while it runs: `(d hidden, d weight)` of the summed
 /// loss, each present when asked for.
@@ -27,6 +27,20 @@ pub trait ComputeBackend: Backend {
     /// `lhs [.., M, K] x rhs [.., K, N]`; see [`gemm::matmul`].
     fn lemo_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::float_matmul(lhs, rhs)
+    }
+
+    /// `value`, the product `lhs x rhs` computed earlier; see [`known_value::matmul_with_value`].
+    fn lemo_matmul_with_value(
+        _lhs: FloatTensor<Self>,
+        _rhs: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        value
+    }
+
+    /// `value`, differentiated as `graph`; see [`known_value::with_value`].
+    fn lemo_with_value(_graph: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+        value
     }
 
     /// `scale * (x A^T) B^T` in the adapter's dtype, returned in `x`'s; see
@@ -355,6 +369,18 @@ where
 impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C> {
     fn lemo_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         gemm::autodiff::matmul::<B, C>(lhs, rhs)
+    }
+
+    fn lemo_matmul_with_value(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        value: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        known_value::autodiff::matmul_with_value::<B, C>(lhs, rhs, value)
+    }
+
+    fn lemo_with_value(graph: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
+        known_value::autodiff::with_value::<B, C>(graph, value)
     }
 
     fn lemo_lora_delta(

@@ -29,6 +29,7 @@ pub mod cache;
 pub mod compute;
 pub mod fused;
 pub mod gemm;
+pub mod known_value;
 pub mod loss;
 pub mod memory;
 pub mod precision;

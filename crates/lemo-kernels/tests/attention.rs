@@ -188,3 +188,45 @@ fn strided_inputs() {
     let out = attention::attention(q.clone(), k.clone(), v.clone(), options);
     assert_close("output", out, reference::attention(q, k, v, options));
 }
+
+/// Attention with a known output on kept rows, given the output and logsumexp of attention over
+/// every row, back-propagates as the reference backward from those: dense attention's gradient
+/// restricted to the kept queries and keys (what a token-sparse block trains with).
+#[test]
+fn known_output_of_kept_rows_back_propagates_with_the_full_logsumexp() {
+    type B = WgpuBackend;
+    let device = Default::default();
+    seed::<B>(&device);
+    let (heads, kv_heads, seq, dim) = (4, 2, 48, 32);
+    let q = random::<B, 4>([1, heads, seq, dim], &device);
+    let k = random::<B, 4>([1, kv_heads, seq, dim], &device);
+    let v = random::<B, 4>([1, kv_heads, seq, dim], &device);
+    let options = AttentionOptions::causal(dim);
+    let (out, lse) = attention::attention_with_lse(q.clone(), k.clone(), v.clone(), options);
+    let kept: Vec<i32> = (0..16).chain(32..48).collect();
+    let rows = Tensor::<B, 1, burn::tensor::Int>::from_ints(kept.as_slice(), &device);
+    let pick = |t: Tensor<B, 4>| t.select(2, rows.clone());
+    let (q, k, v, out) = (pick(q), pick(k), pick(v), pick(out));
+    let lse = lse.select(2, rows.clone());
+    let weights = random::<B, 4>([1, heads, kept.len(), dim], &device);
+
+    let leaf = |t: Tensor<B, 4>| Tensor::<Autodiff<B>, 4>::from_inner(t).require_grad();
+    let (q_leaf, k_leaf, v_leaf) = (leaf(q.clone()), leaf(k.clone()), leaf(v.clone()));
+    let known = (
+        Tensor::from_inner(out.clone()),
+        Tensor::from_inner(lse.clone()),
+    );
+    let value = attention::attention_with_value(
+        q_leaf.clone(),
+        k_leaf.clone(),
+        v_leaf.clone(),
+        known,
+        options,
+    );
+    assert_close("value", value.clone().inner(), out.clone());
+    let grads = (value * Tensor::from_inner(weights.clone())).sum().backward();
+    let (dq, dk, dv) = reference::attention_backward(q, k, v, out, lse, weights, options);
+    assert_close("dq", q_leaf.grad(&grads).unwrap(), dq);
+    assert_close("dk", k_leaf.grad(&grads).unwrap(), dk);
+    assert_close("dv", v_leaf.grad(&grads).unwrap(), dv);
+}

@@ -13,7 +13,9 @@ use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Int, Tensor};
 use lemo_kernels::LemoBackend;
+use lemo_kernels::known_value::with_value;
 use lemo_kernels::loss::segment_cross_entropy;
+use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
 
 use lemo_sparsity::calibration::Block;
 
@@ -31,47 +33,80 @@ pub trait Decoder<B: Backend> {
 
     fn num_layers(&self) -> usize;
 
-    /// The attention block of layer `index`, `h + attention(norm(h))`. With `rows: [batch, kept]`
-    /// only those rows of each sequence are read, attend to one another (at their original
-    /// positions) and receive the block's output; the other rows pass unchanged. With a cache,
-    /// the keys and values are appended to it (dense only).
+    /// The attention block of layer `index`, `h + attention(norm(h))`. With `sparse`, the pass
+    /// already computed the block for every row: that is the value, and the graph (its saved
+    /// activations and its backward pass) covers only the kept rows, which attend to one
+    /// another at their original positions. With a cache, the keys and values are appended to
+    /// it (dense only).
     fn attention_block(
         &self,
         index: usize,
         h: Tensor<B, 3>,
         shared: &Self::Shared,
-        rows: Option<&Tensor<B, 2, Int>>,
+        sparse: Option<SparseBlock<B>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3>;
 
-    /// The MLP block of layer `index`, `a + mlp(norm(a))`, on `rows` only as above.
+    /// The MLP block of layer `index`, `a + mlp(norm(a))`, token-sparse as above.
     fn mlp_block(
         &self,
         index: usize,
         a: Tensor<B, 3>,
-        rows: Option<&Tensor<B, 2, Int>>,
+        sparse: Option<SparseBlock<B>>,
     ) -> Tensor<B, 3>;
 
-    /// Exact token-block informativeness `[batch, blocks]` of the attention block of layer
-    /// `index` for its input `h` (every token), computed without a graph.
-    fn attention_informativeness(
+    /// The attention block of layer `index` on every row of `h` outside the graph, with its
+    /// exact token-block informativeness when `block_size` is given.
+    fn attention_pass(
         &self,
         index: usize,
         h: Tensor<B, 3>,
         shared: &Self::Shared,
-        block_size: usize,
-    ) -> Tensor<B, 2>;
+        block_size: Option<usize>,
+    ) -> BlockPass<B>;
 
-    /// Token-block informativeness `[batch, blocks]` of the MLP block of layer `index` from its
-    /// intermediate activations for its input `a`, computed without a graph.
-    fn mlp_informativeness(&self, index: usize, a: Tensor<B, 3>, block_size: usize)
-    -> Tensor<B, 2>;
+    /// The MLP block of layer `index` on every row of `a` outside the graph, with its
+    /// token-block informativeness (from its intermediate activations) when `block_size` is
+    /// given.
+    fn mlp_pass(&self, index: usize, a: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B>;
 
     /// What output projection reads, from `h_L`.
     fn output_norm(&self, h: Tensor<B, 3>) -> Tensor<B, 3>;
 
     /// `[vocab, dim]`: the output projection, in the hidden states' dtype.
     fn lm_head_weight(&self) -> Tensor<B, 2>;
+}
+
+/// One block computed for every row outside the graph.
+pub struct BlockPass<B: Backend> {
+    /// What the block adds to the residual stream, `[batch, seq, hidden]`.
+    pub output: Tensor<B, 3>,
+    /// Token-block informativeness `[batch, blocks]`, when asked for.
+    pub scores: Option<Tensor<B, 2>>,
+    /// The frozen products of every row that the graph of the kept rows reuses instead of
+    /// computing them again (each model documents its own).
+    pub products: Vec<Tensor<B, 3>>,
+}
+
+/// A token-sparse block: its kept rows `[batch, kept]` and its pass over every row.
+pub struct SparseBlock<B: Backend> {
+    pub rows: Tensor<B, 2, Int>,
+    pub pass: BlockPass<B>,
+}
+
+impl<B: LemoBackend> SparseBlock<B> {
+    /// `x + pass.output` (exact, every row), with the backward pass of `x` plus `graph`, the
+    /// block's output on the kept rows, added into those rows: the gradient reaches the block
+    /// through its kept rows only.
+    pub fn residual(&self, x: Tensor<B, 3>, graph: Tensor<B, 3>) -> Tensor<B, 3> {
+        let value = x.clone().detach() + self.pass.output.clone();
+        with_value(scatter_add_rows(x, self.rows.clone(), graph), value)
+    }
+
+    /// The kept rows of the pass's `index`-th product, `[batch, kept, width]`.
+    pub fn product_rows(&self, index: usize) -> Tensor<B, 3> {
+        gather_rows(self.pass.products[index].clone(), self.rows.clone())
+    }
 }
 
 /// `h_{index+1}` from `h_index`: the attention block then the MLP block, each on the rows
@@ -86,18 +121,24 @@ pub fn layer<B: Backend, D: Decoder<B>>(
 ) -> Tensor<B, 3> {
     let [_, seq, _] = h.dims();
     let device = h.device();
-    let rows = sparsity
-        .rows(index, Block::Attention, seq, |block_size| {
-            decoder.attention_informativeness(index, h.clone().detach(), shared, block_size)
+    let sparse = sparsity
+        .block(index, Block::Attention, seq, |block_size| {
+            decoder.attention_pass(index, h.clone().detach(), shared, block_size)
         })
-        .map(|kept| kept.to_tensor::<B>(&device));
-    let a = decoder.attention_block(index, h, shared, rows.as_ref(), cache);
-    let rows = sparsity
-        .rows(index, Block::Mlp, seq, |block_size| {
-            decoder.mlp_informativeness(index, a.clone().detach(), block_size)
+        .map(|(kept, pass)| SparseBlock {
+            rows: kept.to_tensor::<B>(&device),
+            pass,
+        });
+    let a = decoder.attention_block(index, h, shared, sparse, cache);
+    let sparse = sparsity
+        .block(index, Block::Mlp, seq, |block_size| {
+            decoder.mlp_pass(index, a.clone().detach(), block_size)
         })
-        .map(|kept| kept.to_tensor::<B>(&device));
-    decoder.mlp_block(index, a, rows.as_ref())
+        .map(|(kept, pass)| SparseBlock {
+            rows: kept.to_tensor::<B>(&device),
+            pass,
+        });
+    decoder.mlp_block(index, a, sparse)
 }
 
 /// Final normalized hidden states of `tokens` at `positions`; with a cache, the tokens continue

@@ -13,15 +13,15 @@ use std::ops::Range;
 
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Int, Tensor, backend::Backend};
+use lemo_kernels::attention::{attention, attention_with_lse, attention_with_value};
 use lemo_kernels::fused::swiglu;
-use lemo_kernels::token_movement::scatter_add_rows;
-use lemo_kernels::{AttentionOptions, ComputeBackend, LemoBackend, attention::attention};
+use lemo_kernels::{AttentionOptions, LemoBackend};
 use lemo_sparsity::informativeness;
 
 use crate::Result;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::LlamaConfig;
-use crate::decoder::Decoder;
+use crate::decoder::{BlockPass, Decoder, SparseBlock};
 use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::RmsNorm;
@@ -44,48 +44,94 @@ pub struct LlamaAttention<B: Backend> {
 }
 
 impl<B: LemoBackend> LlamaAttention<B> {
+    /// The block's output for `x`, in the graph. With `sparse`, `x` holds its kept rows and the
+    /// products and the attention output are the kept rows of the pass's (see [`Self::pass`]):
+    /// nothing of the forward pass is computed again, and attention back-propagates with the
+    /// pass's `logsumexp`, i.e. as attention over every key restricted to the kept ones.
     fn forward(
         &self,
         x: Tensor<B, 3>,
         rotation: &Rotation<B>,
+        sparse: Option<&SparseBlock<B>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
+        let product = |i: usize| sparse.map(|s| s.product_rows(i));
         let [batch, len, _] = x.dims();
-        let q = rotation.apply(self.heads(self.q_proj.forward(x.clone()), self.num_heads));
-        let k = rotation.apply(self.heads(self.k_proj.forward(x.clone()), self.num_kv_heads));
-        let v = self.heads(self.v_proj.forward(x), self.num_kv_heads);
+        let q = self.q_proj.forward_with_base(x.clone(), product(0));
+        let k = self.k_proj.forward_with_base(x.clone(), product(1));
+        let v = self.v_proj.forward_with_base(x, product(2));
+        let q = rotation.apply(self.heads(q, self.num_heads));
+        let k = rotation.apply(self.heads(k, self.num_kv_heads));
+        let v = self.heads(v, self.num_kv_heads);
         let (k, v) = append_to_cache(cache, k, v);
-        let options = AttentionOptions {
+        let out = match sparse {
+            None => attention(q, k, v, self.options()),
+            Some(sparse) => {
+                let out = self.heads(sparse.product_rows(4), self.num_heads);
+                let lse = sparse.pass.products[5].clone().gather(
+                    2,
+                    sparse
+                        .rows
+                        .clone()
+                        .unsqueeze_dim::<3>(1)
+                        .expand([batch, self.num_heads, len]),
+                );
+                attention_with_value(q, k, v, (out, lse), self.options())
+            }
+        };
+        self.o_proj
+            .forward_with_base(self.merge_heads(out), product(3))
+    }
+
+    /// The block on every row of `x` outside the graph, with the token-block informativeness
+    /// of its rotated queries and keys when `block_size` is given. Products: the frozen parts of
+    /// `q`, `k`, `v` and `o`, the attention output `[batch, len, heads * head_dim]` and its
+    /// `logsumexp` `[batch, heads, len]`.
+    fn pass(
+        &self,
+        x: Tensor<B, 3>,
+        rotation: &Rotation<B>,
+        block_size: Option<usize>,
+    ) -> BlockPass<B> {
+        let x = x.detach();
+        let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
+        let [q_base, k_base, v_base] = projections.map(|p| p.base_untracked(x.clone()));
+        let q = self.q_proj.adapt_untracked(x.clone(), q_base.clone());
+        let k = self.k_proj.adapt_untracked(x.clone(), k_base.clone());
+        let v = self.v_proj.adapt_untracked(x, v_base.clone());
+        let q = rotation.apply(self.heads(q, self.num_heads));
+        let k = rotation.apply(self.heads(k, self.num_kv_heads));
+        let v = self.heads(v, self.num_kv_heads);
+        let scores = block_size.map(|size| informativeness::attention(q.clone(), k.clone(), size));
+        let (out, lse) = attention_with_lse(q, k, v, self.options());
+        let out = self.merge_heads(out);
+        let o_base = self.o_proj.base_untracked(out.clone());
+        BlockPass {
+            output: self.o_proj.adapt_untracked(out.clone(), o_base.clone()),
+            scores,
+            products: vec![q_base, k_base, v_base, o_base, out, lse],
+        }
+    }
+
+    /// Causal attention, windowed and shifted as configured.
+    fn options(&self) -> AttentionOptions {
+        AttentionOptions {
             sliding_window: self.sliding_window,
             shifted_group: self.shifted_group,
             ..AttentionOptions::causal(self.head_dim)
-        };
-        let out = attention(q, k, v, options).swap_dims(1, 2).reshape([
-            batch,
-            len,
-            self.num_heads * self.head_dim,
-        ]);
-        self.o_proj.forward(out)
+        }
+    }
+
+    /// `[batch, heads, len, head_dim] -> [batch, len, heads * head_dim]`.
+    fn merge_heads(&self, out: Tensor<B, 4>) -> Tensor<B, 3> {
+        let [batch, heads, len, head_dim] = out.dims();
+        out.swap_dims(1, 2).reshape([batch, len, heads * head_dim])
     }
 
     /// `[batch, len, n * head_dim] -> [batch, n, len, head_dim]`.
     fn heads(&self, t: Tensor<B, 3>, n: usize) -> Tensor<B, 4> {
         let [batch, len, _] = t.dims();
         t.reshape([batch, len, n, self.head_dim]).swap_dims(1, 2)
-    }
-
-    /// Exact token-block informativeness from the rotated queries and keys of every token of
-    /// `x`, outside the graph.
-    fn informativeness(
-        &self,
-        x: Tensor<B, 3>,
-        rotation: &Rotation<B>,
-        block_size: usize,
-    ) -> Tensor<B, 2> {
-        let q =
-            rotation.apply(self.heads(self.q_proj.forward_untracked(x.clone()), self.num_heads));
-        let k = rotation.apply(self.heads(self.k_proj.forward_untracked(x), self.num_kv_heads));
-        informativeness::attention(q, k, block_size)
     }
 }
 
@@ -96,22 +142,38 @@ pub struct LlamaMlp<B: Backend> {
     pub down_proj: Linear<B>,
 }
 
-impl<B: ComputeBackend> LlamaMlp<B> {
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.down_proj.forward(swiglu(
-            self.gate_proj.forward(x.clone()),
-            self.up_proj.forward(x),
-        ))
+impl<B: LemoBackend> LlamaMlp<B> {
+    /// `down(silu(gate(x)) * up(x))` in the graph; with `sparse`, on its kept rows reusing the
+    /// pass's frozen products.
+    fn forward(&self, x: Tensor<B, 3>, sparse: Option<&SparseBlock<B>>) -> Tensor<B, 3> {
+        let product = |i: usize| sparse.map(|s| s.product_rows(i));
+        let gate = self.gate_proj.forward_with_base(x.clone(), product(0));
+        let up = self.up_proj.forward_with_base(x, product(1));
+        self.down_proj
+            .forward_with_base(swiglu(gate, up), product(2))
     }
 
-    /// Token-block informativeness from `silu(gate) * up` of every token of `x`, outside the
-    /// graph.
-    fn informativeness(&self, x: Tensor<B, 3>, block_size: usize) -> Tensor<B, 2> {
+    /// The block on every row of `x` outside the graph, with the token-block informativeness
+    /// of `silu(gate) * up` when `block_size` is given. Products: the frozen parts of `gate`,
+    /// `up` and `down`.
+    fn pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
+        let x = x.detach();
+        let gate_base = self.gate_proj.base_untracked(x.clone());
+        let up_base = self.up_proj.base_untracked(x.clone());
         let activations = swiglu(
-            self.gate_proj.forward_untracked(x.clone()),
-            self.up_proj.forward_untracked(x),
+            self.gate_proj.adapt_untracked(x.clone(), gate_base.clone()),
+            self.up_proj.adapt_untracked(x, up_base.clone()),
         );
-        informativeness::mlp(activations, block_size)
+        let scores = block_size.map(|size| informativeness::mlp(activations.clone(), size));
+        let down_base = self.down_proj.base_untracked(activations.clone());
+        let output = self
+            .down_proj
+            .adapt_untracked(activations, down_base.clone());
+        BlockPass {
+            output,
+            scores,
+            products: vec![gate_base, up_base, down_base],
+        }
     }
 }
 
@@ -124,33 +186,40 @@ pub struct LlamaLayer<B: Backend> {
 }
 
 impl<B: LemoBackend> LlamaLayer<B> {
-    /// `h + attention(rms(h))`, on the kept rows only when there are `rows`.
+    /// `h + attention(rms(h))`; token-sparse with `sparse`.
     fn attention_block(
         &self,
         h: Tensor<B, 3>,
         rotation: &Rotation<B>,
-        rows: Option<&Tensor<B, 2, Int>>,
+        sparse: Option<SparseBlock<B>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let norm = &self.input_layernorm;
-        match rows {
-            None => h.clone() + self.self_attn.forward(norm.forward(h), rotation, cache),
-            Some(rows) => {
-                let x = norm.forward_rows(h.clone(), rows.clone());
-                let out = self.self_attn.forward(x, &rotation.at(rows.clone()), None);
-                scatter_add_rows(h, rows.clone(), out)
+        match sparse {
+            None => {
+                h.clone()
+                    + self
+                        .self_attn
+                        .forward(norm.forward(h), rotation, None, cache)
+            }
+            Some(sparse) => {
+                let x = norm.forward_rows(h.clone(), sparse.rows.clone());
+                let rotation = rotation.at(sparse.rows.clone());
+                let out = self.self_attn.forward(x, &rotation, Some(&sparse), None);
+                sparse.residual(h, out)
             }
         }
     }
 
-    /// `a + mlp(rms(a))`, on the kept rows only when there are `rows`.
-    fn mlp_block(&self, a: Tensor<B, 3>, rows: Option<&Tensor<B, 2, Int>>) -> Tensor<B, 3> {
+    /// `a + mlp(rms(a))`; token-sparse with `sparse`.
+    fn mlp_block(&self, a: Tensor<B, 3>, sparse: Option<SparseBlock<B>>) -> Tensor<B, 3> {
         let norm = &self.post_attention_layernorm;
-        match rows {
-            None => a.clone() + self.mlp.forward(norm.forward(a)),
-            Some(rows) => {
-                let out = self.mlp.forward(norm.forward_rows(a.clone(), rows.clone()));
-                scatter_add_rows(a, rows.clone(), out)
+        match sparse {
+            None => a.clone() + self.mlp.forward(norm.forward(a), None),
+            Some(sparse) => {
+                let x = norm.forward_rows(a.clone(), sparse.rows.clone());
+                let out = self.mlp.forward(x, Some(&sparse));
+                sparse.residual(a, out)
             }
         }
     }
@@ -275,43 +344,37 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         index: usize,
         h: Tensor<B, 3>,
         rotation: &Rotation<B>,
-        rows: Option<&Tensor<B, 2, Int>>,
+        sparse: Option<SparseBlock<B>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
-        self.layers[index].attention_block(h, rotation, rows, cache)
+        self.layers[index].attention_block(h, rotation, sparse, cache)
     }
 
     fn mlp_block(
         &self,
         index: usize,
         a: Tensor<B, 3>,
-        rows: Option<&Tensor<B, 2, Int>>,
+        sparse: Option<SparseBlock<B>>,
     ) -> Tensor<B, 3> {
-        self.layers[index].mlp_block(a, rows)
+        self.layers[index].mlp_block(a, sparse)
     }
 
-    fn attention_informativeness(
+    fn attention_pass(
         &self,
         index: usize,
         h: Tensor<B, 3>,
         rotation: &Rotation<B>,
-        block_size: usize,
-    ) -> Tensor<B, 2> {
+        block_size: Option<usize>,
+    ) -> BlockPass<B> {
         let layer = &self.layers[index];
-        let x = layer.input_layernorm.forward(h);
-        layer.self_attn.informativeness(x, rotation, block_size)
+        let x = layer.input_layernorm.forward(h).detach();
+        layer.self_attn.pass(x, rotation, block_size)
     }
 
-    fn mlp_informativeness(
-        &self,
-        index: usize,
-        a: Tensor<B, 3>,
-        block_size: usize,
-    ) -> Tensor<B, 2> {
+    fn mlp_pass(&self, index: usize, a: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
         let layer = &self.layers[index];
-        layer
-            .mlp
-            .informativeness(layer.post_attention_layernorm.forward(a), block_size)
+        let x = layer.post_attention_layernorm.forward(a).detach();
+        layer.mlp.pass(x, block_size)
     }
 
     fn output_norm(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {

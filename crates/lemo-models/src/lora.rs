@@ -9,6 +9,7 @@ use burn::nn::{Dropout, DropoutConfig};
 use burn::tensor::{DType, Distribution, Tensor, backend::Backend};
 use lemo_kernels::ComputeBackend;
 use lemo_kernels::gemm::matmul;
+use lemo_kernels::known_value::matmul_with_value;
 use lemo_kernels::precision::lora_delta;
 
 use crate::weights::seeded_random;
@@ -144,25 +145,77 @@ impl<B: ComputeBackend> Linear<B> {
 
     /// `x: [..., in] -> [..., out]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.project(x, true)
+        self.project(x, None, true)
     }
 
     /// [`Self::forward`] outside the graph: the adapter is read detached and without dropout
     /// (what token-elimination scores see).
     pub fn forward_untracked<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.project(x.detach(), false)
+        let base = self.base_untracked(x.clone());
+        self.adapt_untracked(x, base)
     }
 
-    fn project<const D: usize>(&self, x: Tensor<B, D>, tracked: bool) -> Tensor<B, D> {
+    /// The frozen part `x W^T + bias`, outside the graph.
+    pub fn base_untracked<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        self.project(x.detach(), None, false)
+    }
+
+    /// `base`, the frozen part of the projection of `x`, plus the adapter's term, outside the
+    /// graph: [`Self::forward_untracked`] reusing its frozen product.
+    pub fn adapt_untracked<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        base: Tensor<B, D>,
+    ) -> Tensor<B, D> {
+        match &self.lora {
+            Some(_) => self.project(x.detach(), Some(base), false),
+            None => base,
+        }
+    }
+
+    /// [`Self::forward`] of `x`; with `base`, its frozen part computed earlier (the rows of
+    /// [`Self::base_untracked`] over more rows), the graph has the backward pass of the full
+    /// projection but only the adapter's product is computed.
+    pub fn forward_with_base<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        base: Option<Tensor<B, D>>,
+    ) -> Tensor<B, D> {
+        self.project(x, base, true)
+    }
+
+    /// `x W^T + bias` (or `base`, its value computed earlier), plus the adapter's term when there
+    /// is an adapter and either `tracked` or a `base` was given.
+    fn project<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        base: Option<Tensor<B, D>>,
+        tracked: bool,
+    ) -> Tensor<B, D> {
         let mut out_dims = x.dims();
         out_dims[D - 1] = self.out_features();
         let rows: usize = x.dims()[..D - 1].iter().product();
         let x = x.reshape([rows, self.in_features()]);
-        let mut y = matmul(x.clone(), self.weight.val().transpose());
-        if let Some(bias) = &self.bias {
-            y = y + bias.val().unsqueeze_dim(0);
-        }
-        if let Some(lora) = &self.lora {
+        let weight = self.weight.val().transpose();
+        let adapt = base.is_some() || tracked;
+        let mut y = match base {
+            Some(base) => {
+                let base = base.reshape([rows, self.out_features()]);
+                if tracked {
+                    matmul_with_value(x.clone(), weight, base)
+                } else {
+                    base
+                }
+            }
+            None => {
+                let y = matmul(x.clone(), weight);
+                match &self.bias {
+                    Some(bias) => y + bias.val().unsqueeze_dim(0),
+                    None => y,
+                }
+            }
+        };
+        if let (Some(lora), true) = (&self.lora, adapt) {
             let (a, b) = (lora.a.val(), lora.b.val());
             y = if tracked {
                 y + lora_delta(lora.dropout.forward(x), a, b, lora.scaling as f32)

@@ -13,14 +13,14 @@ use std::ops::Range;
 use burn::module::{Module, Param};
 use burn::tensor::activation::relu;
 use burn::tensor::{Int, Tensor, backend::Backend};
-use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
+use lemo_kernels::token_movement::gather_rows;
 use lemo_kernels::{AttentionOptions, LemoBackend, attention::attention};
 use lemo_sparsity::informativeness;
 
 use crate::Result;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::OptConfig;
-use crate::decoder::Decoder;
+use crate::decoder::{BlockPass, Decoder, SparseBlock};
 use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::LayerNorm;
@@ -41,21 +41,56 @@ pub struct OptAttention<B: Backend> {
 }
 
 impl<B: LemoBackend> OptAttention<B> {
-    fn forward(&self, x: Tensor<B, 3>, cache: Option<&mut LayerCache<B>>) -> Tensor<B, 3> {
-        let [batch, len, hidden] = x.dims();
-        let q = self.heads(self.q_proj.forward(x.clone()));
-        let (k, v) = append_to_cache(
-            cache,
-            self.heads(self.k_proj.forward(x.clone())),
-            self.heads(self.v_proj.forward(x)),
+    /// The block's output for `x`, in the graph. With `sparse`, `x` holds its kept rows and the
+    /// frozen products are the kept rows of the pass's (see [`Self::pass`]).
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        sparse: Option<&SparseBlock<B>>,
+        cache: Option<&mut LayerCache<B>>,
+    ) -> Tensor<B, 3> {
+        let product = |i: usize| sparse.map(|s| s.product_rows(i));
+        let q = self.heads(self.q_proj.forward_with_base(x.clone(), product(0)));
+        let k = self.heads(self.k_proj.forward_with_base(x.clone(), product(1)));
+        let v = self.heads(self.v_proj.forward_with_base(x, product(2)));
+        let (k, v) = append_to_cache(cache, k, v);
+        self.out_proj
+            .forward_with_base(self.attend(q, k, v), product(3))
+    }
+
+    /// The block on every row of `x` outside the graph, with the token-block informativeness
+    /// of its queries and keys when `block_size` is given. Products: the frozen parts of `q`,
+    /// `k`, `v` and `out`.
+    fn pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
+        let x = x.detach();
+        let (q_base, k_base, v_base) = (
+            self.q_proj.base_untracked(x.clone()),
+            self.k_proj.base_untracked(x.clone()),
+            self.v_proj.base_untracked(x.clone()),
         );
+        let q = self.heads(self.q_proj.adapt_untracked(x.clone(), q_base.clone()));
+        let k = self.heads(self.k_proj.adapt_untracked(x.clone(), k_base.clone()));
+        let v = self.heads(self.v_proj.adapt_untracked(x, v_base.clone()));
+        let scores = block_size.map(|size| informativeness::attention(q.clone(), k.clone(), size));
+        let out = self.attend(q, k, v);
+        let out_base = self.out_proj.base_untracked(out.clone());
+        BlockPass {
+            output: self.out_proj.adapt_untracked(out, out_base.clone()),
+            scores,
+            products: vec![q_base, k_base, v_base, out_base],
+        }
+    }
+
+    /// Causal (shifted) attention, `[batch, len, hidden]`.
+    fn attend(&self, q: Tensor<B, 4>, k: Tensor<B, 4>, v: Tensor<B, 4>) -> Tensor<B, 3> {
+        let [batch, heads, len, head_dim] = q.dims();
         let options = AttentionOptions {
             shifted_group: self.shifted_group,
             ..AttentionOptions::causal(self.head_dim)
         };
-        let out = attention(q, k, v, options);
-        self.out_proj
-            .forward(out.swap_dims(1, 2).reshape([batch, len, hidden]))
+        attention(q, k, v, options)
+            .swap_dims(1, 2)
+            .reshape([batch, len, heads * head_dim])
     }
 
     /// `[batch, len, hidden] -> [batch, heads, len, head_dim]`.
@@ -77,38 +112,63 @@ pub struct OptLayer<B: Backend> {
 }
 
 impl<B: LemoBackend> OptLayer<B> {
-    /// Pre-norm: `h + attn(ln1(h))`; post-norm: `ln1(h + attn(h))`. Kept rows (pre-norm only)
-    /// are gathered before the LayerNorm, which has no fused gathering kernel.
+    /// Pre-norm: `h + attn(ln1(h))`; post-norm: `ln1(h + attn(h))`. Token-sparse with `sparse`
+    /// (pre-norm only); the kept rows are gathered before the LayerNorm, which has no fused
+    /// gathering kernel.
     fn attention_block(
         &self,
         h: Tensor<B, 3>,
-        rows: Option<&Tensor<B, 2, Int>>,
+        sparse: Option<SparseBlock<B>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let ln1 = &self.self_attn_layer_norm;
-        match (rows, self.norm_before) {
-            (None, true) => h.clone() + self.self_attn.forward(ln1.forward(h), cache),
-            (None, false) => ln1.forward(h.clone() + self.self_attn.forward(h, cache)),
-            (Some(rows), true) => {
-                let x = ln1.forward(gather_rows(h.clone(), rows.clone()));
-                scatter_add_rows(h, rows.clone(), self.self_attn.forward(x, None))
+        match (sparse, self.norm_before) {
+            (None, true) => h.clone() + self.self_attn.forward(ln1.forward(h), None, cache),
+            (None, false) => ln1.forward(h.clone() + self.self_attn.forward(h, None, cache)),
+            (Some(sparse), true) => {
+                let x = ln1.forward(gather_rows(h.clone(), sparse.rows.clone()));
+                let out = self.self_attn.forward(x, Some(&sparse), None);
+                sparse.residual(h, out)
             }
             (Some(_), false) => panic!("{POST_NORM_DENSE}"),
         }
     }
 
     /// Pre-norm: `a + fc2(relu(fc1(ln2(a))))`; post-norm: `ln2(a + fc2(relu(fc1(a))))`.
-    fn mlp_block(&self, a: Tensor<B, 3>, rows: Option<&Tensor<B, 2, Int>>) -> Tensor<B, 3> {
+    fn mlp_block(&self, a: Tensor<B, 3>, sparse: Option<SparseBlock<B>>) -> Tensor<B, 3> {
         let ln2 = &self.final_layer_norm;
-        let mlp = |x: Tensor<B, 3>| self.fc2.forward(relu(self.fc1.forward(x)));
-        match (rows, self.norm_before) {
-            (None, true) => a.clone() + mlp(ln2.forward(a)),
-            (None, false) => ln2.forward(a.clone() + mlp(a)),
-            (Some(rows), true) => {
-                let x = ln2.forward(gather_rows(a.clone(), rows.clone()));
-                scatter_add_rows(a, rows.clone(), mlp(x))
+        match (sparse, self.norm_before) {
+            (None, true) => a.clone() + self.mlp(ln2.forward(a), None),
+            (None, false) => ln2.forward(a.clone() + self.mlp(a, None)),
+            (Some(sparse), true) => {
+                let x = ln2.forward(gather_rows(a.clone(), sparse.rows.clone()));
+                let out = self.mlp(x, Some(&sparse));
+                sparse.residual(a, out)
             }
             (Some(_), false) => panic!("{POST_NORM_DENSE}"),
+        }
+    }
+
+    /// `fc2(relu(fc1(x)))` in the graph; with `sparse`, on its kept rows reusing the pass's
+    /// frozen products.
+    fn mlp(&self, x: Tensor<B, 3>, sparse: Option<&SparseBlock<B>>) -> Tensor<B, 3> {
+        let product = |i: usize| sparse.map(|s| s.product_rows(i));
+        let hidden = relu(self.fc1.forward_with_base(x, product(0)));
+        self.fc2.forward_with_base(hidden, product(1))
+    }
+
+    /// The MLP on every row of `x` outside the graph, with the informativeness of its ReLU
+    /// output when `block_size` is given. Products: the frozen parts of `fc1` and `fc2`.
+    fn mlp_pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
+        let x = x.detach();
+        let fc1_base = self.fc1.base_untracked(x.clone());
+        let activations = relu(self.fc1.adapt_untracked(x, fc1_base.clone()));
+        let scores = block_size.map(|size| informativeness::mlp(activations.clone(), size));
+        let fc2_base = self.fc2.base_untracked(activations.clone());
+        BlockPass {
+            output: self.fc2.adapt_untracked(activations, fc2_base.clone()),
+            scores,
+            products: vec![fc1_base, fc2_base],
         }
     }
 
@@ -267,46 +327,36 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
         index: usize,
         h: Tensor<B, 3>,
         _shared: &(),
-        rows: Option<&Tensor<B, 2, Int>>,
+        sparse: Option<SparseBlock<B>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
-        self.layers[index].attention_block(h, rows, cache)
+        self.layers[index].attention_block(h, sparse, cache)
     }
 
     fn mlp_block(
         &self,
         index: usize,
         a: Tensor<B, 3>,
-        rows: Option<&Tensor<B, 2, Int>>,
+        sparse: Option<SparseBlock<B>>,
     ) -> Tensor<B, 3> {
-        self.layers[index].mlp_block(a, rows)
+        self.layers[index].mlp_block(a, sparse)
     }
 
-    fn attention_informativeness(
+    fn attention_pass(
         &self,
         index: usize,
         h: Tensor<B, 3>,
         _shared: &(),
-        block_size: usize,
-    ) -> Tensor<B, 2> {
+        block_size: Option<usize>,
+    ) -> BlockPass<B> {
         let layer = &self.layers[index];
-        let attn = &layer.self_attn;
-        let x = layer.attention_input(h);
-        let q = attn.heads(attn.q_proj.forward_untracked(x.clone()));
-        let k = attn.heads(attn.k_proj.forward_untracked(x));
-        informativeness::attention(q, k, block_size)
+        layer.self_attn.pass(layer.attention_input(h), block_size)
     }
 
-    /// From OPT's ReLU output.
-    fn mlp_informativeness(
-        &self,
-        index: usize,
-        a: Tensor<B, 3>,
-        block_size: usize,
-    ) -> Tensor<B, 2> {
+    /// Scores from OPT's ReLU output.
+    fn mlp_pass(&self, index: usize, a: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
         let layer = &self.layers[index];
-        let activations = relu(layer.fc1.forward_untracked(layer.mlp_input(a)));
-        informativeness::mlp(activations, block_size)
+        layer.mlp_pass(layer.mlp_input(a), block_size)
     }
 
     /// The final layer norm (pre-norm models) and the projection to `word_embed_proj_dim`.

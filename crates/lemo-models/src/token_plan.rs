@@ -4,9 +4,11 @@
 //! scores (and recording them in a [`TokenPlan`]), or replaying a recorded plan, which is how the
 //! recomputing backward pass of activation checkpointing rebuilds exactly the forward pass.
 
-use burn::tensor::{Tensor, backend::Backend};
+use burn::tensor::backend::Backend;
 use lemo_sparsity::calibration::Block;
 use lemo_sparsity::{KeptRows, Thresholds};
+
+use crate::decoder::BlockPass;
 
 /// The kept rows of one layer's two blocks; `None` is a dense block.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -113,19 +115,23 @@ impl<'a> TokenSparsity<'a> {
         }
     }
 
-    /// The kept rows of `block` of `layer` for a batch of `batch` sequences of `seq` tokens;
-    /// `scores(block_size)` gives the block's token-block informativeness `[batch, blocks]` and
-    /// is called only when the choice needs it. `None`: the block runs dense.
-    pub(crate) fn rows<B: Backend>(
+    /// The kept rows of `block` of `layer` for a batch of sequences of `seq` tokens, and the
+    /// block's pass over every row that they come with; `None`: the block runs dense. `pass`
+    /// computes the block outside the graph, with its token-block scores when given a block
+    /// size, and is called only when the block is sparse or its scores are recorded.
+    pub(crate) fn block<B: Backend>(
         &mut self,
         layer: usize,
         block: Block,
         seq: usize,
-        scores: impl FnOnce(usize) -> Tensor<B, 2>,
-    ) -> Option<KeptRows> {
+        pass: impl FnOnce(Option<usize>) -> BlockPass<B>,
+    ) -> Option<(KeptRows, BlockPass<B>)> {
         match self {
             TokenSparsity::Dense => None,
-            TokenSparsity::Replay(plan) => plan.layers.get(layer)?.block(block).cloned(),
+            TokenSparsity::Replay(plan) => {
+                let kept = plan.layers.get(layer)?.block(block).cloned()?;
+                Some((kept, pass(None)))
+            }
             TokenSparsity::Select {
                 thresholds,
                 plan,
@@ -136,32 +142,37 @@ impl<'a> TokenSparsity<'a> {
                     Block::Attention => layer_thresholds.attention,
                     Block::Mlp => layer_thresholds.mlp,
                 };
-                let mut kept = None;
-                if threshold.is_some() || *record_scores {
-                    let scores = scores(thresholds.block_size);
-                    let [batch, blocks] = scores.dims();
-                    let values: Vec<f32> = scores
-                        .into_data()
-                        .convert::<f32>()
-                        .into_vec()
-                        .expect("f32 scores");
-                    kept = threshold.map(|t| {
-                        let per_sequence: Vec<&[f32]> =
-                            values.chunks(blocks.max(1)).take(batch).collect();
-                        KeptRows::from_block_scores(
-                            &per_sequence,
-                            thresholds.block_size,
-                            seq,
-                            t,
-                            thresholds.min_keep,
-                        )
-                    });
-                    if *record_scores {
-                        plan.record_scores(layer, block, values);
-                    }
+                *plan.layer_mut(layer).block_mut(block) = None;
+                if threshold.is_none() && !*record_scores {
+                    return None;
+                }
+                let mut pass = pass(Some(thresholds.block_size));
+                let scores = pass
+                    .scores
+                    .take()
+                    .expect("a pass asked for scores gives them");
+                let [batch, blocks] = scores.dims();
+                let values: Vec<f32> = scores
+                    .into_data()
+                    .convert::<f32>()
+                    .into_vec()
+                    .expect("f32 scores");
+                let kept = threshold.map(|t| {
+                    let per_sequence: Vec<&[f32]> =
+                        values.chunks(blocks.max(1)).take(batch).collect();
+                    KeptRows::from_block_scores(
+                        &per_sequence,
+                        thresholds.block_size,
+                        seq,
+                        t,
+                        thresholds.min_keep,
+                    )
+                });
+                if *record_scores {
+                    plan.record_scores(layer, block, values);
                 }
                 *plan.layer_mut(layer).block_mut(block) = kept.clone();
-                kept
+                kept.map(|kept| (kept, pass))
             }
         }
     }

@@ -1,5 +1,6 @@
-//! Token elimination (`--method lemo`) in the models: exact when every token is kept, rows that a
-//! block drops pass through it unchanged, and kept sets are per sequence of a batch.
+//! Token elimination (`--method lemo`) in the models: exact when every token is kept; a sparse
+//! block computes the dense values but back-propagates through its kept rows only; kept sets are
+//! per sequence of a batch.
 
 mod common;
 
@@ -88,16 +89,14 @@ fn keeping_every_token_gives_the_lora_loss_and_gradients_on_wgpu() {
 }
 
 #[test]
-fn dropped_rows_pass_through_a_layer_unchanged() {
-    type B = CpuBackend;
+fn a_sparse_layer_computes_the_dense_values_and_back_propagates_through_its_kept_rows() {
+    type B = Autodiff<CpuBackend>;
     let device = Default::default();
-    let model =
-        trainable_model::<Autodiff<B>>("llama_gqa_tied", &LLAMA_PROJECTIONS, false, &device);
-    let model = burn::module::AutodiffModule::valid(&model);
+    let model = trainable_model::<B>("llama_gqa_tied", &LLAMA_PROJECTIONS, false, &device);
     let [vocab, _] = model.lm_head_weight().dims();
     let tokens = random_tokens::<B>(vocab, [1, 40], &device);
-    // Layer 0 keeps rows 0..8 and 24..40 in attention, 0..8 and 32..40 in the MLP; every other
-    // layer is dense. Rows 8..24 then skip layer 0 entirely.
+    // Layer 0 keeps rows 0..8 and 24..40 in attention, 0..8 and 32..40 in the MLP. Rows 8..24
+    // are kept by neither block.
     let mut plan = TokenPlan::default();
     let rows = |ranges: &[std::ops::Range<u32>]| KeptRows {
         rows: ranges.iter().flat_map(|r| r.clone()).collect(),
@@ -114,26 +113,43 @@ fn dropped_rows_pass_through_a_layer_unchanged() {
     };
     use lemo_models::decoder::{Decoder, layer};
     let shared = llama.shared(0..40, 1);
-    let h = llama.embed(tokens, 0..40);
-    let out = layer(
-        llama,
-        0,
-        h.clone(),
-        &shared,
-        None,
-        &mut TokenSparsity::Replay(&plan),
+    let h = llama.embed(tokens, 0..40).detach().require_grad();
+    let run = |sparsity: &mut TokenSparsity| layer(llama, 0, h.clone(), &shared, None, sparsity);
+    let sparse = run(&mut TokenSparsity::Replay(&plan));
+    let dense = run(&mut TokenSparsity::Dense);
+    let scale: f32 = dense.clone().abs().max().into_scalar().elem();
+    let difference: f32 = (sparse.clone() - dense).abs().max().into_scalar().elem();
+    assert!(difference <= 1e-5 * scale, "values differ by {difference}");
+
+    // A loss on rows 8..24 reaches h through the residual stream alone, and no adapter.
+    let gradients = sparse.clone().slice([0..1, 8..24]).sum().backward();
+    let grad_h = h.grad(&gradients).expect("h is a leaf of the graph");
+    let expected = Tensor::<CpuBackend, 3>::zeros(grad_h.dims(), &device).slice_assign(
+        [0..1, 8..24],
+        Tensor::ones([1, 16, grad_h.dims()[2]], &device),
     );
-    let skipped = |t: Tensor<B, 3>| t.slice([0..1, 8..24]);
-    let difference: f32 = (skipped(out.clone()) - skipped(h.clone()))
-        .abs()
-        .max()
-        .into_scalar();
-    assert_eq!(difference, 0.0, "a dropped row changed");
-    let changed: f32 = (out.slice([0..1, 24..32]) - h.slice([0..1, 24..32]))
-        .abs()
-        .max()
-        .into_scalar();
-    assert!(changed > 0.0, "a kept row did not change");
+    let error: f32 = (grad_h - expected).abs().max().into_scalar().elem();
+    assert_eq!(
+        error, 0.0,
+        "a dropped row's gradient went through the block"
+    );
+    let mut sums = GradientSums::default();
+    sums.add(&model, &gradients);
+    assert!(
+        sums.is_zero(),
+        "an adapter got a gradient from dropped rows"
+    );
+
+    // A loss on rows 24..32 (kept by the attention block only) reaches the adapters (a fresh
+    // graph: a backward pass consumes its graph).
+    let sparse = run(&mut TokenSparsity::Replay(&plan));
+    let gradients = sparse.slice([0..1, 24..32]).sum().backward();
+    let mut sums = GradientSums::default();
+    sums.add(&model, &gradients);
+    assert!(
+        !sums.is_zero(),
+        "a kept row's loss did not reach the adapters"
+    );
 }
 
 #[test]

@@ -84,6 +84,34 @@ impl<B: LemoBackend, C: CheckpointStrategy> LemoBackend for Autodiff<B, C> {
         }
     }
 
+    fn lemo_attention_with_value(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        options: AttentionOptions,
+    ) -> FloatTensor<Self> {
+        match AttentionBackward
+            .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = (
+                    q.primitive,
+                    k.primitive,
+                    v.primitive,
+                    out.primitive.clone(),
+                    lse.primitive,
+                    options,
+                );
+                prep.finish(state, out.primitive)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out.primitive),
+        }
+    }
+
     fn lemo_attention_forward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

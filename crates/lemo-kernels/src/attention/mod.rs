@@ -109,6 +109,27 @@ pub fn attention_with_lse<B: LemoBackend>(
     )
 }
 
+/// `out`, the attention output of `q, k, v` computed earlier with its `lse` (e.g. the kept rows
+/// of attention over more rows, then `q` holds those rows), with the backward pass of
+/// [`attention`] at that output: the probabilities are recomputed from `lse`, so with `lse` of
+/// attention over more keys the gradient is that attention's, restricted to the keys in `k`.
+pub fn attention_with_value<B: LemoBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    (out, lse): (Tensor<B, 4>, Tensor<B, 3>),
+    options: AttentionOptions,
+) -> Tensor<B, 4> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::lemo_attention_with_value(
+        q.into_primitive().tensor(),
+        k.into_primitive().tensor(),
+        v.into_primitive().tensor(),
+        out.into_primitive().tensor(),
+        lse.into_primitive().tensor(),
+        options,
+    )))
+}
+
 /// Gradients `(dq, dk, dv)` of [`attention`] given its saved output and `lse` and the output
 /// gradient: exposed so the backward kernels can be tested and benchmarked on their own.
 #[allow(clippy::too_many_arguments)]

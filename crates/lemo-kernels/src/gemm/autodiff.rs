@@ -78,6 +78,17 @@ pub(crate) fn matmul<B: ComputeBackend, C: CheckpointStrategy>(
     lhs: FloatTensor<Autodiff<B, C>>,
     rhs: FloatTensor<Autodiff<B, C>>,
 ) -> FloatTensor<Autodiff<B, C>> {
+    let output = B::lemo_matmul(lhs.primitive.clone(), rhs.primitive.clone());
+    record_matmul::<B, C>(lhs, rhs, output)
+}
+
+/// `output` (the value of `lhs x rhs`) as the product's node: each operand is kept only for the
+/// other's gradient.
+pub(crate) fn record_matmul<B: ComputeBackend, C: CheckpointStrategy>(
+    lhs: FloatTensor<Autodiff<B, C>>,
+    rhs: FloatTensor<Autodiff<B, C>>,
+    output: FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
     let (lhs_tracked, rhs_tracked) = (lhs.is_tracked(), rhs.is_tracked());
     match MatmulBackward
         .prepare::<C>([lhs.node.clone(), rhs.node.clone()])
@@ -91,8 +102,8 @@ pub(crate) fn matmul<B: ComputeBackend, C: CheckpointStrategy>(
                 lhs.primitive.shape(),
                 rhs.primitive.shape(),
             );
-            prep.finish(state, B::lemo_matmul(lhs.primitive, rhs.primitive))
+            prep.finish(state, output)
         }
-        OpsKind::UnTracked(prep) => prep.finish(B::lemo_matmul(lhs.primitive, rhs.primitive)),
+        OpsKind::UnTracked(prep) => prep.finish(output),
     }
 }

@@ -25,6 +25,14 @@ impl<B: AutodiffBackend> Default for GradientSums<B> {
 }
 
 impl<B: AutodiffBackend + LemoBackend> GradientSums<B> {
+    /// Whether no parameter got a non-zero gradient.
+    pub fn is_zero(&self) -> bool {
+        self.sums.iter().flatten().all(|sum| {
+            let largest: f32 = sum.clone().abs().max().into_scalar().elem();
+            largest == 0.0
+        })
+    }
+
     pub fn add(&mut self, model: &CausalLm<B>, gradients: &B::Gradients) {
         struct Visitor<'a, B: AutodiffBackend> {
             gradients: &'a B::Gradients,
