@@ -224,7 +224,9 @@ fn known_output_of_kept_rows_back_propagates_with_the_full_logsumexp() {
         options,
     );
     assert_close("value", value.clone().inner(), out.clone());
-    let grads = (value * Tensor::from_inner(weights.clone())).sum().backward();
+    let grads = (value * Tensor::from_inner(weights.clone()))
+        .sum()
+        .backward();
     let (dq, dk, dv) = reference::attention_backward(q, k, v, out, lse, weights, options);
     assert_close("dq", q_leaf.grad(&grads).unwrap(), dq);
     assert_close("dk", k_leaf.grad(&grads).unwrap(), dk);

@@ -53,35 +53,7 @@ impl<B: LemoBackend, C: CheckpointStrategy> LemoBackend for Autodiff<B, C> {
         v: FloatTensor<Self>,
         options: AttentionOptions,
     ) -> FloatTensor<Self> {
-        match AttentionBackward
-            .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let (out, lse) = B::lemo_attention_forward(
-                    q.primitive.clone(),
-                    k.primitive.clone(),
-                    v.primitive.clone(),
-                    options,
-                );
-                let state = (
-                    q.primitive,
-                    k.primitive,
-                    v.primitive,
-                    out.clone(),
-                    lse,
-                    options,
-                );
-                prep.finish(state, out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::lemo_attention(
-                q.primitive,
-                k.primitive,
-                v.primitive,
-                options,
-            )),
-        }
+        record_attention::<B, C>(q, k, v, options, None)
     }
 
     fn lemo_attention_with_value(
@@ -92,24 +64,7 @@ impl<B: LemoBackend, C: CheckpointStrategy> LemoBackend for Autodiff<B, C> {
         lse: FloatTensor<Self>,
         options: AttentionOptions,
     ) -> FloatTensor<Self> {
-        match AttentionBackward
-            .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let state = (
-                    q.primitive,
-                    k.primitive,
-                    v.primitive,
-                    out.primitive.clone(),
-                    lse.primitive,
-                    options,
-                );
-                prep.finish(state, out.primitive)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(out.primitive),
-        }
+        record_attention::<B, C>(q, k, v, options, Some((out.primitive, lse.primitive)))
     }
 
     fn lemo_attention_forward(
@@ -160,5 +115,45 @@ impl<B: LemoBackend, C: CheckpointStrategy> LemoBackend for Autodiff<B, C> {
             block_size,
             scale,
         ))
+    }
+}
+
+/// Attention's node over `q, k, v`, with its output `known` (the output and its `lse`, computed
+/// earlier) or computed here (the `lse` only when the graph keeps it).
+fn record_attention<B: LemoBackend, C: CheckpointStrategy>(
+    q: FloatTensor<Autodiff<B, C>>,
+    k: FloatTensor<Autodiff<B, C>>,
+    v: FloatTensor<Autodiff<B, C>>,
+    options: AttentionOptions,
+    known: Option<(FloatTensor<B>, FloatTensor<B>)>,
+) -> FloatTensor<Autodiff<B, C>> {
+    match AttentionBackward
+        .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => {
+            let (out, lse) = known.unwrap_or_else(|| {
+                B::lemo_attention_forward(
+                    q.primitive.clone(),
+                    k.primitive.clone(),
+                    v.primitive.clone(),
+                    options,
+                )
+            });
+            let state = (
+                q.primitive,
+                k.primitive,
+                v.primitive,
+                out.clone(),
+                lse,
+                options,
+            );
+            prep.finish(state, out)
+        }
+        OpsKind::UnTracked(prep) => prep.finish(match known {
+            Some((out, _)) => out,
+            None => B::lemo_attention(q.primitive, k.primitive, v.primitive, options),
+        }),
     }
 }
