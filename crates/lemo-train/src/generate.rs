@@ -6,9 +6,9 @@ use std::path::PathBuf;
 use anyhow::{Result, bail};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData, activation::softmax};
 use lemo_kernels::LemoBackend;
+use lemo_models::KvCache;
 use lemo_models::model::ModelFormat;
 use lemo_models::tokenizer::Tokenizer;
-use lemo_models::KvCache;
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 
 use crate::device::BackendJob;

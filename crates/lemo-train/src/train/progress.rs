@@ -51,7 +51,7 @@ impl Progress {
         self.bar.set_position(done as u64);
         self.bar
             .set_message(terminal_message(report, self.val_loss));
-        let periodic = done % (self.steps / 20).max(1) == 0;
+        let periodic = done.is_multiple_of((self.steps / 20).max(1));
         if self.bar.is_hidden()
             && (done == self.start + 1
                 || periodic
