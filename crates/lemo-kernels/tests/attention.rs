@@ -2,14 +2,12 @@
 //! logsumexp and the three gradients, on fresh random inputs every run (the seed is printed and
 //! can be set with `LEMO_TEST_SEED`).
 
-mod common;
-
 use burn::backend::Autodiff;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use common::{random, seed};
 use lemo_kernels::attention::{self, AttentionOptions, reference};
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
+use lemo_test_support::{random, seed_backend as seed};
 
 const TOLERANCE: f32 = 1e-4;
 
@@ -47,7 +45,7 @@ fn assert_close<B: Backend, const D: usize>(
     actual: Tensor<B, D>,
     expected: Tensor<B, D>,
 ) {
-    common::assert_close(what, actual, expected, TOLERANCE);
+    lemo_test_support::assert_close(what, actual, expected, TOLERANCE);
 }
 
 /// Forward, lse and (when `gradients`) dq, dk, dv of `attention` on backend `B` against the

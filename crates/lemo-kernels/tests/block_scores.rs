@@ -1,10 +1,8 @@
 //! Parity of the block-informativeness kernel (wgpu, f32) with the materialized reference.
 
-mod common;
-
-use common::{assert_close, random, seed};
 use lemo_kernels::WgpuBackend;
 use lemo_kernels::block_scores::{self, reference};
+use lemo_test_support::{assert_close, random, seed_backend as seed};
 
 fn check(batch: usize, q_heads: usize, kv_heads: usize, seq: usize, head_dim: usize, block: usize) {
     let device = Default::default();

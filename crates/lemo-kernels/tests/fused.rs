@@ -1,13 +1,11 @@
 //! Parity of the fused RMSNorm, RoPE and SwiGLU kernels (wgpu, f32) with their plain Burn
 //! references, forward and backward (both through autodiff), on fresh random inputs.
 
-mod common;
-
 use burn::backend::Autodiff;
 use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
-use common::seed;
 use lemo_kernels::WgpuBackend;
 use lemo_kernels::fused::{self, rms_norm, rope, swiglu};
+use lemo_test_support::seed_backend as seed;
 
 type B = Autodiff<WgpuBackend>;
 
@@ -20,11 +18,11 @@ fn seeded() -> burn::tensor::Device<B> {
 }
 
 fn random<const D: usize>(shape: [usize; D], device: &burn::tensor::Device<B>) -> Tensor<B, D> {
-    common::random(shape, device)
+    lemo_test_support::random(shape, device)
 }
 
 fn assert_close<const D: usize>(name: &str, actual: Tensor<B, D>, expected: Tensor<B, D>) {
-    common::assert_close(name, actual, expected, TOLERANCE);
+    lemo_test_support::assert_close(name, actual, expected, TOLERANCE);
 }
 
 fn rms_norm_case(shape: [usize; 3]) {

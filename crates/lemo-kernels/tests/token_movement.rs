@@ -2,13 +2,11 @@
 //! (`token_movement::reference`), forward and backward through autodiff, on random inputs and
 //! random kept rows per sequence; and the in-place update of the residual stream.
 
-mod common;
-
 use burn::backend::Autodiff;
 use burn::tensor::{Int, Tensor, TensorData};
-use common::{HostRng, assert_close, random, seed};
 use lemo_kernels::WgpuBackend;
 use lemo_kernels::token_movement::{self, reference};
+use lemo_test_support::{HostRng, assert_close, random, seed_backend as seed};
 
 type B = Autodiff<WgpuBackend>;
 

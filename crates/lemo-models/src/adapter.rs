@@ -3,6 +3,7 @@
 //! and `...lora_B.weight` (`[out, r]`), so PEFT loads what lemo writes and the reverse.
 
 use std::collections::HashMap;
+use std::io::Write;
 use std::path::Path;
 
 use burn::tensor::{Tensor, TensorData};
@@ -19,15 +20,43 @@ pub const CONFIG_FILE: &str = "adapter_config.json";
 pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
 const PREFIX: &str = "base_model.model";
 
-/// Writes `bytes` to `path` through a temporary file and a rename, so a crash never leaves a
-/// half-written file where a good one was.
+/// Writes `bytes` to `path` so that a reader (or a crash) sees the old file or the new one,
+/// never a part: the bytes go to a temporary file in the same folder (a rename is atomic only
+/// within one file system), are flushed to disk, and the temporary is renamed over `path`; the
+/// folder is flushed too, so the rename itself survives a power loss.
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let temporary = path.with_extension(format!(
-        "{}.partial",
-        path.extension().and_then(|e| e.to_str()).unwrap_or("")
+    let folder = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .ok_or_else(|| Error::Config(format!("{} is not a file path", path.display())))?;
+    let temporary = folder.join(format!(
+        ".{}.{}.partial",
+        name.to_string_lossy(),
+        std::process::id()
     ));
-    std::fs::write(&temporary, bytes).map_err(|e| Error::io(&temporary, e))?;
-    std::fs::rename(&temporary, path).map_err(|e| Error::io(path, e))
+    let write = || -> std::io::Result<()> {
+        let mut file = std::fs::File::create(&temporary)?;
+        file.write_all(bytes)?;
+        file.sync_all()
+    };
+    if let Err(e) = write() {
+        let _ = std::fs::remove_file(&temporary);
+        return Err(Error::write(&temporary, e));
+    }
+    std::fs::rename(&temporary, path).map_err(|e| Error::write(path, e))?;
+    sync_folder(folder);
+    Ok(())
+}
+
+/// Flushes a folder's entries (new names, renames) to disk; best effort, as some file systems
+/// cannot open folders for it.
+pub fn sync_folder(folder: &Path) {
+    if let Ok(dir) = std::fs::File::open(folder) {
+        let _ = dir.sync_all();
+    }
 }
 
 /// The `adapter_config.json` PEFT expects for `config`.

@@ -249,6 +249,19 @@ enum TokenIds {
     Many(Vec<u32>),
 }
 
+/// More positions than any released model addresses: a larger value is a corrupt config, and
+/// the RoPE tables sized from it would not fit in memory.
+const MAX_POSITIONS: usize = 1 << 24;
+
+fn check_positions(positions: usize) -> Result<()> {
+    if positions == 0 || positions > MAX_POSITIONS {
+        return Err(Error::Config(format!(
+            "max_position_embeddings {positions} is outside 1..={MAX_POSITIONS}"
+        )));
+    }
+    Ok(())
+}
+
 fn default_rms_norm_eps() -> f64 {
     1e-6
 }
@@ -280,6 +293,7 @@ impl RawLlamaConfig {
                 "head_dim ({head_dim}) must be even for RoPE"
             )));
         }
+        check_positions(self.max_position_embeddings)?;
         let rope_params = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref());
         Ok(LlamaConfig {
             vocab_size: self.vocab_size,
@@ -357,6 +371,7 @@ impl OptConfig {
     pub const POSITION_OFFSET: usize = 2;
 
     fn validate(&self) -> Result<()> {
+        check_positions(self.max_position_embeddings)?;
         if self.activation_function != "relu" {
             return Err(Error::Config(format!(
                 "unsupported activation_function {:?} for OPT: only relu",

@@ -9,6 +9,11 @@ pub enum Error {
         path: PathBuf,
         source: std::io::Error,
     },
+    #[error("cannot write {}: {source}", path.display())]
+    Write {
+        path: PathBuf,
+        source: std::io::Error,
+    },
     #[error("{}: {message}", path.display())]
     Format { path: PathBuf, message: String },
     #[error("{0}")]
@@ -22,6 +27,13 @@ pub type Result<T> = std::result::Result<T, Error>;
 impl Error {
     pub fn io(path: &Path, source: std::io::Error) -> Self {
         Error::Io {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
+    pub fn write(path: &Path, source: std::io::Error) -> Self {
+        Error::Write {
             path: path.to_path_buf(),
             source,
         }

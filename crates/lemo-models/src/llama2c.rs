@@ -55,6 +55,37 @@ impl Llama2cCheckpoint {
             [dim, hidden, layers, heads, kv_heads, seq_len].map(|v| v as usize);
         let head_dim = dim / heads;
         let kv_dim = kv_heads * head_dim;
+        // The sizes the header implies are checked against the file before anything is built
+        // from them: a corrupt header (4 KB of spaces reads as dimensions of 538976288) must fail
+        // here rather than size a table of billions of layers. In u128, nothing overflows.
+        let [
+            dim_,
+            hidden_,
+            layers_,
+            kv_dim_,
+            vocab_,
+            positions_,
+            head_dim_,
+        ] = [dim, hidden, layers, kv_dim, vocab, seq_len, head_dim].map(|v| v as u128);
+        let per_layer_elements =
+            2 * dim_ + 2 * dim_ * dim_ + 2 * kv_dim_ * dim_ + 3 * hidden_ * dim_;
+        let classifier = if shared_classifier { 0 } else { vocab_ * dim_ };
+        let elements = vocab_ * dim_
+            + layers_ * per_layer_elements
+            + dim_
+            + positions_ * head_dim_
+            + classifier;
+        let implied_bytes = HEADER_BYTES as u128 + 4 * elements;
+        if (map.len() as u128) < implied_bytes {
+            return Err(Error::format(
+                path,
+                format!(
+                    "truncated or not a llama2.c checkpoint: {} bytes, but the header {header:?} \
+                     implies {implied_bytes}",
+                    map.len()
+                ),
+            ));
+        }
 
         let mut tensors = HashMap::new();
         let mut offset = 0;
@@ -97,16 +128,7 @@ impl Llama2cCheckpoint {
         if !shared_classifier {
             add("lm_head.weight".into(), vec![vocab, dim], false);
         }
-        let needed = HEADER_BYTES + offset * 4;
-        if map.len() < needed {
-            return Err(Error::format(
-                path,
-                format!(
-                    "truncated llama2.c checkpoint: {} bytes, the header implies {needed}",
-                    map.len()
-                ),
-            ));
-        }
+        debug_assert_eq!((HEADER_BYTES + offset * 4) as u128, implied_bytes);
         let config = LlamaConfig {
             vocab_size: vocab,
             hidden_size: dim,

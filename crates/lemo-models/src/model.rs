@@ -76,10 +76,12 @@ impl<B: LemoBackend> CausalLm<B> {
     ) -> Result<(Self, ModelConfig)> {
         let (config, mut source): (ModelConfig, Box<dyn WeightSource>) =
             match ModelFormat::detect(path)? {
-                ModelFormat::HuggingFace => (
-                    ModelConfig::from_file(path)?,
-                    Box::new(SafetensorsWeights::open(path)?),
-                ),
+                ModelFormat::HuggingFace => {
+                    let config = ModelConfig::from_file(path)?;
+                    let weights = SafetensorsWeights::open(path)?;
+                    check_layer_count(path, &config, &weights)?;
+                    (config, Box::new(weights))
+                }
                 ModelFormat::Llama2c => {
                     let checkpoint = Llama2cCheckpoint::open(path)?;
                     (
@@ -493,4 +495,24 @@ fn trainable<B: Backend, const D: usize>(
     param: burn::module::Param<Tensor<B, D>>,
 ) -> burn::module::Param<Tensor<B, D>> {
     param.map(|t| t.cast(DType::F32).detach().require_grad())
+}
+
+/// Each layer has several tensors: a config claiming more layers than the weights hold tensors
+/// is refused before anything is sized from it.
+fn check_layer_count(
+    path: &Path,
+    config: &ModelConfig,
+    weights: &SafetensorsWeights,
+) -> Result<()> {
+    let tensors = weights.names().count();
+    if config.num_layers() > tensors {
+        return Err(Error::format(
+            path,
+            format!(
+                "config.json has {} layers but the weights hold only {tensors} tensors",
+                config.num_layers()
+            ),
+        ));
+    }
+    Ok(())
 }

@@ -60,6 +60,9 @@ pub struct RotaryEmbedding<B: Backend> {
     pub sin: Tensor<B, 2>,
 }
 
+/// Positions whose tables are built with the model.
+const EAGER_POSITIONS: usize = 1 << 17;
+
 /// The tables and positions `[batch, len]` one forward pass rotates its queries and keys by.
 pub struct Rotation<B: Backend> {
     cos: Tensor<B, 2>,
@@ -70,6 +73,9 @@ pub struct Rotation<B: Backend> {
 impl<B: ComputeBackend> RotaryEmbedding<B> {
     pub fn new(config: &RopeConfig, head_dim: usize, positions: usize, device: &B::Device) -> Self {
         let inverse_frequencies = inverse_frequencies(config, head_dim);
+        // Longer sequences get tables per call (see `rotation`): a config claiming millions of
+        // positions does not cost gigabytes up front.
+        let positions = positions.min(EAGER_POSITIONS);
         let (cos, sin) = rope_tables::<B>(&inverse_frequencies, positions, device);
         Self {
             inverse_frequencies,

@@ -117,8 +117,16 @@ pub struct HuggingFaceTokenizer {
 impl HuggingFaceTokenizer {
     fn from_file(path: &Path) -> Result<Self> {
         let json = std::fs::read(path).map_err(|e| Error::io(path, e))?;
-        let inner = tokenizers::Tokenizer::from_bytes(&json)
-            .map_err(|e| Error::format(path, format!("not a Hugging Face tokenizer.json: {e}")))?;
+        let invalid = |e: &dyn std::fmt::Display| {
+            Error::format(path, format!("not a Hugging Face tokenizer.json: {e}"))
+        };
+        // The tokenizers crate panics on some malformed JSON (an invalid escape inside its
+        // decoder section, say): plain JSON syntax is checked first, and a panic left over is
+        // caught and reported as the file's error.
+        serde_json::from_slice::<serde_json::Value>(&json).map_err(|e| invalid(&e))?;
+        let inner = std::panic::catch_unwind(|| tokenizers::Tokenizer::from_bytes(&json))
+            .map_err(|_| invalid(&"the tokenizers library could not read it"))?
+            .map_err(|e| invalid(&e))?;
         let config = read_tokenizer_config(path)?;
         let special_id = |config_key: &str, spellings: &[&str]| {
             config

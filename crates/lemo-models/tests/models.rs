@@ -20,16 +20,6 @@ fn fixture(case: &str) -> PathBuf {
         .join(case)
 }
 
-fn shared_data() -> Option<PathBuf> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
-    if path.exists() {
-        Some(path)
-    } else {
-        println!("skipping: ../shared/data not found");
-        None
-    }
-}
-
 fn read_json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
@@ -165,7 +155,9 @@ fn greedy_decoding_with_kv_cache_matches_transformers() {
 
 #[test]
 fn stories260k_logits_match_llama2c() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let dir = data.join("models/stories260K");
     let (model, _) = CausalLm::<B>::from_path(
         &dir.join("stories260K.bin"),
@@ -192,7 +184,9 @@ fn stories260k_logits_match_llama2c() {
 
 #[test]
 fn stories260k_greedy_text_matches_llama2c() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let dir = data.join("models/stories260K");
     let (model, _) = CausalLm::<B>::from_path(
         &dir.join("stories260K.bin"),

@@ -12,16 +12,6 @@ const LLAMA2_JSON: &str = "tokenizers/llama2/tokenizer.json";
 const LLAMA2_BIN: &str = "tokenizers/llama2/tokenizer.bin";
 const TOK512_BIN: &str = "models/stories260K/tok512.bin";
 
-fn shared_data() -> Option<PathBuf> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
-    if dir.is_dir() {
-        Some(dir)
-    } else {
-        eprintln!("skipping: ../shared/data not found");
-        None
-    }
-}
-
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/tokenizer")
@@ -86,7 +76,9 @@ fn assert_encodes_and_decodes_as(tokenizer: &Tokenizer, cases: &[(String, Vec<u3
 
 #[test]
 fn hugging_face_llama2_matches_python_tokenizers() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let tokenizer = load(&data.join(LLAMA2_JSON));
     assert_encodes_and_decodes_as(
         &tokenizer,
@@ -96,7 +88,9 @@ fn hugging_face_llama2_matches_python_tokenizers() {
 
 #[test]
 fn hugging_face_llama2_matches_swift_transformers_ids() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let tokenizer = load(&data.join(LLAMA2_JSON));
     let reference = read_json(&data.join("tokenizers/llama2/llama_encoded.json"));
     let text = reference["text"].as_str().expect("text");
@@ -109,7 +103,9 @@ fn hugging_face_llama2_matches_swift_transformers_ids() {
 
 #[test]
 fn hugging_face_llama2_special_ids() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let tokenizer = load(&data.join(LLAMA2_JSON));
     assert_eq!(tokenizer.bos_id(), Some(1));
     assert_eq!(tokenizer.eos_id(), Some(2));
@@ -120,7 +116,9 @@ fn hugging_face_llama2_special_ids() {
 
 #[test]
 fn llama2c_llama2_matches_run_c_port() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let tokenizer = load(&data.join(LLAMA2_BIN));
     assert_eq!(tokenizer.vocab_size(), 32000);
     assert_encodes_and_decodes_as(
@@ -131,7 +129,9 @@ fn llama2c_llama2_matches_run_c_port() {
 
 #[test]
 fn llama2c_tok512_matches_run_c_port() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let tokenizer = load(&data.join(TOK512_BIN));
     assert_eq!(tokenizer.vocab_size(), 512);
     assert_encodes_and_decodes_as(
@@ -142,7 +142,9 @@ fn llama2c_tok512_matches_run_c_port() {
 
 #[test]
 fn llama2c_tok512_matches_run_c_golden_prompt() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let tokenizer = load(&data.join(TOK512_BIN));
     let golden = read_json(&data.join("models/stories260K/golden_logits_once_upon_a_time.json"));
     let prompt = golden["prompt"].as_str().expect("prompt");
@@ -156,7 +158,9 @@ fn llama2c_tok512_matches_run_c_golden_prompt() {
 /// their different merge rules (scores vs merge ranks) must give the same ids.
 #[test]
 fn llama2_bin_agrees_with_tokenizer_json_on_ascii() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let from_json = load(&data.join(LLAMA2_JSON));
     let from_bin = load(&data.join(LLAMA2_BIN));
     let book = std::fs::read_to_string(data.join("corpora/gutenberg/pg11.txt")).unwrap();
@@ -225,7 +229,9 @@ fn run_c_encode(tokenizer_bin: &[u8], text: &str) -> Vec<u32> {
 
 #[test]
 fn llama2c_merges_match_run_c_loop_on_real_text() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let samples = [
         "corpora/gutenberg/pg2701.txt",
         "corpora/gutenberg/pg5200.txt",
@@ -264,7 +270,9 @@ fn streamed(tokenizer: &Tokenizer, start: u32, ids: &[u32]) -> String {
 /// decoders drop a leading space after every special token, which streaming cannot see.
 #[test]
 fn streamed_pieces_join_into_the_decoded_text() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     for tokenizer_name in [LLAMA2_JSON, LLAMA2_BIN, TOK512_BIN] {
         let tokenizer = load(&data.join(tokenizer_name));
         for text in reference_texts() {
@@ -284,7 +292,9 @@ fn streamed_pieces_join_into_the_decoded_text() {
 
 #[test]
 fn llama2c_decode_piece_follows_run_c() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let tokenizer = load(&data.join(LLAMA2_BIN));
     let once = 9038; // " Once"
     assert_eq!(tokenizer.decode_piece(1, once), b"Once");

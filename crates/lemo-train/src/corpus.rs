@@ -72,6 +72,22 @@ fn list_files(path: &Path) -> Result<Vec<PathBuf>> {
             })
             .collect();
         files.sort();
+        if files.is_empty() {
+            let folders: Vec<String> = std::fs::read_dir(path)
+                .with_context(|| format!("cannot read {}", path.display()))?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.is_dir())
+                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .collect();
+            if !folders.is_empty() {
+                bail!(
+                    "--data {}: no files here, only folders ({}); subfolders are not read: point \
+                     --data at one of them",
+                    path.display(),
+                    folders.join(", ")
+                );
+            }
+        }
         Ok(files)
     } else if path.is_file() {
         Ok(vec![path.to_path_buf()])

@@ -6,12 +6,12 @@ use std::path::PathBuf;
 use anyhow::{Result, bail};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData, activation::softmax};
 use lemo_kernels::LemoBackend;
+use lemo_models::KvCache;
 use lemo_models::model::ModelFormat;
 use lemo_models::tokenizer::Tokenizer;
-use lemo_models::{CausalLm, KvCache};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
 
-use crate::device::{BackendJob, PrecisionKind};
+use crate::device::BackendJob;
 
 pub struct GenerateJob {
     pub model: PathBuf,
@@ -20,15 +20,15 @@ pub struct GenerateJob {
     pub max_new_tokens: usize,
     pub temperature: f64,
     pub seed: u64,
-    pub precision: PrecisionKind,
+    /// The adapter, RoPE scaling and precision to run the model with.
+    pub setup: crate::modelio::ModelSetup,
 }
 
 impl BackendJob for GenerateJob {
     type Output = ();
 
     fn run<B: LemoBackend>(self, device: B::Device) -> Result<()> {
-        let (model, config) =
-            CausalLm::<B>::from_path(&self.model, &device, self.precision.policy())?;
+        let (model, config) = crate::modelio::load::<B>(&self.model, &self.setup, &device)?;
         if self.tokenizer.vocab_size() > config.vocab_size() {
             bail!(
                 "the tokenizer has {} tokens but the model's vocabulary has only {}: wrong --tokenizer?",

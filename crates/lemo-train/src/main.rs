@@ -8,6 +8,7 @@ mod eval;
 mod generate;
 mod longbench;
 mod memory;
+mod memory_plan;
 mod modelio;
 mod passkey;
 mod preset;
@@ -99,6 +100,7 @@ enum Command {
         /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
         #[arg(long, value_enum)]
         precision: Option<PrecisionKind>,
+        /// auto (CUDA when an NVIDIA driver is present, else the CPU), cuda, wgpu or cpu.
         #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
         device: DeviceKind,
     },
@@ -115,6 +117,7 @@ enum Command {
         /// whose model gets random weights; or a .gguf file, whose own weights are used.
         #[arg(long)]
         model: PathBuf,
+        /// lora (dense), longlora (S2 attention) or lemo (token elimination).
         #[arg(long, value_enum, default_value_t = train::config::Method::Lora)]
         method: train::config::Method,
         /// Sequence lengths, comma-separated.
@@ -129,8 +132,10 @@ enum Command {
         /// Unmeasured steps first (compilation, autotuning).
         #[arg(long, default_value_t = 2)]
         warmup: usize,
+        /// LoRA rank of the adapters.
         #[arg(long, default_value_t = 8)]
         lora_rank: usize,
+        /// Seed of the random weights, adapters and data.
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// Also write all results as one JSON array to this file.
@@ -145,6 +150,7 @@ enum Command {
         /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
         #[arg(long, value_enum)]
         precision: Option<PrecisionKind>,
+        /// auto (CUDA when an NVIDIA driver is present, else the CPU), cuda, wgpu or cpu.
         #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
         device: DeviceKind,
     },
@@ -156,8 +162,10 @@ enum Command {
         /// Prompt lengths in tokens, comma-separated.
         #[arg(long, value_delimiter = ',', default_value = "1024,2048,4096")]
         lengths: Vec<usize>,
+        /// Prompts per length.
         #[arg(long, default_value_t = 10)]
         trials: usize,
+        /// Seed of the passkeys and their depths.
         #[arg(long, default_value_t = 0)]
         seed: u64,
         /// Output file [default: stdout].
@@ -166,24 +174,35 @@ enum Command {
     },
     /// Continue a prompt (greedy by default) and print the prompt plus the continuation.
     Generate {
+        /// Hugging Face model folder, llama2.c .bin checkpoint or .gguf file.
         #[arg(long)]
         model: PathBuf,
-        /// [default: the one beside the model]
+        /// tokenizer.json, llama2.c tokenizer .bin or .gguf [default: the one beside the model].
         #[arg(long)]
         tokenizer: Option<PathBuf>,
+        /// Text to continue.
         #[arg(long)]
         prompt: String,
+        /// Tokens to generate at most (generation also stops at EOS).
         #[arg(long, default_value_t = 256)]
         max_new_tokens: usize,
-        /// 0 is greedy decoding.
+        /// Sampling temperature; 0 is greedy decoding.
         #[arg(long, default_value_t = 0.0)]
         temperature: f64,
+        /// Seed of the sampling (temperature above 0).
         #[arg(long, default_value_t = 0)]
         seed: u64,
+        /// Apply this PEFT adapter folder, with the RoPE scaling it was trained with.
+        #[arg(long)]
+        adapter: Option<PathBuf>,
+        /// Linear RoPE position interpolation for this context (overrides the adapter's).
+        #[arg(long)]
+        target_context: Option<usize>,
         /// bf16 (model and activations; LoRA, gradients and optimizer f32) or f32
         /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
         #[arg(long, value_enum)]
         precision: Option<PrecisionKind>,
+        /// auto (CUDA when an NVIDIA driver is present, else the CPU), cuda, wgpu or cpu.
         #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
         device: DeviceKind,
     },
@@ -192,8 +211,10 @@ enum Command {
         /// tokenizer.json (Hugging Face), tokenizer.bin (llama2.c) or a .gguf model.
         #[arg(long)]
         tokenizer: PathBuf,
+        /// Text to tokenize.
         #[arg(long, conflicts_with = "file", required_unless_present = "file")]
         text: Option<String>,
+        /// File whose text to tokenize.
         #[arg(long)]
         file: Option<PathBuf>,
         /// Print the ids as one JSON array.
@@ -210,6 +231,14 @@ fn run(cli: Cli) -> Result<()> {
         Command::Train(args) => {
             let summary = run_train(*args)?;
             print_train_summary(&summary);
+            if summary.interrupted {
+                eprintln!(
+                    "interrupted after step {}: continue with `lemo-train train --resume {}`",
+                    summary.steps_done,
+                    summary.out.display()
+                );
+                std::process::exit(train::interrupt::EXIT_STATUS);
+            }
         }
         Command::Calibrate(args) => {
             let path = sparsity::run_calibrate(*args)?;
@@ -249,8 +278,10 @@ fn run(cli: Cli) -> Result<()> {
             };
             let results = device.run(job)?;
             if let Some(path) = out {
-                std::fs::write(&path, serde_json::to_string_pretty(&results)?)
-                    .with_context(|| format!("cannot write {}", path.display()))?;
+                lemo_models::adapter::write_atomically(
+                    &path,
+                    serde_json::to_string_pretty(&results)?.as_bytes(),
+                )?;
             }
         }
         Command::Passkey {
@@ -269,8 +300,7 @@ fn run(cli: Cli) -> Result<()> {
                 text.push('\n');
             }
             match out {
-                Some(path) => std::fs::write(&path, text)
-                    .with_context(|| format!("cannot write {}", path.display()))?,
+                Some(path) => lemo_models::adapter::write_atomically(&path, text.as_bytes())?,
                 None => print!("{text}"),
             }
         }
@@ -292,6 +322,7 @@ fn run(cli: Cli) -> Result<()> {
             method,
             ..
         } if passkey || longbench => {
+            require_model(&model)?;
             if method == train::config::Method::Lemo {
                 anyhow::bail!(
                     "--method lemo scores perplexity only; passkey and LongBench run the model dense"
@@ -363,6 +394,10 @@ fn run(cli: Cli) -> Result<()> {
             device,
             ..
         } => {
+            if stride == 0 {
+                anyhow::bail!("--stride must be at least 1");
+            }
+            require_model(&model)?;
             let device = device.resolve();
             let precision = device.precision(precision)?;
             let data = data.context("--data is required")?;
@@ -411,9 +446,12 @@ fn run(cli: Cli) -> Result<()> {
             max_new_tokens,
             temperature,
             seed,
+            adapter,
+            target_context,
             precision,
             device,
         } => {
+            require_model(&model)?;
             let device = device.resolve();
             let precision = device.precision(precision)?;
             let path = tokenizer
@@ -427,7 +465,11 @@ fn run(cli: Cli) -> Result<()> {
                 max_new_tokens,
                 temperature,
                 seed,
-                precision,
+                setup: modelio::ModelSetup {
+                    adapter,
+                    target_context,
+                    precision,
+                },
             })?;
         }
         Command::Tokenize {
@@ -457,10 +499,19 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+/// A missing `--model` is named as such before anything looks for files beside it.
+fn require_model(model: &std::path::Path) -> Result<()> {
+    if !model.exists() {
+        anyhow::bail!("--model {}: no such file or folder", model.display());
+    }
+    Ok(())
+}
+
 /// Resolves the configuration (defaults < preset < --config file < flags, or the resumed run's
 /// saved configuration < flags) and trains.
 fn run_train(args: train::config::TrainArgs) -> Result<train::TrainSummary> {
     use train::config::TrainConfig;
+    use train::run_dir::Start;
     let overrides = args.overrides()?;
     let (config, resume) = if let Some(path) = &args.resume {
         let checkpoint = train::checkpoint::resolve(path)?;
@@ -476,12 +527,21 @@ fn run_train(args: train::config::TrainArgs) -> Result<train::TrainSummary> {
         }
         (config.merged(&overrides)?, None)
     };
+    let start = match (&resume, args.overwrite) {
+        (Some(_), _) => Start::Resume,
+        (None, true) => Start::Overwrite,
+        (None, false) => Start::Fresh,
+    };
+    train::run_dir::prepare(&config.out, start)?;
     let device = config.device.resolve();
     let precision = device.precision(config.precision)?;
     device.run(train::TrainJob {
         config,
         resume,
+        start,
         precision,
+        device,
+        skip_memory_plan: args.skip_memory_plan,
     })
 }
 
@@ -499,7 +559,7 @@ fn print_train_summary(summary: &train::TrainSummary) {
         println!("  adapter (PEFT)   {}", adapter.display());
     } else {
         println!(
-            "  adapter          not written: the run stopped early; continue with --resume {}",
+            "  adapter          not written: the run stopped early; continue: --resume {}",
             summary.out.display()
         );
     }

@@ -7,6 +7,9 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use lemo_kernels::LemoBackend;
 use lemo_models::config::{RopeConfig, RopeScaling};
+use lemo_models::gguf::GgufFile;
+use lemo_models::llama2c::Llama2cCheckpoint;
+use lemo_models::model::ModelFormat;
 use lemo_models::{CausalLm, ModelConfig};
 use serde::{Deserialize, Serialize};
 
@@ -79,6 +82,52 @@ pub fn interpolated_rope(
         },
         factor,
     )))
+}
+
+/// A model's configuration alone, without loading its weights.
+pub fn read_config(path: &Path) -> Result<ModelConfig> {
+    Ok(match ModelFormat::detect(path)? {
+        ModelFormat::HuggingFace => ModelConfig::from_file(path)?,
+        ModelFormat::Llama2c => ModelConfig::Llama(Llama2cCheckpoint::open(path)?.config().clone()),
+        ModelFormat::Gguf => ModelConfig::Llama(GgufFile::open(path)?.llama_config()?),
+    })
+}
+
+/// The longest sequence a model addresses as configured: its trained context, times the linear
+/// position interpolation its config already applies.
+pub fn addressable_context(config: &ModelConfig) -> usize {
+    let trained = config.max_position_embeddings();
+    match config {
+        ModelConfig::Llama(c) => match c.rope.scaling {
+            RopeScaling::Linear { factor } => (trained as f64 * factor.max(1.0)) as usize,
+            _ => trained,
+        },
+        ModelConfig::Opt(_) => trained,
+    }
+}
+
+/// Refuses training sequences past what the model addresses unless `--target-context` extends
+/// the context to cover them.
+pub fn check_seq_len(
+    config: &ModelConfig,
+    seq_len: usize,
+    target_context: Option<usize>,
+) -> Result<()> {
+    let addressable = addressable_context(config);
+    let extended = target_context.unwrap_or(0).max(addressable);
+    if seq_len > extended {
+        let hint = match target_context {
+            Some(target) => format!("--target-context {target} does not reach it"),
+            None => {
+                format!("pass --target-context {seq_len} to extend it by position interpolation")
+            }
+        };
+        bail!(
+            "--seq-len {seq_len} is past the {addressable} positions this model addresses: \
+             {hint}, or use --seq-len {addressable} or less"
+        );
+    }
+    Ok(())
 }
 
 /// Applies a linear RoPE factor to a Llama-family model.

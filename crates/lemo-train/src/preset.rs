@@ -122,15 +122,16 @@ pub fn write_tiny_model(dir: &Path, seed: u64) -> Result<()> {
     let metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
     let weights =
         safetensors::serialize(views, Some(metadata)).context("serializing the tiny model")?;
+    // The weights last: their presence is what says the model is complete.
+    lemo_models::adapter::write_atomically(
+        &dir.join("config.json"),
+        serde_json::to_string_pretty(&config_json)?.as_bytes(),
+    )?;
+    lemo_models::adapter::write_atomically(
+        &dir.join("tokenizer.json"),
+        serde_json::to_string(&byte_tokenizer_json())?.as_bytes(),
+    )?;
     lemo_models::adapter::write_atomically(&dir.join("model.safetensors"), &weights)?;
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_string_pretty(&config_json)?,
-    )?;
-    std::fs::write(
-        dir.join("tokenizer.json"),
-        serde_json::to_string(&byte_tokenizer_json())?,
-    )?;
     Ok(())
 }
 

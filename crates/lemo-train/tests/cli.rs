@@ -18,16 +18,6 @@ fn models_fixture(case: &str) -> PathBuf {
         .join(case)
 }
 
-fn shared_data() -> Option<PathBuf> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/data");
-    if path.exists() {
-        Some(path)
-    } else {
-        println!("skipping: ../shared/data not found");
-        None
-    }
-}
-
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("lemo-cli-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -125,7 +115,9 @@ fn long_documents_are_scored_in_sliding_windows() {
 
 #[test]
 fn tokenize_json_matches_the_python_tokenizers_package() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let tokenizer = data.join("tokenizers/llama2/tokenizer.json");
     let reference = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../lemo-models/tests/fixtures/tokenizer/expected_llama2.json");
@@ -152,7 +144,9 @@ fn tokenize_json_matches_the_python_tokenizers_package() {
 
 #[test]
 fn generate_reproduces_llama2c_greedy_text() {
-    let Some(data) = shared_data() else { return };
+    let Some(data) = lemo_test_support::shared_data() else {
+        return;
+    };
     let dir = data.join("models/stories260K");
     let output = lemo(&[
         "generate",
@@ -226,6 +220,43 @@ fn bad_inputs_give_one_line_errors() {
             "cpu",
         ],
         "/no/such/data.jsonl",
+    );
+
+    assert_clean_error(
+        &["eval", "--model", model, "--data", tokens, "--stride", "0"],
+        "--stride",
+    );
+    assert_clean_error(
+        &["generate", "--model", "/no/such/model", "--prompt", "a"],
+        "--model /no/such/model",
+    );
+    let llama = models_fixture("llama_gqa_tied");
+    let llama_tokens = llama.join("tokens.jsonl");
+    assert_clean_error(
+        &[
+            "train",
+            "--model",
+            llama.to_str().unwrap(),
+            "--data",
+            llama_tokens.to_str().unwrap(),
+            "--seq-len",
+            "80000",
+            "--device",
+            "cpu",
+            "--out",
+            dir.join("long").to_str().unwrap(),
+        ],
+        "--target-context",
+    );
+    assert_clean_error(
+        &[
+            "train",
+            "--preset",
+            "tiny",
+            "--steps",
+            "18446744073709551615",
+        ],
+        "--steps 18446744073709551615 is too large",
     );
 
     let empty = dir.join("empty.jsonl");

@@ -11,6 +11,16 @@ fn lemo() -> Command {
 }
 
 fn train(out: &Path, extra: &[&str]) {
+    let output = train_command(out, extra).output().expect("lemo-train runs");
+    assert!(
+        output.status.success(),
+        "train failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}
+
+/// `train --preset tiny` for 12 steps into `out`, checkpoints every 4, validation every 6.
+fn train_command(out: &Path, extra: &[&str]) -> Command {
     let mut cmd = lemo();
     cmd.args([
         "train",
@@ -26,12 +36,7 @@ fn train(out: &Path, extra: &[&str]) {
     cmd.args(["--cache-dir", "none", "--out"])
         .arg(out)
         .args(extra);
-    let output = cmd.output().expect("lemo-train runs");
-    assert!(
-        output.status.success(),
-        "train failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    cmd
 }
 
 fn losses(out: &Path) -> Vec<(String, u64, f64)> {
@@ -118,6 +123,72 @@ fn tiny_preset_trains_writes_outputs_and_resumes_exactly() {
         uninterrupted,
         "a resumed run must log the uninterrupted run's losses"
     );
+
+    // A signal a few steps in: the step finishes, a checkpoint is written, the exit says how to
+    // resume, and the resumed run logs the uninterrupted run's losses.
+    let signalled = dir.path().join("signalled");
+    let child = train_command(&signalled, &[])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_for_train_records(&signalled, 2);
+    // SAFETY: signalling the child this test started.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{stderr}");
+    assert!(stderr.contains("--resume"), "{stderr}");
+    let stopped_at = losses(&signalled).iter().filter(|r| r.0 == "train").count();
+    assert!(stopped_at < 12, "the signal did not stop the run");
+    let checkpoint = signalled.join(format!("checkpoints/step-{stopped_at:06}"));
+    assert!(checkpoint.exists(), "no checkpoint at step {stopped_at}");
+    let output = lemo()
+        .args(["train", "--resume"])
+        .arg(&signalled)
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert_eq!(losses(&signalled), uninterrupted);
+}
+
+/// Polls the run's metrics until `count` training steps are logged.
+fn wait_for_train_records(out: &Path, count: usize) {
+    let started = std::time::Instant::now();
+    while started.elapsed() < std::time::Duration::from_secs(300) {
+        let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap_or_default();
+        if text.matches("\"kind\":\"train\"").count() >= count {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    panic!("the run logged no {count} steps in 300 s");
+}
+
+/// A new run refuses a folder holding an earlier run and leaves its files as they were;
+/// `--overwrite` replaces it.
+#[test]
+fn an_earlier_run_is_never_overwritten_without_overwrite() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    train(&out, &["--stop-after", "1"]);
+    let metrics = std::fs::read(out.join("metrics.jsonl")).unwrap();
+    let config = std::fs::read(out.join("config.toml")).unwrap();
+    let output = train_command(&out, &["--lr", "1e-3"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert!(
+        stderr.starts_with("error: ") && stderr.contains("--overwrite"),
+        "{stderr}"
+    );
+    assert_eq!(std::fs::read(out.join("metrics.jsonl")).unwrap(), metrics);
+    assert_eq!(std::fs::read(out.join("config.toml")).unwrap(), config);
+    train(&out, &["--stop-after", "1", "--overwrite", "--lr", "1e-3"]);
+    assert_ne!(std::fs::read(out.join("config.toml")).unwrap(), config);
 }
 
 #[test]

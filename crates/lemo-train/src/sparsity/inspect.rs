@@ -52,8 +52,10 @@ pub struct InspectArgs {
     /// profile: the folder for profile.json and kept.svg [default: profile].
     #[arg(long)]
     pub out: Option<PathBuf>,
+    /// bf16 or f32 [default: bf16 on cuda; f32 on cpu and wgpu].
     #[arg(long, value_enum)]
     pub precision: Option<PrecisionKind>,
+    /// auto (CUDA when an NVIDIA driver is present, else the CPU), cuda, wgpu or cpu.
     #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
     pub device: DeviceKind,
 }

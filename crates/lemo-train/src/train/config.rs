@@ -101,6 +101,8 @@ pub struct TrainConfig {
     /// Validation sequences scored per validation (0: all).
     pub val_sequences: usize,
     pub checkpoint_every: usize,
+    /// Wall time between checkpoints besides `checkpoint_every` ("10m", "90s", "1h"; "0": off).
+    pub save_every: String,
     pub keep_checkpoints: usize,
     /// Append EOS after each document when packing (unset: yes, except llama2.c models).
     pub append_eos: Option<bool>,
@@ -161,6 +163,7 @@ impl Default for TrainConfig {
             val_every: 100,
             val_sequences: 8,
             checkpoint_every: 100,
+            save_every: "10m".to_string(),
             keep_checkpoints: 2,
             append_eos: None,
             cache_dir: None,
@@ -247,6 +250,9 @@ impl TrainConfig {
         if self.preset.is_none() && self.model.is_none() {
             bail!("no model: pass --model PATH (or --preset tiny)");
         }
+        if let Some(model) = self.model.as_ref().filter(|m| !m.exists()) {
+            bail!("--model {}: no such file or folder", model.display());
+        }
         if self.preset.is_none() && self.data.is_none() {
             bail!("no training data: pass --data FILE_OR_DIR");
         }
@@ -262,8 +268,52 @@ impl TrainConfig {
         if self.lr.is_nan() || self.lr <= 0.0 || self.lora_rank == 0 {
             bail!("--lr and --lora-rank must be positive");
         }
+        self.save_interval()?;
         Ok(())
     }
+
+    /// `save_every` as a duration; `None` when wall-time checkpoints are off.
+    pub fn save_interval(&self) -> Result<Option<std::time::Duration>> {
+        parse_duration(&self.save_every)
+            .with_context(|| format!("--save-every {:?}", self.save_every))
+    }
+}
+
+/// An integer option as a TOML value; TOML integers are i64, so larger values are refused
+/// rather than wrapped around.
+fn int(key: &str, value: Option<usize>) -> Result<Option<toml::Value>> {
+    value
+        .map(|v| match i64::try_from(v) {
+            Ok(v) => Ok(toml::Value::Integer(v)),
+            Err(_) => bail!("--{} {v} is too large", key.replace('_', "-")),
+        })
+        .transpose()
+}
+
+/// `"90s"`, `"10m"`, `"2h"` or plain seconds; `"0"` or `"off"` is `None`.
+pub fn parse_duration(text: &str) -> Result<Option<std::time::Duration>> {
+    let text = text.trim();
+    if text == "0" || text == "off" {
+        return Ok(None);
+    }
+    let (number, unit) = match text.char_indices().find(|(_, c)| c.is_ascii_alphabetic()) {
+        Some((at, _)) => text.split_at(at),
+        None => (text, "s"),
+    };
+    let seconds_per_unit = match unit {
+        "s" => 1.0,
+        "m" => 60.0,
+        "h" => 3600.0,
+        _ => bail!("unknown unit {unit:?}: use s, m or h, e.g. 10m"),
+    };
+    let value: f64 = number
+        .parse()
+        .ok()
+        .filter(|v: &f64| v.is_finite() && *v > 0.0)
+        .context("expected a positive duration such as 10m, 90s or 1h (0 turns it off)")?;
+    Ok(Some(std::time::Duration::from_secs_f64(
+        value * seconds_per_unit,
+    )))
 }
 
 /// `train` flags: each overrides the configuration file and preset when given.
@@ -292,8 +342,16 @@ pub struct TrainArgs {
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// Continue a run: its folder (latest checkpoint) or one checkpoint folder.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["out", "overwrite"])]
     pub resume: Option<PathBuf>,
+    /// Replace the run already in --out (its adapter, checkpoints, metrics and plots); without
+    /// it a new run refuses a folder that holds one.
+    #[arg(long)]
+    pub overwrite: bool,
+    /// Train even where the memory plan predicts the step will not fit in the device's free
+    /// memory.
+    #[arg(long)]
+    pub skip_memory_plan: bool,
     /// lora (dense baseline), longlora (S2 attention + trainable embeddings/norms), or lemo
     /// (token elimination: each layer processes only its informative token blocks, chosen by
     /// per-layer thresholds calibrated toward --target-keep) [default: lora].
@@ -355,10 +413,10 @@ pub struct TrainArgs {
     #[arg(long, value_delimiter = ',')]
     pub lora_targets: Option<Vec<String>>,
     /// Train the token embeddings too [default: true for longlora].
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub train_embeddings: Option<bool>,
     /// Train the normalization weights too [default: true for longlora].
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub train_norms: Option<bool>,
     /// longlora's S2 attention group size [default: seq-len / 4].
     #[arg(long)]
@@ -387,11 +445,15 @@ pub struct TrainArgs {
     /// Write a checkpoint every N steps (and always at the end) [default: 100].
     #[arg(long)]
     pub checkpoint_every: Option<usize>,
-    /// Checkpoints kept; older ones are deleted [default: 2].
+    /// Also write a checkpoint when this much wall time passed since the last one: 10m, 90s,
+    /// 1h, or 0 for off [default: 10m].
+    #[arg(long)]
+    pub save_every: Option<String>,
+    /// Checkpoints kept; older ones of this run are deleted [default: 2].
     #[arg(long)]
     pub keep_checkpoints: Option<usize>,
     /// Append EOS to each document when packing [default: yes, except llama2.c models].
-    #[arg(long)]
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub append_eos: Option<bool>,
     /// Tokenized-data cache folder, or "none" [default: ~/.cache/lemo/tokens].
     #[arg(long)]
@@ -399,6 +461,7 @@ pub struct TrainArgs {
     /// Stop after N steps in this process, as an interruption would (resume continues).
     #[arg(long)]
     pub stop_after: Option<usize>,
+    /// auto (CUDA when an NVIDIA driver is present, else the CPU), cuda, wgpu or cpu.
     #[arg(long, value_enum)]
     pub device: Option<DeviceKind>,
     /// bf16 (model and activations; LoRA, gradients and optimizer f32) or f32
@@ -420,7 +483,7 @@ impl TrainArgs {
             p.as_ref()
                 .map(|p| toml::Value::String(p.display().to_string()))
         };
-        let int = |v: Option<usize>| v.map(|v| toml::Value::Integer(v as i64));
+
         let float = |v: Option<f64>| v.map(toml::Value::Float);
         let enum_value = |v: Option<String>| v.map(toml::Value::String);
         put("model", path(&self.model));
@@ -428,20 +491,23 @@ impl TrainArgs {
         put("data", path(&self.data));
         put(
             "token_width",
-            self.token_width.map(|v| toml::Value::Integer(v as i64)),
+            int("token_width", self.token_width.map(usize::from))?,
         );
         put("out", path(&self.out));
         put(
             "method",
             enum_value(self.method.map(|m| m.name().to_string())),
         );
-        put("seq_len", int(self.seq_len));
-        put("target_context", int(self.target_context));
-        put("steps", int(self.steps));
-        put("batch_size", int(self.batch_size));
-        put("grad_accum", int(self.grad_accum));
+        put("seq_len", int("seq_len", self.seq_len)?);
+        put(
+            "target_context",
+            int("target_context", self.target_context)?,
+        );
+        put("steps", int("steps", self.steps)?);
+        put("batch_size", int("batch_size", self.batch_size)?);
+        put("grad_accum", int("grad_accum", self.grad_accum)?);
         put("lr", float(self.lr));
-        put("warmup_steps", int(self.warmup_steps));
+        put("warmup_steps", int("warmup_steps", self.warmup_steps)?);
         put(
             "schedule",
             enum_value(
@@ -455,7 +521,7 @@ impl TrainArgs {
         put("eps", float(self.eps));
         put("weight_decay", float(self.weight_decay));
         put("max_grad_norm", float(self.max_grad_norm));
-        put("lora_rank", int(self.lora_rank));
+        put("lora_rank", int("lora_rank", self.lora_rank)?);
         put("lora_alpha", float(self.lora_alpha));
         put("lora_dropout", float(self.lora_dropout));
         put(
@@ -469,14 +535,14 @@ impl TrainArgs {
             self.train_embeddings.map(toml::Value::Boolean),
         );
         put("train_norms", self.train_norms.map(toml::Value::Boolean));
-        put("s2_group_size", int(self.s2_group_size));
+        put("s2_group_size", int("s2_group_size", self.s2_group_size)?);
         if self.checkpointing {
             put("checkpointing", Some(toml::Value::Boolean(true)));
         }
         let lemo = &self.sparsity;
         put("thresholds", path(&lemo.thresholds));
         put("target_keep", float(lemo.target_keep));
-        put("block_size", int(lemo.block_size));
+        put("block_size", int("block_size", lemo.block_size)?);
         put("min_keep", float(lemo.min_keep));
         put(
             "dense_layers",
@@ -484,18 +550,34 @@ impl TrainArgs {
                 toml::Value::Array(v.iter().map(|&l| toml::Value::Integer(l as i64)).collect())
             }),
         );
-        put("calibration_sequences", int(lemo.calibration_sequences));
-        put("calibration_rounds", int(lemo.calibration_rounds));
-        put("loss_segment", int(self.loss_segment));
-        put("seed", self.seed.map(|v| toml::Value::Integer(v as i64)));
+        put(
+            "calibration_sequences",
+            int("calibration_sequences", lemo.calibration_sequences)?,
+        );
+        put(
+            "calibration_rounds",
+            int("calibration_rounds", lemo.calibration_rounds)?,
+        );
+        put("loss_segment", int("loss_segment", self.loss_segment)?);
+        put("seed", int("seed", self.seed.map(|v| v as usize))?);
         put("val_fraction", float(self.val_fraction));
-        put("val_every", int(self.val_every));
-        put("val_sequences", int(self.val_sequences));
-        put("checkpoint_every", int(self.checkpoint_every));
-        put("keep_checkpoints", int(self.keep_checkpoints));
+        put("val_every", int("val_every", self.val_every)?);
+        put("val_sequences", int("val_sequences", self.val_sequences)?);
+        put(
+            "checkpoint_every",
+            int("checkpoint_every", self.checkpoint_every)?,
+        );
+        put(
+            "save_every",
+            self.save_every.clone().map(toml::Value::String),
+        );
+        put(
+            "keep_checkpoints",
+            int("keep_checkpoints", self.keep_checkpoints)?,
+        );
         put("append_eos", self.append_eos.map(toml::Value::Boolean));
         put("cache_dir", path(&self.cache_dir));
-        put("stop_after", int(self.stop_after));
+        put("stop_after", int("stop_after", self.stop_after)?);
         put(
             "device",
             enum_value(

@@ -4,8 +4,14 @@
 
 pub mod checkpoint;
 pub mod config;
+pub mod interrupt;
 pub mod optim;
+mod progress;
 pub mod report;
+pub mod run_dir;
+mod step;
+
+pub use step::{forward_backward, int_tokens, validation_loss};
 
 use lemo_models::token_plan::TokenSparsity;
 use std::path::{Path, PathBuf};
@@ -14,8 +20,8 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use burn::backend::Autodiff;
 use burn::module::AutodiffModule;
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
 use lemo_kernels::LemoBackend;
 use lemo_models::model::ModelFormat;
 use lemo_models::{CausalLm, LoraConfig, ModelConfig};
@@ -23,8 +29,9 @@ use serde_json::json;
 
 use crate::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
 use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer};
-use crate::device::{BackendJob, PrecisionKind};
+use crate::device::{BackendJob, DeviceKind, PrecisionKind};
 use crate::memory::{self, PeakTracker, gib};
+use crate::memory_plan;
 use crate::modelio::{TRAINING_INFO_FILE, TrainingInfo, interpolated_rope};
 use crate::sparsity::{self, THRESHOLDS_FILE, sparse_keep};
 use burn_dataset::Dataset;
@@ -32,6 +39,7 @@ use checkpoint::{CheckpointFiles, TrainerState};
 use config::{Method, TrainConfig};
 use lemo_sparsity::calibration::Block;
 use optim::{AdamW, AdamWSettings, NamedTensors};
+use progress::{Progress, StepReport};
 
 /// What a finished (or stopped) run reports.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -39,6 +47,8 @@ pub struct TrainSummary {
     pub out: PathBuf,
     pub adapter: Option<PathBuf>,
     pub steps_done: usize,
+    /// A signal stopped the run (after a checkpoint).
+    pub interrupted: bool,
     pub first_loss: Option<f64>,
     pub last_loss: Option<f64>,
     pub val_loss: Option<f64>,
@@ -51,8 +61,37 @@ pub struct TrainJob {
     pub config: TrainConfig,
     /// Checkpoint folder to continue from.
     pub resume: Option<PathBuf>,
+    /// A new run, a replacement of the run in `config.out`, or its continuation.
+    pub start: run_dir::Start,
     /// `config.precision` resolved for the device.
     pub precision: PrecisionKind,
+    /// The device the run uses (whose free memory the memory plan reads).
+    pub device: DeviceKind,
+    /// Train even where the memory plan predicts the run will not fit.
+    pub skip_memory_plan: bool,
+}
+
+/// What the memory plan needs of a run.
+fn plan_input(
+    config: &TrainConfig,
+    model: ModelConfig,
+    seq_len: usize,
+    precision: PrecisionKind,
+) -> memory_plan::PlanInput {
+    memory_plan::PlanInput {
+        model,
+        seq_len,
+        batch_size: config.batch_size,
+        method: config.method,
+        checkpointing: config.checkpointing,
+        precision,
+        lora_rank: config.lora_rank,
+        lora_targets: config.lora_targets.clone(),
+        train_extras: config.train_embeddings() || config.train_norms(),
+        loss_segment: config.loss_segment,
+        target_keep: config.target_keep,
+        dense_layers: config.dense_layers.len(),
+    }
 }
 
 impl BackendJob for TrainJob {
@@ -61,84 +100,6 @@ impl BackendJob for TrainJob {
     fn run<B: LemoBackend>(self, device: B::Device) -> Result<TrainSummary> {
         run_on::<B>(self, device)
     }
-}
-
-/// Loss and gradient of one micro-batch. The model's next-token loss is the segment-based one:
-/// the vocabulary projection and cross-entropy run (forward and backward) one segment of
-/// `segment` positions at a time during the forward pass, so at most one segment's logits exist
-/// at once; the backward pass then starts from the hidden-state gradients they left. With
-/// `checkpointing`, only each layer's input is kept and the backward pass recomputes one layer
-/// at a time. Each block processes the rows `sparsity` gives it (the kept rows of `--method
-/// lemo`), and the plan it chose is left in `sparsity`.
-///
-/// `scale` multiplies the loss (1 / predicted tokens / accumulation steps). Gradients of the
-/// trainable parameters are added into `grads`; returns the unscaled loss sum, the number of
-/// predictions and the memory in use at the end of the forward pass (with checkpointing: once
-/// the loss's backward pass has run, while every layer input is kept).
-pub fn forward_backward<B: AutodiffBackend + LemoBackend>(
-    model: &CausalLm<B>,
-    tokens: Tensor<B, 2, Int>,
-    segment: usize,
-    scale: f64,
-    checkpointing: bool,
-    sparsity: &mut TokenSparsity,
-    grads: &mut NamedTensors<B::InnerBackend>,
-) -> (f64, usize, u64)
-where
-    B::InnerBackend: LemoBackend,
-{
-    let (loss_sum, predictions, after_forward) = if checkpointing {
-        let mut after_forward = None;
-        let (loss_sum, predictions) = model.next_token_loss_backward_recomputed(
-            tokens,
-            segment,
-            scale,
-            sparsity,
-            &mut |gradients| {
-                after_forward.get_or_insert_with(|| memory::sample().in_use);
-                optim::accumulate_grads(model, gradients, grads);
-            },
-        );
-        (loss_sum, predictions, after_forward.unwrap_or_default())
-    } else {
-        let (loss, predictions) = model.next_token_loss_sum(tokens, segment, sparsity);
-        let after_forward = memory::sample().in_use;
-        let loss_sum = loss.clone().inner();
-        let model_grads = loss.mul_scalar(scale).backward();
-        optim::accumulate_grads(model, &model_grads, grads);
-        (loss_sum, predictions, after_forward)
-    };
-    (
-        loss_sum.into_scalar().elem::<f64>(),
-        predictions,
-        after_forward,
-    )
-}
-
-/// Mean next-token loss of `sequences` (evaluation mode: dense attention, no graph).
-pub fn validation_loss<B: LemoBackend>(
-    model: &CausalLm<B>,
-    sequences: &[Vec<u32>],
-    segment: usize,
-) -> f64 {
-    let device = model.lm_head_weight().device();
-    let (mut sum, mut count) = (0.0, 0usize);
-    for sequence in sequences {
-        let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
-        let (loss, n) = model.next_token_loss_sum(tokens, segment, &mut TokenSparsity::Dense);
-        sum += loss.into_scalar().elem::<f64>();
-        count += n;
-    }
-    sum / count.max(1) as f64
-}
-
-pub fn int_tokens<B: Backend>(sequences: &[Vec<u32>], device: &B::Device) -> Tensor<B, 2, Int> {
-    let len = sequences[0].len();
-    let ids: Vec<i32> = sequences
-        .iter()
-        .flat_map(|s| s.iter().map(|&t| t as i32))
-        .collect();
-    Tensor::from_data(TensorData::new(ids, [sequences.len(), len]), device)
 }
 
 /// Settles what the run trains on: the model path, tokenizer and data (making the preset's).
@@ -173,6 +134,16 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
 
     AB::<B>::seed(&device, config.seed);
     let precision = job.precision;
+    let planned_config = crate::modelio::read_config(&model_path)?;
+    let planned_seq_len = config
+        .seq_len
+        .or(config.target_context)
+        .unwrap_or(planned_config.max_position_embeddings());
+    crate::modelio::check_seq_len(&planned_config, planned_seq_len, config.target_context)?;
+    if !job.skip_memory_plan {
+        let plan = plan_input(&config, planned_config, planned_seq_len, precision);
+        memory_plan::check(&plan, memory_plan::free_memory(job.device))?;
+    }
     let (mut model, model_config) =
         CausalLm::<AB<B>>::from_path(&model_path, &device, precision.policy())?;
     let trained_context = model_config.max_position_embeddings();
@@ -312,8 +283,19 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
     let mut start_step = 0usize;
     let mut tokens_seen = 0u64;
     let mut elapsed_before = 0.0;
+    let run = run_dir::identity(&out, job.start)?;
+    let run_id = run.map(|r| r.id);
     if let Some(dir) = &job.resume {
         let files = checkpoint::load(dir)?;
+        if let (Some(written_by), Some(id)) = (&files.state.run_id, &run_id)
+            && written_by != id
+        {
+            bail!(
+                "--resume {}: the checkpoint was written by another run than the one in {}",
+                dir.display(),
+                out.display()
+            );
+        }
         if files.state.seq_len != seq_len
             || files.state.train_sequences != corpus.train_len()
             || files.state.seed != config.seed
@@ -392,17 +374,21 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
     };
 
     let mut metrics = report::MetricsWriter::open(&out, start_step)?;
-    let bar = progress_bar(config.steps, start_step);
+    let mut progress = Progress::new(config.steps, start_step);
     let run_started = Instant::now();
     let mut peak = PeakTracker::default();
     let mut first_loss = None;
     let mut last_loss = None;
     let mut last_val = None;
     let mut last_checkpoint = None;
+    let mut last_save = Instant::now();
+    let save_interval = config.save_interval()?;
     let stop_at = config
         .stop_after
         .map_or(config.steps, |n| (start_step + n).min(config.steps));
+    let mut steps_done = start_step;
     let tokens_per_step = (config.grad_accum * config.batch_size * seq_len) as u64;
+    interrupt::install();
     for step in start_step..stop_at {
         let step_started = Instant::now();
         // Dropout draws from the backend's generator: seeding it per step makes a resumed run
@@ -450,7 +436,7 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
         }
         let loss = loss_sum / predictions as f64;
         if !loss.is_finite() {
-            bar.abandon();
+            progress.abandon();
             bail!(
                 "loss became {loss} at step {}: lower --lr or check the data",
                 step + 1
@@ -479,6 +465,8 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
         first_loss.get_or_insert(loss);
         last_loss = Some(loss);
         let done = step + 1;
+        steps_done = done;
+        let kept = thresholds.as_ref().map(|_| (keep_attention, keep_mlp));
         metrics.write(&json!({
             "kind": "train",
             "step": done,
@@ -493,29 +481,20 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
             "mem_peak_gib": gib(peak.peak),
             "mem_source": memory::source(),
             "precision": precision.name(),
-            "keep_attention": thresholds.as_ref().map(|_| keep_attention),
-            "keep_mlp": thresholds.as_ref().map(|_| keep_mlp),
+            "keep_attention": kept.map(|k| k.0),
+            "keep_mlp": kept.map(|k| k.1),
             "elapsed_s": elapsed_before + run_started.elapsed().as_secs_f64(),
         }))?;
-        bar.set_position(done as u64);
-        let kept = match &thresholds {
-            Some(_) => format!(" | kept {keep_attention:.2}/{keep_mlp:.2}"),
-            None => String::new(),
-        };
-        bar.set_message(format!(
-            "loss {loss:.4} | lr {lr:.2e} | {:.0} tok/s | mem {:.2} GiB{kept}",
-            tokens_per_step as f64 / step_time,
-            gib(peak.peak)
-        ));
-        if !bar.is_hidden() {
-        } else if done == 1 || done % (config.steps / 20).max(1) == 0 || done == config.steps {
-            eprintln!(
-                "step {done}/{} | loss {loss:.4} | lr {lr:.2e} | {:.0} tok/s | mem {:.2} GiB{kept}",
-                config.steps,
-                tokens_per_step as f64 / step_time,
-                gib(peak.peak)
-            );
-        }
+        progress.step(
+            done,
+            &StepReport {
+                loss,
+                lr,
+                tokens_per_s: tokens_per_step as f64 / step_time,
+                mem_gib: gib(peak.peak),
+                kept,
+            },
+        );
         let is_last = done == config.steps;
         if !val_sequences.is_empty()
             && ((config.val_every > 0 && done % config.val_every == 0) || is_last)
@@ -527,36 +506,34 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
             metrics.write(
                 &json!({"kind": "val", "step": done, "val_loss": val, "val_ppl": val.exp()}),
             )?;
-            bar.println(format!(
-                "step {done}: validation loss {val:.4} (perplexity {:.3})",
-                val.exp()
-            ));
+            progress.validation(done, val);
         }
-        if (config.checkpoint_every > 0 && done % config.checkpoint_every == 0) || is_last {
-            let files = CheckpointFiles {
-                state: TrainerState {
-                    step: done,
-                    seed: config.seed,
-                    seq_len,
-                    train_sequences: corpus.train_len(),
-                    tokens_seen,
-                    elapsed_s: elapsed_before + run_started.elapsed().as_secs_f64(),
-                },
-                trainable: optim::trainable_values::<AB<B>, _>(&model)
-                    .into_iter()
-                    .map(|(k, t)| (k, t.into_data().convert::<f32>().into_vec().expect("f32")))
-                    .collect(),
-                optimizer: optimizer.state_tensors(),
-                optimizer_step: optimizer.step,
+        let interrupted = interrupt::requested();
+        let due = (config.checkpoint_every > 0 && done % config.checkpoint_every == 0)
+            || save_interval.is_some_and(|every| last_save.elapsed() >= every);
+        if due || is_last || interrupted {
+            let state = TrainerState {
+                step: done,
+                seed: config.seed,
+                seq_len,
+                train_sequences: corpus.train_len(),
+                tokens_seen,
+                elapsed_s: elapsed_before + run_started.elapsed().as_secs_f64(),
+                run_id: run_id.clone(),
             };
+            let files = checkpoint_files(state, &model, &optimizer);
             let saved = checkpoint::save(&out, &files, config.keep_checkpoints, |dir| {
                 write_adapter(&model, dir)
             })?;
             last_checkpoint = Some(saved);
+            last_save = Instant::now();
+        }
+        if interrupted {
+            break;
         }
     }
-    bar.finish_and_clear();
-    let finished = stop_at == config.steps;
+    progress.finish();
+    let finished = steps_done == config.steps;
     let adapter = if finished {
         let dir = out.join("adapter");
         write_adapter(&model, &dir)?;
@@ -568,7 +545,8 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
     let summary = TrainSummary {
         out: out.clone(),
         adapter,
-        steps_done: stop_at,
+        steps_done,
+        interrupted: interrupt::requested(),
         first_loss,
         last_loss,
         val_loss: last_val,
@@ -581,6 +559,23 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
         serde_json::to_string_pretty(&summary)?.as_bytes(),
     )?;
     Ok(summary)
+}
+
+/// What a checkpoint holds of the model and optimizer after `state.step` steps.
+fn checkpoint_files<B: LemoBackend>(
+    state: TrainerState,
+    model: &CausalLm<Autodiff<B>>,
+    optimizer: &AdamW<B>,
+) -> CheckpointFiles {
+    CheckpointFiles {
+        state,
+        trainable: optim::trainable_values::<Autodiff<B>, _>(model)
+            .into_iter()
+            .map(|(k, t)| (k, t.into_data().convert::<f32>().into_vec().expect("f32")))
+            .collect(),
+        optimizer: optimizer.state_tensors(),
+        optimizer_step: optimizer.step,
+    }
 }
 
 /// BOS to put before documents and EOS after them: the tokenizer's, else the model config's.
@@ -598,21 +593,4 @@ pub(crate) fn special_ids(
         bos.or(model_bos),
         eos.or(config.eos_token_ids().first().copied()),
     )
-}
-
-fn progress_bar(steps: usize, start: usize) -> indicatif::ProgressBar {
-    let bar = indicatif::ProgressBar::with_draw_target(
-        Some(steps as u64),
-        indicatif::ProgressDrawTarget::stderr(),
-    );
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "{bar:30.cyan/blue} step {pos}/{len} | {msg} | ETA {eta}",
-        )
-        .expect("valid template")
-        .progress_chars("=> "),
-    );
-    bar.set_position(start as u64);
-    bar.reset_eta();
-    bar
 }

@@ -1,7 +1,6 @@
 //! `metrics.jsonl` (one JSON object per step, plus validation records) and the SVG plots drawn
 //! from it: loss (training and validation), learning rate, and memory per step.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -10,9 +9,11 @@ use serde_json::Value;
 
 pub const METRICS_FILE: &str = "metrics.jsonl";
 
-/// Appends records to `metrics.jsonl`, flushing each line.
+/// Appends records to `metrics.jsonl`. Each record rewrites the file atomically (the file is
+/// small next to a training step), so it always ends in a whole line.
 pub struct MetricsWriter {
-    file: std::fs::File,
+    path: PathBuf,
+    text: String,
 }
 
 impl MetricsWriter {
@@ -29,25 +30,21 @@ impl MetricsWriter {
                         .and_then(|v| v.get("step").and_then(Value::as_u64))
                         .is_some_and(|s| s as usize <= keep_through_step)
                 })
-                .map(String::from)
+                .map(|l| format!("{l}\n"))
                 .collect(),
             Err(_) => Vec::new(),
         };
-        let mut text = kept.join("\n");
-        if !text.is_empty() {
-            text.push('\n');
-        }
-        lemo_models::adapter::write_atomically(&path, text.as_bytes())?;
-        let file = std::fs::OpenOptions::new()
-            .append(true)
-            .open(&path)
-            .with_context(|| format!("cannot open {}", path.display()))?;
-        Ok(Self { file })
+        let writer = Self {
+            path,
+            text: kept.concat(),
+        };
+        lemo_models::adapter::write_atomically(&writer.path, writer.text.as_bytes())?;
+        Ok(writer)
     }
 
     pub fn write(&mut self, record: &Value) -> Result<()> {
-        writeln!(self.file, "{record}")?;
-        self.file.flush()?;
+        self.text.push_str(&format!("{record}\n"));
+        lemo_models::adapter::write_atomically(&self.path, self.text.as_bytes())?;
         Ok(())
     }
 }
@@ -82,44 +79,65 @@ fn line_chart(path: &Path, title: &str, y_label: &str, lines: &[Line]) -> Result
     let y_min = points.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
     let y_max = points.iter().map(|p| p.1).fold(f64::NEG_INFINITY, f64::max);
     let pad = ((y_max - y_min) * 0.05).max(y_max.abs() * 1e-3).max(1e-12);
-    let root = SVGBackend::new(path, (900, 500)).into_drawing_area();
-    let draw = || -> std::result::Result<(), Box<dyn std::error::Error>> {
-        root.fill(&WHITE)?;
-        let mut chart = ChartBuilder::on(&root)
-            .caption(title, ("sans-serif", 22))
-            .margin(15)
-            .x_label_area_size(40)
-            .y_label_area_size(70)
-            .build_cartesian_2d(0.0..x_max, (y_min - pad)..(y_max + pad))?;
-        chart
-            .configure_mesh()
-            .x_desc("step")
-            .y_desc(y_label)
-            .draw()?;
-        for (name, data, color) in lines {
-            if data.is_empty() {
-                continue;
-            }
-            let color = *color;
-            chart
-                .draw_series(LineSeries::new(data.iter().copied(), color.stroke_width(2)))?
-                .label(*name)
-                .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
-                });
-            if data.len() <= 50 {
-                chart.draw_series(data.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
-            }
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (900, 500)).into_drawing_area();
+        draw_chart(
+            &root,
+            title,
+            y_label,
+            lines,
+            x_max,
+            (y_min - pad)..(y_max + pad),
+        )
+        .map_err(|e| anyhow::anyhow!("drawing {}: {e}", path.display()))?;
+    }
+    lemo_models::adapter::write_atomically(path, svg.as_bytes())?;
+    Ok(())
+}
+
+fn draw_chart(
+    root: &DrawingArea<SVGBackend, plotters::coord::Shift>,
+    title: &str,
+    y_label: &str,
+    lines: &[Line],
+    x_max: f64,
+    y_range: std::ops::Range<f64>,
+) -> std::result::Result<(), Box<dyn std::error::Error>> {
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(root)
+        .caption(title, ("sans-serif", 22))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d(0.0..x_max, y_range)?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc(y_label)
+        .draw()?;
+    for (name, data, color) in lines {
+        if data.is_empty() {
+            continue;
         }
+        let color = *color;
         chart
-            .configure_series_labels()
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()?;
-        root.present()?;
-        Ok(())
-    };
-    draw().map_err(|e| anyhow::anyhow!("drawing {}: {e}", path.display()))
+            .draw_series(LineSeries::new(data.iter().copied(), color.stroke_width(2)))?
+            .label(*name)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
+            });
+        if data.len() <= 50 {
+            chart.draw_series(data.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
+        }
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
 }
 
 /// Draws `plots/loss.svg`, `plots/lr.svg`, `plots/memory.svg` and, for `--method lemo`,

@@ -1,23 +1,34 @@
-//! Helpers shared by the parity tests: seeding (printed, overridable with `LEMO_TEST_SEED`),
-//! random inputs, a small host-side generator, and the relative-error check.
-#![allow(dead_code)] // each test binary uses its own subset
+//! What the lemo crates' tests share: one seed per test run (fixed by default, printed,
+//! overridable with `LEMO_TEST_SEED`), a host-side generator that follows it, the relative-error
+//! check for tensors, and where the optional shared data (real models, books) is found.
+
+use std::path::{Path, PathBuf};
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, ElementConversion, Tensor};
 
-/// Seeds `B`'s generator on `device` with `LEMO_TEST_SEED` when it is set, else with the clock,
-/// prints the seed (rerun a failure with `LEMO_TEST_SEED=<seed>`) and returns it.
-pub fn seed<B: Backend>(device: &B::Device) -> u64 {
+/// The seed tests use unless `LEMO_TEST_SEED` says otherwise.
+pub const DEFAULT_SEED: u64 = 20_251_120;
+
+/// The test seed: `LEMO_TEST_SEED` when set, else [`DEFAULT_SEED`]; printed so that a failure
+/// under another seed can be rerun.
+pub fn seed() -> u64 {
     let seed = match std::env::var("LEMO_TEST_SEED") {
         Ok(value) => value.parse().expect("LEMO_TEST_SEED must be an integer"),
-        Err(_) => std::time::UNIX_EPOCH.elapsed().unwrap().as_nanos() as u64,
+        Err(_) => DEFAULT_SEED,
     };
     println!("seed {seed} (rerun with LEMO_TEST_SEED={seed})");
+    seed
+}
+
+/// Seeds `B`'s generator on `device` with [`seed`] and returns the seed.
+pub fn seed_backend<B: Backend>(device: &B::Device) -> u64 {
+    let seed = seed();
     B::seed(device, seed);
     seed
 }
 
-/// Standard normal samples of `shape`.
+/// Standard normal samples of `shape` from the backend's (seeded) generator.
 pub fn random<B: Backend, const D: usize>(shape: [usize; D], device: &B::Device) -> Tensor<B, D> {
     Tensor::random(shape, Distribution::Normal(0.0, 1.0), device)
 }
@@ -72,4 +83,33 @@ pub fn assert_close<B: Backend, const D: usize>(
         error <= tolerance,
         "{what}: relative error {error} over {tolerance}"
     );
+}
+
+/// Asserts `|actual - expected| <= tolerance * |expected|` for scalars.
+pub fn assert_close_scalar(what: &str, actual: f64, expected: f64, tolerance: f64) {
+    let error = (actual - expected).abs() / expected.abs().max(1e-12);
+    assert!(
+        error <= tolerance,
+        "{what}: {actual} vs {expected}, relative error {error:.2e} over {tolerance}"
+    );
+}
+
+/// The repository's root folder.
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// The shared data (real models and corpora, never in the repository) beside the repository,
+/// `../shared/data`, or `$LEMO_SHARED_DATA`; `None`, with a note that the test skips, when
+/// absent.
+pub fn shared_data() -> Option<PathBuf> {
+    let path = std::env::var_os("LEMO_SHARED_DATA")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| repo_root().join("../shared/data"));
+    if path.is_dir() {
+        Some(path)
+    } else {
+        println!("skipping: {} not found", path.display());
+        None
+    }
 }

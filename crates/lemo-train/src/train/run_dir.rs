@@ -1,0 +1,148 @@
+//! The run folder (`--out`) belongs to one run. A new run refuses a folder that already holds
+//! one unless `--resume` (continue it) or `--overwrite` (replace it) says otherwise, so that an
+//! earlier run's adapter, metrics and checkpoints are never mixed with or lost to a new one. The
+//! run's identity (`run.json`) is recorded in each checkpoint it writes: checkpoint rotation and
+//! `--resume` consider only the run's own checkpoints.
+
+use std::path::Path;
+
+use anyhow::{Context, Result, bail};
+use serde::{Deserialize, Serialize};
+
+pub const RUN_FILE: &str = "run.json";
+
+/// What a run writes into its folder: the entries `--overwrite` removes, and no others.
+const RUN_ENTRIES: &[&str] = &[
+    RUN_FILE,
+    "config.toml",
+    "metrics.jsonl",
+    "summary.json",
+    "thresholds.json",
+    "adapter",
+    "checkpoints",
+    "plots",
+    // `--preset` writes its generated model and data into the run folder.
+    "base-model",
+    "data",
+];
+
+/// Entries whose presence means a run has started here (setup files such as a preset's
+/// generated model do not: a run that failed before its first step can be retried).
+const STARTED_MARKERS: &[&str] = &[
+    RUN_FILE,
+    "config.toml",
+    "metrics.jsonl",
+    "adapter",
+    "checkpoints",
+];
+
+/// How a run treats its output folder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// A new run: the folder must not hold one.
+    Fresh,
+    /// Replace the run in the folder.
+    Overwrite,
+    /// Continue the run in the folder.
+    Resume,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunIdentity {
+    pub id: String,
+}
+
+/// Checks (and for `Overwrite`, clears) `out` before anything is loaded, so that a refused or
+/// failing run changes nothing of the run already there.
+pub fn prepare(out: &Path, start: Start) -> Result<()> {
+    let started = STARTED_MARKERS.iter().any(|m| out.join(m).exists());
+    match start {
+        Start::Fresh if started => bail!(
+            "--out {} already holds a run: pass --resume {0} to continue it, --overwrite to \
+             replace it, or another --out",
+            out.display()
+        ),
+        Start::Overwrite => {
+            for entry in RUN_ENTRIES {
+                remove(&out.join(entry))?;
+            }
+        }
+        Start::Fresh | Start::Resume => {}
+    }
+    Ok(())
+}
+
+fn remove(path: &Path) -> Result<()> {
+    let result = if path.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else if path.exists() {
+        std::fs::remove_file(path)
+    } else {
+        return Ok(());
+    };
+    result.with_context(|| format!("--overwrite: cannot remove {}", path.display()))
+}
+
+/// The identity of the run in `out`: a new one for a new run (written to `run.json`), the
+/// recorded one when resuming (`None` for a run folder from before identities were recorded).
+pub fn identity(out: &Path, start: Start) -> Result<Option<RunIdentity>> {
+    let path = out.join(RUN_FILE);
+    if start == Start::Resume {
+        if !path.exists() {
+            return Ok(None);
+        }
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let identity = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a run identity", path.display()))?;
+        return Ok(Some(identity));
+    }
+    let identity = RunIdentity { id: new_id() };
+    lemo_models::adapter::write_atomically(&path, serde_json::to_string(&identity)?.as_bytes())?;
+    Ok(Some(identity))
+}
+
+/// Unique enough to tell runs in one folder apart: the start time and the process.
+fn new_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{nanos:x}-{:x}", std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_started_run_is_refused_overwrite_clears_only_run_entries() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path();
+        prepare(out, Start::Fresh).unwrap();
+        std::fs::write(out.join("notes.txt"), "mine").unwrap();
+        std::fs::create_dir_all(out.join("base-model")).unwrap();
+        prepare(out, Start::Fresh).expect("setup files alone are no run");
+        identity(out, Start::Fresh).unwrap();
+        std::fs::write(out.join("metrics.jsonl"), "{}").unwrap();
+        let refused = prepare(out, Start::Fresh).unwrap_err().to_string();
+        assert!(refused.contains("--resume"), "{refused}");
+        prepare(out, Start::Resume).unwrap();
+        assert!(out.join("metrics.jsonl").exists());
+        prepare(out, Start::Overwrite).unwrap();
+        assert!(!out.join("metrics.jsonl").exists() && !out.join(RUN_FILE).exists());
+        assert!(!out.join("base-model").exists());
+        assert_eq!(
+            std::fs::read_to_string(out.join("notes.txt")).unwrap(),
+            "mine"
+        );
+    }
+
+    #[test]
+    fn resuming_reads_the_recorded_identity() {
+        let dir = tempfile::tempdir().unwrap();
+        let written = identity(dir.path(), Start::Fresh).unwrap();
+        assert_eq!(identity(dir.path(), Start::Resume).unwrap(), written);
+        let other = tempfile::tempdir().unwrap();
+        assert_eq!(identity(other.path(), Start::Resume).unwrap(), None);
+    }
+}
