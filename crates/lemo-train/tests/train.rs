@@ -108,16 +108,7 @@ fn tiny_preset_trains_writes_outputs_and_resumes_exactly() {
         !cut.join("adapter").exists(),
         "a stopped run writes no final adapter"
     );
-    let output = lemo()
-        .args(["train", "--resume"])
-        .arg(&cut)
-        .output()
-        .unwrap();
-    assert!(
-        output.status.success(),
-        "resume failed: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    resume(&cut);
     assert_eq!(
         losses(&cut),
         uninterrupted,
@@ -143,17 +134,22 @@ fn tiny_preset_trains_writes_outputs_and_resumes_exactly() {
     assert!(stopped_at < 12, "the signal did not stop the run");
     let checkpoint = signalled.join(format!("checkpoints/step-{stopped_at:06}"));
     assert!(checkpoint.exists(), "no checkpoint at step {stopped_at}");
+    resume(&signalled);
+    assert_eq!(losses(&signalled), uninterrupted);
+}
+
+/// `train --resume out`, which must succeed.
+fn resume(out: &Path) {
     let output = lemo()
         .args(["train", "--resume"])
-        .arg(&signalled)
+        .arg(out)
         .output()
         .unwrap();
     assert!(
         output.status.success(),
-        "{}",
+        "resume failed: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    assert_eq!(losses(&signalled), uninterrupted);
 }
 
 /// Polls the run's metrics until `count` training steps are logged.
