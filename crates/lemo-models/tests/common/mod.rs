@@ -68,13 +68,15 @@ impl<B: AutodiffBackend + LemoBackend> GradientSums<B> {
 }
 
 /// `fixture`'s model with LoRA on `targets`, random `lora_B` (so that every LoRA factor has a
-/// gradient), and LongLoRA's trainable embeddings and norms when `longlora`.
+/// gradient), and LongLoRA's trainable embeddings and norms when `longlora`. Seeds the backend
+/// with the test seed first, so that the adapters and whatever the test draws next repeat.
 pub fn trainable_model<B: AutodiffBackend + LemoBackend>(
     fixture: &str,
     targets: &[&str],
     longlora: bool,
     device: &B::Device,
 ) -> CausalLm<B> {
+    lemo_test_support::seed_backend::<B>(device);
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/hf")
         .join(fixture);
