@@ -17,6 +17,7 @@ use lemo_kernels::known_value::with_value;
 use lemo_kernels::loss::segment_cross_entropy;
 use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
 
+use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 
 use crate::cache::{KvCache, LayerCache};
@@ -119,25 +120,26 @@ pub fn layer<B: Backend, D: Decoder<B>>(
     cache: Option<&mut LayerCache<B>>,
     sparsity: &mut TokenSparsity,
 ) -> Tensor<B, 3> {
-    let [_, seq, _] = h.dims();
     let device = h.device();
+    let sparse_block = |(kept, pass): (KeptRows, BlockPass<B>)| SparseBlock {
+        rows: kept.to_tensor::<B>(&device),
+        pass,
+    };
+    let input = h.clone().detach();
     let sparse = sparsity
-        .block(index, Block::Attention, seq, |block_size| {
-            decoder.attention_pass(index, h.clone().detach(), shared, block_size)
+        .block(index, Block::Attention, &input, |block_size| {
+            decoder.attention_pass(index, input.clone(), shared, block_size)
         })
-        .map(|(kept, pass)| SparseBlock {
-            rows: kept.to_tensor::<B>(&device),
-            pass,
-        });
+        .map(sparse_block);
+    drop(input);
     let a = decoder.attention_block(index, h, shared, sparse, cache);
+    let input = a.clone().detach();
     let sparse = sparsity
-        .block(index, Block::Mlp, seq, |block_size| {
-            decoder.mlp_pass(index, a.clone().detach(), block_size)
+        .block(index, Block::Mlp, &input, |block_size| {
+            decoder.mlp_pass(index, input.clone(), block_size)
         })
-        .map(|(kept, pass)| SparseBlock {
-            rows: kept.to_tensor::<B>(&device),
-            pass,
-        });
+        .map(sparse_block);
+    drop(input);
     decoder.mlp_block(index, a, sparse)
 }
 

@@ -1,11 +1,15 @@
 //! Which rows each block of each layer keeps in the graph of one forward pass (LeMo token
 //! elimination; the pass itself computes every row, see `decoder::SparseBlock`).
 //!
-//! A pass runs under a [`TokenSparsity`]: dense, selecting kept rows by thresholds from exact
-//! scores (and recording them in a [`TokenPlan`]), or replaying a recorded plan, which is how the
-//! recomputing backward pass of activation checkpointing rebuilds exactly the forward pass.
+//! A pass runs under a [`TokenSparsity`]: dense, selecting kept rows by thresholds from exact or
+//! predicted scores (and recording them in a [`TokenPlan`]), or replaying a recorded plan, which
+//! is how the recomputing backward pass of activation checkpointing rebuilds exactly the forward
+//! pass.
 
+use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use lemo_predictor::Predictors;
+use lemo_predictor::scorer::block_representatives;
 use lemo_sparsity::calibration::Block;
 use lemo_sparsity::{KeptRows, Thresholds};
 
@@ -34,11 +38,40 @@ impl LayerPlan {
     }
 }
 
-/// Token-block scores of one layer's blocks, row-major `[batch, blocks]`, when recorded.
+/// What a pass recorded of one block of a layer.
+#[derive(Debug, Clone, Default)]
+pub struct BlockRecord {
+    /// Exact token-block scores, row-major `[batch, blocks]`.
+    pub scores: Vec<f32>,
+    /// Representatives of the block input's token blocks, `[batch, blocks, hidden]`, when asked
+    /// for (what predictors read).
+    pub representatives: Option<Vec<f32>>,
+}
+
+/// What a pass recorded of one layer's blocks.
 #[derive(Debug, Clone, Default)]
 pub struct LayerScores {
-    pub attention: Option<Vec<f32>>,
-    pub mlp: Option<Vec<f32>>,
+    pub attention: Option<BlockRecord>,
+    pub mlp: Option<BlockRecord>,
+}
+
+impl LayerScores {
+    pub fn block(&self, block: Block) -> Option<&BlockRecord> {
+        match block {
+            Block::Attention => self.attention.as_ref(),
+            Block::Mlp => self.mlp.as_ref(),
+        }
+    }
+}
+
+/// What a selecting pass records besides the kept rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Record {
+    Nothing,
+    /// The exact scores of every block (profiling, calibration).
+    Scores,
+    /// The exact scores and the block inputs' representatives (training predictors).
+    ScoresAndRepresentatives,
 }
 
 /// What a token-sparse forward pass chose, layer by layer.
@@ -70,14 +103,14 @@ impl TokenPlan {
         &mut self.layers[layer]
     }
 
-    fn record_scores(&mut self, layer: usize, block: Block, scores: Vec<f32>) {
+    fn record(&mut self, layer: usize, block: Block, record: BlockRecord) {
         if self.scores.len() <= layer {
             self.scores.resize(layer + 1, LayerScores::default());
         }
         let slot = &mut self.scores[layer];
         match block {
-            Block::Attention => slot.attention = Some(scores),
-            Block::Mlp => slot.mlp = Some(scores),
+            Block::Attention => slot.attention = Some(record),
+            Block::Mlp => slot.mlp = Some(record),
         }
     }
 }
@@ -86,25 +119,42 @@ impl TokenPlan {
 pub enum TokenSparsity<'a> {
     /// Every block processes every row.
     Dense,
-    /// Each block keeps the token blocks whose exact informativeness reaches its layer's
-    /// threshold (a `None` threshold keeps the block dense); the choice is recorded in `plan`,
-    /// with the scores of every block when `record_scores`.
+    /// Each block keeps the token blocks whose informativeness reaches its layer's threshold (a
+    /// `None` threshold keeps the block dense): predicted by `predictors` where they have the
+    /// block, else exact. The choice is recorded in `plan`, with what `record` asks for.
     Select {
         thresholds: &'a Thresholds,
+        predictors: Option<&'a Predictors>,
         plan: TokenPlan,
-        record_scores: bool,
+        record: Record,
     },
     /// The rows a previous pass chose.
     Replay(&'a TokenPlan),
 }
 
 impl<'a> TokenSparsity<'a> {
-    /// Selection by `thresholds`, recording the plan but not the scores.
+    /// Selection by `thresholds` from exact scores, recording the plan but not the scores.
     pub fn select(thresholds: &'a Thresholds) -> Self {
+        Self::recording(thresholds, Record::Nothing)
+    }
+
+    /// Selection by `thresholds` from exact scores, recording what `record` asks for.
+    pub fn recording(thresholds: &'a Thresholds, record: Record) -> Self {
         TokenSparsity::Select {
             thresholds,
+            predictors: None,
             plan: TokenPlan::default(),
-            record_scores: false,
+            record,
+        }
+    }
+
+    /// Selection by `thresholds` from the scores `predictors` give.
+    pub fn predicted(thresholds: &'a Thresholds, predictors: &'a Predictors) -> Self {
+        TokenSparsity::Select {
+            thresholds,
+            predictors: Some(predictors),
+            plan: TokenPlan::default(),
+            record: Record::Nothing,
         }
     }
 
@@ -116,17 +166,19 @@ impl<'a> TokenSparsity<'a> {
         }
     }
 
-    /// The kept rows of `block` of `layer` for a batch of sequences of `seq` tokens, and the
-    /// block's pass over every row that they come with; `None`: the block runs dense. `pass`
-    /// computes the block outside the graph, with its token-block scores when given a block
-    /// size, and is called only when the block is sparse or its scores are recorded.
+    /// The kept rows of `block` of `layer` for the block input `input: [batch, seq, hidden]`
+    /// (outside the graph), and the block's pass over every row that they come with; `None`:
+    /// the block runs dense. `pass` computes the block outside the graph, with its exact
+    /// token-block scores when given a block size, and is called only when the block is sparse
+    /// or its scores are recorded.
     pub(crate) fn block<B: Backend>(
         &mut self,
         layer: usize,
         block: Block,
-        seq: usize,
+        input: &Tensor<B, 3>,
         pass: impl FnOnce(Option<usize>) -> BlockPass<B>,
     ) -> Option<(KeptRows, BlockPass<B>)> {
+        let [_, seq, _] = input.dims();
         match self {
             TokenSparsity::Dense => None,
             TokenSparsity::Replay(plan) => {
@@ -135,8 +187,9 @@ impl<'a> TokenSparsity<'a> {
             }
             TokenSparsity::Select {
                 thresholds,
+                predictors,
                 plan,
-                record_scores,
+                record,
             } => {
                 let layer_thresholds = thresholds.layers[layer];
                 let threshold = match block {
@@ -144,14 +197,27 @@ impl<'a> TokenSparsity<'a> {
                     Block::Mlp => layer_thresholds.mlp,
                 };
                 *plan.layer_mut(layer).block_mut(block) = None;
-                if threshold.is_none() && !*record_scores {
+                if threshold.is_none() && *record == Record::Nothing {
                     return None;
                 }
-                let mut pass = pass(Some(thresholds.block_size));
-                let scores = pass
-                    .scores
-                    .take()
-                    .expect("a pass asked for scores gives them");
+                let block_size = thresholds.block_size;
+                let predicted = match (predictors, *record) {
+                    (Some(predictors), Record::Nothing) => {
+                        predictors.token_block_scores(layer, block, input.clone())
+                    }
+                    _ => None,
+                };
+                let (pass, scores) = match predicted {
+                    Some(scores) => (pass(None), scores),
+                    None => {
+                        let mut pass = pass(Some(block_size));
+                        let scores = pass
+                            .scores
+                            .take()
+                            .expect("a pass asked for scores gives them");
+                        (pass, scores)
+                    }
+                };
                 let [batch, blocks] = scores.dims();
                 let values: Vec<f32> = scores
                     .into_data()
@@ -163,14 +229,29 @@ impl<'a> TokenSparsity<'a> {
                         values.chunks(blocks.max(1)).take(batch).collect();
                     KeptRows::from_block_scores(
                         &per_sequence,
-                        thresholds.block_size,
+                        block_size,
                         seq,
                         t,
                         thresholds.min_keep,
                     )
                 });
-                if *record_scores {
-                    plan.record_scores(layer, block, values);
+                if *record != Record::Nothing {
+                    let representatives =
+                        (*record == Record::ScoresAndRepresentatives).then(|| {
+                            block_representatives(input.clone(), block_size)
+                                .into_data()
+                                .convert::<f32>()
+                                .into_vec()
+                                .expect("f32 representatives")
+                        });
+                    plan.record(
+                        layer,
+                        block,
+                        BlockRecord {
+                            scores: values,
+                            representatives,
+                        },
+                    );
                 }
                 *plan.layer_mut(layer).block_mut(block) = kept.clone();
                 kept.map(|kept| (kept, pass))

@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use burn::tensor::ElementConversion;
 use clap::Args;
 use lemo_kernels::LemoBackend;
-use lemo_models::token_plan::{TokenPlan, TokenSparsity};
+use lemo_models::token_plan::{Record, TokenPlan, TokenSparsity};
 use lemo_models::{CausalLm, ModelConfig};
 use lemo_sparsity::calibration::{Block, Calibrator, LayerProfile, objective};
 use lemo_sparsity::thresholds::Measured;
@@ -285,16 +285,16 @@ pub fn profile<B: LemoBackend>(
     let mut profiles = vec![LayerProfile::default(); config.num_layers()];
     for sequence in sequences {
         let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
-        let mut sparsity = TokenSparsity::Select {
-            thresholds: &observe,
-            plan: TokenPlan::default(),
-            record_scores: true,
-        };
+        let mut sparsity = TokenSparsity::recording(&observe, Record::Scores);
         model.hidden_states(tokens, None, &mut sparsity);
         let plan = sparsity.into_plan().unwrap_or_default();
         for (profile, scores) in profiles.iter_mut().zip(plan.scores) {
-            profile.attention.extend(relative_to_mean(scores.attention));
-            profile.mlp.extend(relative_to_mean(scores.mlp));
+            profile
+                .attention
+                .extend(relative_to_mean(scores.attention.map(|r| r.scores)));
+            profile
+                .mlp
+                .extend(relative_to_mean(scores.mlp.map(|r| r.scores)));
         }
     }
     profiles

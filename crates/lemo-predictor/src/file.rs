@@ -1,0 +1,488 @@
+//! A model's trained predictors: safetensors (f32, `layers.{l}.{attention|mlp}.{s}.{first|second|
+//! out}.{weight|bias}`, scorer `s` 0 the query and 1 the key predictor of an attention block)
+//! with a JSON header under the metadata key `lemo_predictors` ([`PredictorsHeader`]: the model,
+//! the block size, the thresholds they select with, each block's widths and recall).
+//!
+//! [`Predictors`] holds the weights on the host and builds them once per backend and device the
+//! first time a forward pass asks for scores.
+
+use std::any::{Any, TypeId};
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use lemo_sparsity::Thresholds;
+use lemo_sparsity::calibration::Block;
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use serde::{Deserialize, Serialize};
+
+use crate::predictor::{BlockPredictor, LayerPredictors};
+use crate::scorer::{Dense, Scorer};
+
+/// Metadata key of the JSON header.
+const HEADER_KEY: &str = "lemo_predictors";
+const FORMAT: u32 = 1;
+
+/// What a predictors file cannot be used for, in one line.
+#[derive(Debug, thiserror::Error)]
+pub enum PredictorsError {
+    #[error("{path}: {message}")]
+    File { path: String, message: String },
+    #[error("predictors file {path} is for {found}, not this model ({expected})")]
+    WrongModel {
+        path: String,
+        found: String,
+        expected: String,
+    },
+}
+
+/// How well one block's predictor finds the blocks exact scores keep, and its size.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BlockReport {
+    /// Hidden widths of each scorer (attention: query then key).
+    pub widths: Vec<[usize; 2]>,
+    /// Parameters before and after elastic size transformation.
+    pub params_before: usize,
+    pub params_after: usize,
+    /// Kept token blocks on held-out sequences: found / exactly kept, and found / predicted.
+    pub recall: f64,
+    pub precision: f64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LayerReport {
+    pub attention: Option<BlockReport>,
+    pub mlp: Option<BlockReport>,
+}
+
+impl LayerReport {
+    pub fn block_mut(&mut self, block: Block) -> &mut Option<BlockReport> {
+        match block {
+            Block::Attention => &mut self.attention,
+            Block::Mlp => &mut self.mlp,
+        }
+    }
+}
+
+/// The JSON header of a predictors file.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PredictorsHeader {
+    pub format: u32,
+    /// The model they were trained on (its path or name), for the reader's information.
+    pub model: String,
+    pub architecture: String,
+    pub num_layers: usize,
+    pub hidden_size: usize,
+    pub block_size: usize,
+    /// The initial hidden width of every scorer.
+    pub rank: usize,
+    /// The thresholds the predicted scores select with (those they were trained at).
+    pub thresholds: Thresholds,
+    pub layers: Vec<LayerReport>,
+    /// Mean recall and precision over the token-eliminating blocks, and the held-out data.
+    pub recall: f64,
+    pub precision: f64,
+    pub held_out_sequences: usize,
+    pub seq_len: usize,
+}
+
+impl PredictorsHeader {
+    pub fn new(thresholds: Thresholds, rank: usize) -> Self {
+        Self {
+            format: FORMAT,
+            model: thresholds.model.clone(),
+            architecture: thresholds.architecture.clone(),
+            num_layers: thresholds.num_layers,
+            hidden_size: thresholds.hidden_size,
+            block_size: thresholds.block_size,
+            rank,
+            layers: vec![LayerReport::default(); thresholds.num_layers],
+            thresholds,
+            recall: 0.0,
+            precision: 0.0,
+            held_out_sequences: 0,
+            seq_len: 0,
+        }
+    }
+}
+
+type DeviceCopy = (TypeId, String, Arc<dyn Any + Send + Sync>);
+
+/// Trained predictors of every layer, on the host, with their header.
+pub struct Predictors {
+    pub header: PredictorsHeader,
+    /// `(shape, values)` by tensor name.
+    tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    on_devices: Mutex<Vec<DeviceCopy>>,
+}
+
+fn block_name(block: Block) -> &'static str {
+    match block {
+        Block::Attention => "attention",
+        Block::Mlp => "mlp",
+    }
+}
+
+/// `(name, dense map)` of every map of every scorer of `layers`.
+fn dense_maps<B: Backend>(layers: &[LayerPredictors<B>]) -> Vec<(String, &Dense<B>)> {
+    let mut maps = Vec::new();
+    for (l, layer) in layers.iter().enumerate() {
+        for block in [Block::Attention, Block::Mlp] {
+            let Some(predictor) = layer.block(block) else {
+                continue;
+            };
+            for (s, scorer) in predictor.scorers.iter().enumerate() {
+                let prefix = format!("layers.{l}.{}.{s}", block_name(block));
+                maps.push((format!("{prefix}.first"), &scorer.first));
+                maps.push((format!("{prefix}.second"), &scorer.second));
+                maps.push((format!("{prefix}.out"), &scorer.out));
+            }
+        }
+    }
+    maps
+}
+
+impl Predictors {
+    /// The predictors `layers` (one per layer of the model) with `header`.
+    pub fn new<B: Backend>(header: PredictorsHeader, layers: &[LayerPredictors<B>]) -> Self {
+        let host = |t: Tensor<B, 1>| -> Vec<f32> {
+            t.into_data()
+                .convert::<f32>()
+                .into_vec()
+                .expect("f32 weights")
+        };
+        let mut tensors = HashMap::new();
+        for (name, dense) in dense_maps(layers) {
+            let weight = dense.weight.val();
+            let shape = weight.dims().to_vec();
+            tensors.insert(
+                format!("{name}.weight"),
+                (shape, host(weight.flatten(0, 1))),
+            );
+            let bias = dense.bias.val();
+            tensors.insert(format!("{name}.bias"), (bias.dims().to_vec(), host(bias)));
+        }
+        Self {
+            header,
+            tensors,
+            on_devices: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The safetensors file.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut names: Vec<&String> = self.tensors.keys().collect();
+        names.sort();
+        let views: Vec<(String, TensorView)> = names
+            .into_iter()
+            .map(|name| {
+                let (shape, values) = &self.tensors[name];
+                let view = TensorView::new(Dtype::F32, shape.clone(), bytemuck::cast_slice(values))
+                    .expect("consistent view");
+                (name.clone(), view)
+            })
+            .collect();
+        let header = serde_json::to_string(&self.header).expect("serializable header");
+        let metadata = HashMap::from([(HEADER_KEY.to_string(), header)]);
+        safetensors::serialize(views, Some(metadata)).expect("serializable predictors")
+    }
+
+    /// Reads a predictors file written by [`Self::to_bytes`].
+    pub fn read(path: &Path) -> Result<Self, PredictorsError> {
+        let error = |message: String| PredictorsError::File {
+            path: path.display().to_string(),
+            message,
+        };
+        let bytes = std::fs::read(path).map_err(|e| error(format!("cannot read: {e}")))?;
+        let (_, metadata) = SafeTensors::read_metadata(&bytes)
+            .map_err(|e| error(format!("not a safetensors file ({e})")))?;
+        let header = metadata
+            .metadata()
+            .as_ref()
+            .and_then(|m| m.get(HEADER_KEY))
+            .ok_or_else(|| error(format!("no `{HEADER_KEY}` header: not a predictors file")))?;
+        let header: PredictorsHeader = serde_json::from_str(header)
+            .map_err(|e| error(format!("unreadable predictors header ({e})")))?;
+        if header.format != FORMAT {
+            return Err(error(format!(
+                "predictors format {} (this build reads {FORMAT})",
+                header.format
+            )));
+        }
+        if header.layers.len() != header.num_layers
+            || header.thresholds.layers.len() != header.num_layers
+        {
+            return Err(error(format!(
+                "the header lists {} layer reports and {} layer thresholds for {} layers",
+                header.layers.len(),
+                header.thresholds.layers.len(),
+                header.num_layers
+            )));
+        }
+        let file = SafeTensors::deserialize(&bytes)
+            .map_err(|e| error(format!("not a safetensors file ({e})")))?;
+        let mut tensors = HashMap::new();
+        for (name, view) in file.tensors() {
+            if view.dtype() != Dtype::F32 {
+                return Err(error(format!("{name} is {:?}, not F32", view.dtype())));
+            }
+            let values: Vec<f32> = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            tensors.insert(name, (view.shape().to_vec(), values));
+        }
+        let predictors = Self {
+            header,
+            tensors,
+            on_devices: Mutex::new(Vec::new()),
+        };
+        predictors.check_tensors().map_err(error)?;
+        Ok(predictors)
+    }
+
+    /// Every token-eliminating block has its scorers, each a chain of consistent shapes.
+    fn check_tensors(&self) -> Result<(), String> {
+        let hidden = self.header.hidden_size;
+        for (l, layer) in self.header.thresholds.layers.iter().enumerate() {
+            for (block, threshold) in [(Block::Attention, layer.attention), (Block::Mlp, layer.mlp)]
+            {
+                if threshold.is_none() {
+                    continue;
+                }
+                let scorers = match block {
+                    Block::Attention => 2,
+                    Block::Mlp => 1,
+                };
+                for s in 0..scorers {
+                    let prefix = format!("layers.{l}.{}.{s}", block_name(block));
+                    let mut inputs = hidden;
+                    for (map, last) in [("first", false), ("second", false), ("out", true)] {
+                        let name = format!("{prefix}.{map}");
+                        let shape = |part: &str| {
+                            self.tensors
+                                .get(&format!("{name}.{part}"))
+                                .map(|(shape, _)| shape.clone())
+                                .ok_or_else(|| format!("missing tensor {name}.{part}"))
+                        };
+                        let (weight, bias) = (shape("weight")?, shape("bias")?);
+                        let consistent = weight.len() == 2
+                            && weight[0] == inputs
+                            && bias == [weight[1]]
+                            && (!last || weight[1] == 1);
+                        if !consistent {
+                            return Err(format!(
+                                "{name} has weight {weight:?} and bias {bias:?} after a width of {inputs}"
+                            ));
+                        }
+                        inputs = weight[1];
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Errors unless these predictors were trained for this model and block size.
+    pub fn check_model(
+        &self,
+        path: &Path,
+        architecture: &str,
+        num_layers: usize,
+        hidden_size: usize,
+        block_size: usize,
+    ) -> Result<(), PredictorsError> {
+        let h = &self.header;
+        let describe = |arch: &str, layers: usize, hidden: usize, block: usize| {
+            format!("{arch}, {layers} layers, hidden size {hidden}, block size {block}")
+        };
+        if h.architecture != architecture
+            || h.num_layers != num_layers
+            || h.hidden_size != hidden_size
+            || h.block_size != block_size
+        {
+            return Err(PredictorsError::WrongModel {
+                path: path.display().to_string(),
+                found: describe(&h.architecture, h.num_layers, h.hidden_size, h.block_size),
+                expected: describe(architecture, num_layers, hidden_size, block_size),
+            });
+        }
+        Ok(())
+    }
+
+    /// The predictors as modules on `device`.
+    pub fn layers<B: Backend>(&self, device: &B::Device) -> Vec<LayerPredictors<B>> {
+        let tensor = |name: &str| {
+            let (shape, values) = &self.tensors[name];
+            TensorData::new(values.clone(), shape.clone())
+        };
+        let dense = |name: &str| {
+            Dense::from_tensors(
+                Tensor::from_data(tensor(&format!("{name}.weight")), device),
+                Tensor::from_data(tensor(&format!("{name}.bias")), device),
+            )
+        };
+        let block = |l: usize, block: Block, threshold: Option<f32>| {
+            threshold?;
+            let count = match block {
+                Block::Attention => 2,
+                Block::Mlp => 1,
+            };
+            let scorers = (0..count)
+                .map(|s| {
+                    let prefix = format!("layers.{l}.{}.{s}", block_name(block));
+                    Scorer {
+                        first: dense(&format!("{prefix}.first")),
+                        second: dense(&format!("{prefix}.second")),
+                        out: dense(&format!("{prefix}.out")),
+                    }
+                })
+                .collect();
+            Some(BlockPredictor { scorers })
+        };
+        self.header
+            .thresholds
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(l, t)| {
+                // Prediction is never differentiated, even on an autodiff backend.
+                LayerPredictors {
+                    attention: block(l, Block::Attention, t.attention),
+                    mlp: block(l, Block::Mlp, t.mlp),
+                }
+                .no_grad()
+            })
+            .collect()
+    }
+
+    /// The modules on `device`, built on the first call for each backend and device.
+    pub fn on_device<B: Backend>(&self, device: &B::Device) -> Arc<Vec<LayerPredictors<B>>> {
+        let key = (TypeId::of::<B>(), format!("{device:?}"));
+        let mut copies = self.on_devices.lock().expect("no panic while building");
+        if let Some((_, _, copy)) = copies.iter().find(|(t, d, _)| (*t, d) == (key.0, &key.1)) {
+            return copy.clone().downcast().expect("keyed by backend type");
+        }
+        let layers = Arc::new(self.layers::<B>(device));
+        copies.push((key.0, key.1, layers.clone()));
+        layers
+    }
+
+    /// Predicted token-block scores `[batch, blocks]` of `block` of `layer` from the block input
+    /// `x: [batch, seq, hidden]`; `None` when that block has no predictor (it stays dense).
+    pub fn token_block_scores<B: Backend>(
+        &self,
+        layer: usize,
+        block: Block,
+        x: Tensor<B, 3>,
+    ) -> Option<Tensor<B, 2>> {
+        let layers = self.on_device::<B>(&x.device());
+        let predictor = layers.get(layer)?.block(block)?;
+        Some(predictor.token_block_scores(x, self.header.block_size))
+    }
+
+    /// Parameters of every predictor.
+    pub fn num_params(&self) -> usize {
+        self.tensors.values().map(|(_, v)| v.len()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::tensor::Distribution;
+    use lemo_sparsity::LayerThresholds;
+
+    type B = NdArray<f32>;
+
+    fn header() -> PredictorsHeader {
+        let mut thresholds = Thresholds::keep_all("llama", 2, 8);
+        thresholds.block_size = 4;
+        thresholds.layers[1] = LayerThresholds {
+            attention: Some(1.0),
+            mlp: Some(0.8),
+        };
+        PredictorsHeader::new(thresholds, 3)
+    }
+
+    fn layers(device: &burn::tensor::Device<B>) -> Vec<LayerPredictors<B>> {
+        vec![
+            LayerPredictors {
+                attention: None,
+                mlp: None,
+            },
+            LayerPredictors {
+                attention: Some(BlockPredictor::new(Block::Attention, 8, 3, device)),
+                mlp: Some(BlockPredictor::new(Block::Mlp, 8, 3, device)),
+            },
+        ]
+    }
+
+    #[test]
+    fn a_written_file_reads_back_to_the_same_predictions() {
+        let device = Default::default();
+        let layers = layers(&device);
+        let predictors = Predictors::new(header(), &layers);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("predictors.safetensors");
+        std::fs::write(&path, predictors.to_bytes()).unwrap();
+        let read = Predictors::read(&path).unwrap();
+        assert_eq!(read.header, predictors.header);
+        assert_eq!(read.num_params(), layers[1].num_params());
+        let x = Tensor::<B, 3>::random([2, 16, 8], Distribution::Normal(0.0, 1.0), &device);
+        for block in [Block::Attention, Block::Mlp] {
+            let expected: Vec<f32> = layers[1]
+                .block(block)
+                .unwrap()
+                .token_block_scores(x.clone(), 4)
+                .into_data()
+                .to_vec()
+                .unwrap();
+            let got: Vec<f32> = read
+                .token_block_scores(1, block, x.clone())
+                .unwrap()
+                .into_data()
+                .to_vec()
+                .unwrap();
+            assert_eq!(got, expected);
+            assert!(read.token_block_scores(0, block, x.clone()).is_none());
+        }
+        read.check_model(&path, "llama", 2, 8, 4).unwrap();
+        let wrong = read.check_model(&path, "llama", 2, 8, 64).unwrap_err();
+        assert!(wrong.to_string().contains("block size 4"), "{wrong}");
+    }
+
+    #[test]
+    fn a_damaged_file_is_a_one_line_error() {
+        let device = Default::default();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.safetensors");
+        let bytes = Predictors::new(header(), &layers(&device)).to_bytes();
+        for (bytes, expected) in [
+            (bytes[..bytes.len() / 2].to_vec(), "not a safetensors file"),
+            (b"junk".to_vec(), "not a safetensors file"),
+        ] {
+            std::fs::write(&path, bytes).unwrap();
+            let message = Predictors::read(&path).err().unwrap().to_string();
+            assert!(message.contains(expected), "{message}");
+            assert!(!message.contains('\n'), "{message}");
+        }
+        // A file without its header: a safetensors file, but not one of ours.
+        let plain = safetensors::serialize(Vec::<(String, TensorView)>::new(), None).unwrap();
+        std::fs::write(&path, plain).unwrap();
+        let message = Predictors::read(&path).err().unwrap().to_string();
+        assert!(message.contains("not a predictors file"), "{message}");
+        assert!(
+            Predictors::read(&dir.path().join("absent"))
+                .err()
+                .unwrap()
+                .to_string()
+                .contains("cannot read")
+        );
+    }
+}

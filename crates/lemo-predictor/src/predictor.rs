@@ -1,0 +1,179 @@
+//! A layer's predictors and what they predict: token-block log-scores of its attention block
+//! (`log I(K_n) + log mean_{m >= n} I(Q_m)`, the column mean of the rank-one block matrix
+//! `I(B_mn) = I(Q_m) I(K_n)` over the query blocks that see key block `n`) and of its MLP block.
+
+use burn::module::Module;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use lemo_sparsity::calibration::Block;
+
+use crate::scorer::{Scorer, block_representatives};
+
+/// The predictor of one block of a layer: attention `[query, key]`, MLP `[mlp]`.
+#[derive(Module, Debug)]
+pub struct BlockPredictor<B: Backend> {
+    pub scorers: Vec<Scorer<B>>,
+}
+
+impl<B: Backend> BlockPredictor<B> {
+    /// Fresh predictors of `block` for a model of width `hidden`.
+    pub fn new(block: Block, hidden: usize, rank: usize, device: &B::Device) -> Self {
+        let count = match block {
+            Block::Attention => 2,
+            Block::Mlp => 1,
+        };
+        Self {
+            scorers: (0..count)
+                .map(|_| Scorer::new(hidden, rank, device))
+                .collect(),
+        }
+    }
+
+    pub fn block(&self) -> Block {
+        if self.scorers.len() == 2 {
+            Block::Attention
+        } else {
+            Block::Mlp
+        }
+    }
+
+    /// Natural-log token-block scores `[batch, blocks]` from the block input's representatives
+    /// `[batch, blocks, hidden]`, up to a constant per sequence (selection is relative to the
+    /// sequence's mean, so only ratios matter).
+    pub fn log_scores(&self, representatives: Tensor<B, 3>) -> Tensor<B, 2> {
+        match self.scorers.as_slice() {
+            [query, key] => {
+                key.forward(representatives.clone())
+                    + suffix_log_mean_exp(query.forward(representatives))
+            }
+            [mlp] => mlp.forward(representatives),
+            _ => unreachable!("a block predictor has one or two scorers"),
+        }
+    }
+
+    /// Token-block scores `[batch, blocks]` (f32, each sequence's largest 1) of the block input
+    /// `x: [batch, seq, hidden]`: a few small GEMMs on `seq / block_size` representatives.
+    pub fn token_block_scores(&self, x: Tensor<B, 3>, block_size: usize) -> Tensor<B, 2> {
+        let log_scores = self.log_scores(block_representatives(x, block_size));
+        let largest = log_scores.clone().max_dim(1);
+        (log_scores - largest).exp()
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.scorers.iter().map(Scorer::num_params).sum()
+    }
+}
+
+/// `log(mean_{m >= n} exp(v_m))` for every `n`, of `v: [batch, blocks]`, stably: the log of the
+/// mean query score over the query blocks that see key block `n`. O(batch * blocks^2).
+pub fn suffix_log_mean_exp<B: Backend>(v: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [batch, blocks] = v.dims();
+    let device = v.device();
+    let mask: Vec<f32> = (0..blocks)
+        .flat_map(|n| (0..blocks).map(move |m| if m >= n { 0.0 } else { -1e30 }))
+        .collect();
+    let mask = Tensor::<B, 1>::from_data(TensorData::new(mask, [blocks * blocks]), &device)
+        .reshape([1, blocks, blocks]);
+    let terms = v.reshape([batch, 1, blocks]) + mask;
+    let largest = terms.clone().max_dim(2).detach();
+    let log_sum = (terms - largest.clone()).exp().sum_dim(2).log() + largest;
+    let log_count: Vec<f32> = (0..blocks).map(|n| ((blocks - n) as f32).ln()).collect();
+    let log_count = Tensor::<B, 1>::from_data(TensorData::new(log_count, [blocks]), &device)
+        .reshape([1, blocks]);
+    log_sum.reshape([batch, blocks]) - log_count
+}
+
+/// The predictors of one layer; `None` where that block of the layer stays dense.
+#[derive(Module, Debug)]
+pub struct LayerPredictors<B: Backend> {
+    pub attention: Option<BlockPredictor<B>>,
+    pub mlp: Option<BlockPredictor<B>>,
+}
+
+impl<B: Backend> LayerPredictors<B> {
+    pub fn block(&self, block: Block) -> Option<&BlockPredictor<B>> {
+        match block {
+            Block::Attention => self.attention.as_ref(),
+            Block::Mlp => self.mlp.as_ref(),
+        }
+    }
+
+    pub fn num_params(&self) -> usize {
+        [&self.attention, &self.mlp]
+            .into_iter()
+            .flatten()
+            .map(BlockPredictor::num_params)
+            .sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+    use burn::tensor::Distribution;
+
+    type B = NdArray<f32>;
+
+    #[test]
+    fn attention_scores_are_column_means_of_the_causal_outer_product() {
+        let device = Default::default();
+        let predictor = BlockPredictor::<B>::new(Block::Attention, 8, 4, &device);
+        let representatives =
+            Tensor::<B, 3>::random([2, 5, 8], Distribution::Normal(0.0, 1.0), &device);
+        let scores: Vec<f32> = predictor
+            .log_scores(representatives.clone())
+            .exp()
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let exp = |scorer: &Scorer<B>| -> Vec<f32> {
+            scorer
+                .forward(representatives.clone())
+                .exp()
+                .into_data()
+                .to_vec()
+                .unwrap()
+        };
+        let (query, key) = (exp(&predictor.scorers[0]), exp(&predictor.scorers[1]));
+        for sequence in 0..2 {
+            let q = &query[sequence * 5..(sequence + 1) * 5];
+            let k = &key[sequence * 5..(sequence + 1) * 5];
+            for n in 0..5 {
+                // Block matrix I(B_mn) = q_m k_n for m >= n; key block n's score is its column
+                // mean over the 5 - n query blocks that see it.
+                let column: f32 = (n..5).map(|m| q[m] * k[n]).sum::<f32>() / (5 - n) as f32;
+                let got = scores[sequence * 5 + n];
+                assert!(
+                    (got - column).abs() <= 1e-4 * column.abs(),
+                    "{got} vs {column}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn token_block_scores_keep_the_ratios_and_put_the_largest_at_one() {
+        let device = Default::default();
+        let predictor = BlockPredictor::<B>::new(Block::Mlp, 8, 4, &device);
+        let x = Tensor::<B, 3>::random([1, 40, 8], Distribution::Normal(0.0, 1.0), &device);
+        let scores: Vec<f32> = predictor
+            .token_block_scores(x.clone(), 8)
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let logs: Vec<f32> = predictor
+            .log_scores(block_representatives(x, 8))
+            .into_data()
+            .to_vec()
+            .unwrap();
+        assert_eq!(scores.len(), 5);
+        let largest = scores.iter().cloned().fold(f32::MIN, f32::max);
+        assert!((largest - 1.0).abs() < 1e-6);
+        let (ratio, expected) = (scores[1] / scores[3], (logs[1] - logs[3]).exp());
+        assert!(
+            (ratio - expected).abs() <= 1e-4 * expected,
+            "{ratio} vs {expected}"
+        );
+    }
+}

@@ -1,0 +1,214 @@
+//! One predictor: three low-rank matrices with ReLU between them, from a token block's
+//! representative embedding to one log-score, and the representatives themselves.
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::relu;
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Distribution, Tensor, TensorData};
+
+/// A dense map `x W + b` with `W: [inputs, outputs]`; its own type rather than `burn::nn::Linear`
+/// so that pruning can rebuild it from selected rows and columns.
+#[derive(Module, Debug)]
+pub struct Dense<B: Backend> {
+    pub weight: Param<Tensor<B, 2>>,
+    pub bias: Param<Tensor<B, 1>>,
+}
+
+impl<B: Backend> Dense<B> {
+    /// Uniform `U(-k, k)`, `k = 1 / sqrt(inputs)` (PyTorch's default for a linear layer).
+    pub fn new(inputs: usize, outputs: usize, device: &B::Device) -> Self {
+        let k = 1.0 / (inputs as f64).sqrt();
+        let uniform = Distribution::Uniform(-k, k);
+        Self {
+            weight: Param::from_tensor(Tensor::random([inputs, outputs], uniform, device)),
+            bias: Param::from_tensor(Tensor::random([outputs], uniform, device)),
+        }
+    }
+
+    /// A map with these values as new parameters (detached from any graph they came from).
+    pub fn from_tensors(weight: Tensor<B, 2>, bias: Tensor<B, 1>) -> Self {
+        Self {
+            weight: Param::from_tensor(weight.detach()),
+            bias: Param::from_tensor(bias.detach()),
+        }
+    }
+
+    pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let [inputs, outputs] = self.weight.dims();
+        let mut rows_shape = x.dims();
+        rows_shape[D - 1] = outputs;
+        let rows = x.shape().num_elements() / inputs;
+        let y = x.reshape([rows, inputs]).matmul(self.weight.val()) + self.bias.val().unsqueeze();
+        y.reshape(rows_shape)
+    }
+
+    pub fn num_params(&self) -> usize {
+        let [inputs, outputs] = self.weight.dims();
+        inputs * outputs + outputs
+    }
+}
+
+/// `hidden -> width[0] -> width[1] -> 1` with ReLU after the first two maps: one log-score per
+/// representative.
+#[derive(Module, Debug)]
+pub struct Scorer<B: Backend> {
+    pub first: Dense<B>,
+    pub second: Dense<B>,
+    pub out: Dense<B>,
+}
+
+impl<B: Backend> Scorer<B> {
+    pub fn new(hidden: usize, rank: usize, device: &B::Device) -> Self {
+        Self {
+            first: Dense::new(hidden, rank, device),
+            second: Dense::new(rank, rank, device),
+            out: Dense::new(rank, 1, device),
+        }
+    }
+
+    /// The two hidden activations (after ReLU) of `x: [..., hidden]`, and the log-scores
+    /// `[...]` (the last dimension dropped).
+    pub fn forward_with_activations<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+    ) -> (Tensor<B, D>, Tensor<B, D>, Tensor<B, D>) {
+        let first = relu(self.first.forward(x));
+        let second = relu(self.second.forward(first.clone()));
+        let out = self.out.forward(second.clone());
+        (first, second, out)
+    }
+
+    /// Log-scores `[batch, blocks]` of representatives `[batch, blocks, hidden]`.
+    pub fn forward(&self, representatives: Tensor<B, 3>) -> Tensor<B, 2> {
+        let (_, _, out) = self.forward_with_activations(representatives);
+        out.squeeze_dim::<2>(2)
+    }
+
+    /// Widths of the two hidden layers.
+    pub fn widths(&self) -> [usize; 2] {
+        [self.first.weight.dims()[1], self.second.weight.dims()[1]]
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.first.num_params() + self.second.num_params() + self.out.num_params()
+    }
+
+    /// The scorer with only the hidden neurons `keep[0]` of the first layer and `keep[1]` of
+    /// the second (each in increasing order): a neuron is a column of the map into its layer
+    /// and a row of the map out of it.
+    pub fn pruned(&self, keep: [&[usize]; 2]) -> Self {
+        let device = self.first.weight.device();
+        let index = |ids: &[usize]| {
+            let ids: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+            Tensor::<B, 1, burn::tensor::Int>::from_data(
+                TensorData::new(ids.clone(), [ids.len()]),
+                &device,
+            )
+        };
+        let (first_keep, second_keep) = (index(keep[0]), index(keep[1]));
+        let first = Dense::from_tensors(
+            self.first.weight.val().select(1, first_keep.clone()),
+            self.first.bias.val().select(0, first_keep.clone()),
+        );
+        let second = Dense::from_tensors(
+            self.second
+                .weight
+                .val()
+                .select(0, first_keep)
+                .select(1, second_keep.clone()),
+            self.second.bias.val().select(0, second_keep.clone()),
+        );
+        let out = Dense::from_tensors(
+            self.out.weight.val().select(0, second_keep),
+            self.out.bias.val(),
+        );
+        Self { first, second, out }
+    }
+}
+
+/// Each token block's representative embedding: the mean over its tokens of the RMS-normalized
+/// rows of `x: [batch, seq, hidden]` (the scale of the residual stream varies by orders of
+/// magnitude between tokens; its direction is what the layer's projections read). f32
+/// `[batch, blocks, hidden]`; a last partial block averages its own tokens. O(seq * hidden).
+pub fn block_representatives<B: Backend>(x: Tensor<B, 3>, block_size: usize) -> Tensor<B, 3> {
+    let [batch, seq, hidden] = x.dims();
+    let blocks = seq.div_ceil(block_size);
+    let x = x.cast(DType::F32);
+    let rms = x.clone().powi_scalar(2).mean_dim(2).add_scalar(1e-6).sqrt();
+    let normalized = x / rms;
+    let padded = blocks * block_size;
+    let normalized = if padded > seq {
+        normalized.pad((0, 0, 0, padded - seq), 0.0)
+    } else {
+        normalized
+    };
+    let counts: Vec<f32> = (0..blocks)
+        .map(|n| (((n + 1) * block_size).min(seq) - n * block_size) as f32)
+        .collect();
+    let counts = Tensor::<B, 1>::from_data(TensorData::new(counts, [blocks]), &normalized.device())
+        .reshape([1, blocks, 1]);
+    normalized
+        .reshape([batch, blocks, block_size, hidden])
+        .sum_dim(2)
+        .reshape([batch, blocks, hidden])
+        / counts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+
+    type B = NdArray<f32>;
+
+    #[test]
+    fn representatives_average_the_normalized_rows_of_each_block_and_of_a_short_tail() {
+        let device = Default::default();
+        // Five rows of two channels, blocks of two: [0, 1], [2, 3], [4].
+        let rows = [3.0, 4.0, 6.0, 8.0, 1.0, 0.0, 0.0, -2.0, 5.0, 5.0];
+        let x = Tensor::<B, 1>::from_floats(rows, &device).reshape([1, 5, 2]);
+        let got: Vec<f32> = block_representatives(x, 2).into_data().to_vec().unwrap();
+        let normalized = |a: f32, b: f32| {
+            let rms = ((a * a + b * b) / 2.0 + 1e-6).sqrt();
+            [a / rms, b / rms]
+        };
+        let mean = |p: [f32; 2], q: [f32; 2]| [(p[0] + q[0]) / 2.0, (p[1] + q[1]) / 2.0];
+        let expected = [
+            mean(normalized(3.0, 4.0), normalized(6.0, 8.0)),
+            mean(normalized(1.0, 0.0), normalized(0.0, -2.0)),
+            normalized(5.0, 5.0),
+        ]
+        .concat();
+        for (g, e) in got.iter().zip(&expected) {
+            assert!((g - e).abs() < 1e-5, "{got:?} vs {expected:?}");
+        }
+    }
+
+    #[test]
+    fn a_pruned_scorer_equals_the_full_one_when_the_removed_neurons_are_silent() {
+        let device = Default::default();
+        let scorer = Scorer::<B>::new(6, 4, &device);
+        // Silence neuron 1 of the first layer and neuron 2 of the second: their pre-activations
+        // are forced negative by a large negative bias.
+        let silence = |dense: &Dense<B>, neuron: usize| {
+            let mut bias: Vec<f32> = dense.bias.val().into_data().to_vec().unwrap();
+            bias[neuron] = -1e6;
+            let bias = Tensor::<B, 1>::from_floats(bias.as_slice(), &device);
+            Dense::from_tensors(dense.weight.val(), bias)
+        };
+        let scorer = Scorer {
+            first: silence(&scorer.first, 1),
+            second: silence(&scorer.second, 2),
+            out: scorer.out,
+        };
+        let pruned = scorer.pruned([&[0, 2, 3], &[0, 1, 3]]);
+        assert_eq!(pruned.widths(), [3, 3]);
+        assert_eq!(pruned.num_params(), 6 * 3 + 3 + 3 * 3 + 3 + 3 + 1);
+        let x = Tensor::<B, 3>::random([2, 5, 6], Distribution::Normal(0.0, 1.0), &device);
+        let full: Vec<f32> = scorer.forward(x.clone()).into_data().to_vec().unwrap();
+        let small: Vec<f32> = pruned.forward(x).into_data().to_vec().unwrap();
+        for (f, s) in full.iter().zip(&small) {
+            assert!((f - s).abs() < 1e-4, "{full:?} vs {small:?}");
+        }
+    }
+}

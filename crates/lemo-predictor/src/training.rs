@@ -1,0 +1,464 @@
+//! Offline training of one block's predictor on (representatives, exact token-block scores) of
+//! the frozen model, with elastic size transformation, and the recall it reaches.
+//!
+//! The loss has two terms, both on natural-log scores of each sequence:
+//! - shape: the mean squared difference of the predicted and exact log-scores, each centered on
+//!   its sequence's mean (selection is relative to the sequence, so a constant does not matter);
+//! - selection: a logistic loss on the predicted margin `log s_n - log mean(s) - log threshold`,
+//!   labelled by the side of the threshold the exact score falls on, so that blocks near the
+//!   layer's threshold, where the kept set is decided, weigh most.
+
+use burn::module::AutodiffModule;
+use burn::optim::{AdamConfig, GradientsParams, Optimizer};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Tensor, TensorData};
+use lemo_sparsity::KeptRows;
+use lemo_sparsity::calibration::Block;
+
+use crate::predictor::BlockPredictor;
+use crate::scorer::Scorer;
+
+/// Sharpness of the selection term: a margin of 0.25 in log-score is a confident side.
+const SHARPNESS: f64 = 4.0;
+
+/// Training data of one block of one layer, one row per sequence.
+#[derive(Debug, Clone, Default)]
+pub struct BlockSamples {
+    pub hidden: usize,
+    pub blocks: usize,
+    /// `[sequences, blocks, hidden]`.
+    pub representatives: Vec<f32>,
+    /// Exact token-block scores `[sequences, blocks]`.
+    pub scores: Vec<f32>,
+}
+
+impl BlockSamples {
+    pub fn new(blocks: usize, hidden: usize) -> Self {
+        Self {
+            hidden,
+            blocks,
+            ..Self::default()
+        }
+    }
+
+    /// Appends sequences: `representatives` `[n, blocks, hidden]` and `scores` `[n, blocks]`.
+    pub fn push(&mut self, representatives: &[f32], scores: &[f32]) {
+        assert_eq!(representatives.len(), scores.len() * self.hidden);
+        assert_eq!(scores.len() % self.blocks, 0, "whole sequences");
+        self.representatives.extend_from_slice(representatives);
+        self.scores.extend_from_slice(scores);
+    }
+
+    pub fn sequences(&self) -> usize {
+        self.scores.len() / self.blocks.max(1)
+    }
+
+    /// The first `count` sequences and the rest.
+    pub fn split(&self, count: usize) -> (Self, Self) {
+        let (r, s) = (count * self.blocks * self.hidden, count * self.blocks);
+        let part = |representatives: &[f32], scores: &[f32]| Self {
+            hidden: self.hidden,
+            blocks: self.blocks,
+            representatives: representatives.to_vec(),
+            scores: scores.to_vec(),
+        };
+        (
+            part(&self.representatives[..r], &self.scores[..s]),
+            part(&self.representatives[r..], &self.scores[s..]),
+        )
+    }
+
+    fn representatives<B: Backend>(&self, device: &B::Device) -> Tensor<B, 3> {
+        let shape = [self.sequences(), self.blocks, self.hidden];
+        Tensor::from_data(TensorData::new(self.representatives.clone(), shape), device)
+    }
+
+    /// Per sequence, `(log score, +1 kept / -1 dropped by the threshold alone)`.
+    fn targets<B: Backend>(
+        &self,
+        threshold: f32,
+        device: &B::Device,
+    ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+        let mut labels = Vec::with_capacity(self.scores.len());
+        for scores in self.scores.chunks(self.blocks) {
+            let mean = scores.iter().map(|&v| v as f64).sum::<f64>() / self.blocks as f64;
+            let bar = threshold as f64 * mean;
+            labels.extend(
+                scores
+                    .iter()
+                    .map(|&v| if v as f64 >= bar { 1.0 } else { -1.0 }),
+            );
+        }
+        let logs: Vec<f32> = self.scores.iter().map(|&v| v.max(1e-30).ln()).collect();
+        let shape = [self.sequences(), self.blocks];
+        (
+            Tensor::from_data(TensorData::new(logs, shape), device),
+            Tensor::from_data(TensorData::new(labels, shape), device),
+        )
+    }
+}
+
+/// How a block selects its kept token blocks from scores (see `KeptRows::from_block_scores`).
+#[derive(Debug, Clone, Copy)]
+pub struct Selection {
+    pub threshold: f32,
+    pub min_keep: f32,
+}
+
+impl Selection {
+    /// Kept token-block indices of each sequence of `scores` `[sequences, blocks]`.
+    fn kept_blocks(&self, scores: &[f32], blocks: usize) -> Vec<Vec<u32>> {
+        scores
+            .chunks(blocks)
+            .map(|s| {
+                // Blocks of one token: the kept rows are the kept block indices.
+                KeptRows::from_block_scores(&[s], 1, blocks, self.threshold, self.min_keep).rows
+            })
+            .collect()
+    }
+}
+
+/// Kept-block agreement of predicted with exact scores.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Recall {
+    /// Exactly kept blocks the prediction keeps, over the exactly kept blocks.
+    pub recall: f64,
+    /// Predicted blocks exactly kept, over the predicted blocks.
+    pub precision: f64,
+}
+
+/// Recall and precision of `predictor`'s kept blocks against the exact ones on `samples`.
+pub fn recall<B: Backend>(
+    predictor: &BlockPredictor<B>,
+    samples: &BlockSamples,
+    selection: Selection,
+    device: &B::Device,
+) -> Recall {
+    let predicted: Vec<f32> = predictor
+        .log_scores(samples.representatives::<B>(device))
+        .exp()
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .expect("f32 scores");
+    let predicted = selection.kept_blocks(&predicted, samples.blocks);
+    let exact = selection.kept_blocks(&samples.scores, samples.blocks);
+    let (mut found, mut exact_count, mut predicted_count) = (0usize, 0usize, 0usize);
+    for (p, e) in predicted.iter().zip(&exact) {
+        found += p.iter().filter(|b| e.contains(b)).count();
+        exact_count += e.len();
+        predicted_count += p.len();
+    }
+    Recall {
+        recall: found as f64 / exact_count.max(1) as f64,
+        precision: found as f64 / predicted_count.max(1) as f64,
+    }
+}
+
+/// Numerically stable `log(1 + exp(x))`.
+fn softplus<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 2> {
+    x.clone().clamp_min(0.0) + x.abs().neg().exp().log1p()
+}
+
+/// The training loss (see the module docs) of predicted log-scores against exact ones.
+pub fn selection_loss<B: Backend>(
+    predicted: Tensor<B, 2>,
+    exact: Tensor<B, 2>,
+    labels: Tensor<B, 2>,
+    threshold: f32,
+) -> Tensor<B, 1> {
+    let [_, blocks] = predicted.dims();
+    let centered = |t: Tensor<B, 2>| t.clone() - t.mean_dim(1);
+    let shape = (centered(predicted.clone()) - centered(exact))
+        .powi_scalar(2)
+        .mean();
+    let largest = predicted.clone().max_dim(1).detach();
+    let log_mean = (predicted.clone() - largest.clone()).exp().sum_dim(1).log() + largest
+        - (blocks as f32).ln();
+    let margin = predicted - log_mean - threshold.max(1e-30).ln();
+    let selection = softplus(-(labels * margin).mul_scalar(SHARPNESS)).mean();
+    shape + selection
+}
+
+/// Training and elastic size transformation of one block's predictor.
+#[derive(Debug, Clone)]
+pub struct TrainOptions {
+    /// Initial hidden width of every scorer.
+    pub rank: usize,
+    /// Full-batch Adam steps over the training sequences.
+    pub epochs: usize,
+    pub learning_rate: f64,
+    /// Epochs between prunings (0: no elastic size transformation).
+    pub prune_every: usize,
+    /// Fraction of each hidden layer's neurons one pruning removes (the most often zero).
+    pub prune_fraction: f64,
+    /// Largest loss of validation recall a pruning may cost (absolute, e.g. 0.005).
+    pub recall_tolerance: f64,
+    pub seed: u64,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        Self {
+            rank: 64,
+            epochs: 400,
+            learning_rate: 3e-3,
+            prune_every: 50,
+            prune_fraction: 0.25,
+            recall_tolerance: 0.005,
+            seed: 0,
+        }
+    }
+}
+
+/// A trained block predictor and how it got there.
+pub struct TrainedBlock<B: Backend> {
+    pub predictor: BlockPredictor<B>,
+    pub params_before: usize,
+    /// Recall on the validation sequences before pruning and at the end.
+    pub validation_before: Recall,
+    pub validation: Recall,
+    pub final_loss: f64,
+}
+
+/// How often each hidden neuron of each scorer outputs zero on `representatives`.
+fn zero_frequencies<B: Backend>(
+    predictor: &BlockPredictor<B>,
+    representatives: Tensor<B, 3>,
+) -> Vec<[Vec<f32>; 2]> {
+    let frequency = |activation: Tensor<B, 3>| -> Vec<f32> {
+        let [a, b, width] = activation.dims();
+        activation
+            .reshape([a * b, width])
+            .equal_elem(0.0)
+            .float()
+            .mean_dim(0)
+            .into_data()
+            .convert::<f32>()
+            .into_vec()
+            .expect("f32 frequencies")
+    };
+    predictor
+        .scorers
+        .iter()
+        .map(|scorer| {
+            let (first, second, _) = scorer.forward_with_activations(representatives.clone());
+            [frequency(first), frequency(second)]
+        })
+        .collect()
+}
+
+/// The neurons of a layer that stay when `fraction` of them, the most often zero, go (at least
+/// four stay), in increasing order.
+fn survivors(zero_frequency: &[f32], fraction: f64) -> Vec<usize> {
+    let width = zero_frequency.len();
+    let remove = ((width as f64 * fraction).floor() as usize).min(width.saturating_sub(4));
+    let mut order: Vec<usize> = (0..width).collect();
+    order.sort_by(|&a, &b| {
+        zero_frequency[b]
+            .total_cmp(&zero_frequency[a])
+            .then(a.cmp(&b))
+    });
+    let mut keep = order[remove..].to_vec();
+    keep.sort_unstable();
+    keep
+}
+
+fn prune<B: Backend>(
+    predictor: &BlockPredictor<B>,
+    zero_frequencies: &[[Vec<f32>; 2]],
+    fraction: f64,
+) -> BlockPredictor<B> {
+    let scorers: Vec<Scorer<B>> = predictor
+        .scorers
+        .iter()
+        .zip(zero_frequencies)
+        .map(|(scorer, [first, second])| {
+            scorer.pruned([&survivors(first, fraction), &survivors(second, fraction)])
+        })
+        .collect();
+    BlockPredictor { scorers }
+}
+
+/// Trains `block`'s predictor on `train` for `options.epochs`, then transforms its size: each
+/// round prunes the neurons most often zero and trains `options.prune_every` more epochs, and is
+/// kept while recall on `validation` stays within `options.recall_tolerance` of the unpruned
+/// predictor's (the first round that falls short is undone and ends pruning). `on_epoch` is
+/// called after every epoch (progress).
+pub fn train_block<B: AutodiffBackend>(
+    block: Block,
+    train: &BlockSamples,
+    validation: &BlockSamples,
+    selection: Selection,
+    options: &TrainOptions,
+    device: &B::Device,
+    on_epoch: &mut dyn FnMut(),
+) -> TrainedBlock<B::InnerBackend> {
+    B::seed(device, options.seed);
+    let representatives = train.representatives::<B>(device);
+    let (exact, labels) = train.targets::<B>(selection.threshold, device);
+    let mut fit = |mut predictor: BlockPredictor<B>, epochs: usize| {
+        let mut final_loss = f64::NAN;
+        let mut optimizer = AdamConfig::new().init::<B, BlockPredictor<B>>();
+        for epoch in 1..=epochs {
+            let loss = selection_loss(
+                predictor.log_scores(representatives.clone()),
+                exact.clone(),
+                labels.clone(),
+                selection.threshold,
+            );
+            if epoch == epochs {
+                final_loss = loss.clone().into_scalar().elem::<f64>();
+            }
+            let gradients = GradientsParams::from_grads(loss.backward(), &predictor);
+            predictor = optimizer.step(options.learning_rate, predictor, gradients);
+            on_epoch();
+        }
+        (predictor, final_loss)
+    };
+    let validation_recall = |p: &BlockPredictor<B>| {
+        recall::<B::InnerBackend>(&p.valid(), validation, selection, device)
+    };
+
+    let fresh = BlockPredictor::<B>::new(block, train.hidden, options.rank, device);
+    let params_before = fresh.num_params();
+    let (mut predictor, mut final_loss) = fit(fresh, options.epochs);
+    let unpruned = validation_recall(&predictor);
+    let mut kept = unpruned;
+    if options.prune_every > 0 && options.prune_fraction > 0.0 {
+        loop {
+            let frequencies = zero_frequencies(&predictor, representatives.clone());
+            let pruned = prune(&predictor, &frequencies, options.prune_fraction);
+            if pruned.num_params() == predictor.num_params() {
+                break;
+            }
+            let (pruned, loss) = fit(pruned, options.prune_every);
+            let now = validation_recall(&pruned);
+            if now.recall + options.recall_tolerance < unpruned.recall {
+                break;
+            }
+            (predictor, kept, final_loss) = (pruned, now, loss);
+        }
+    }
+    TrainedBlock {
+        predictor: predictor.valid(),
+        params_before,
+        validation_before: unpruned,
+        validation: kept,
+        final_loss,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::{Autodiff, NdArray};
+    use burn::tensor::Distribution;
+
+    type B = NdArray<f32>;
+
+    /// Sequences whose exact token-block scores are a fixed function of the representatives
+    /// (attention: a rank-one block matrix of two hidden linear scores), so that a predictor can
+    /// learn them.
+    fn samples(block: Block, sequences: usize, blocks: usize, hidden: usize) -> BlockSamples {
+        let device = Default::default();
+        let x = Tensor::<B, 3>::random(
+            [sequences, blocks, hidden],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        );
+        let u = Tensor::<B, 2>::random([hidden, 1], Distribution::Normal(0.0, 0.5), &device);
+        let w = Tensor::<B, 2>::random([hidden, 1], Distribution::Normal(0.0, 0.5), &device);
+        let rows = x.clone().reshape([sequences * blocks, hidden]);
+        let key = rows.clone().matmul(u).reshape([sequences, blocks]);
+        let log_scores = match block {
+            Block::Mlp => key,
+            Block::Attention => {
+                let query = rows.matmul(w).reshape([sequences, blocks]);
+                key + crate::predictor::suffix_log_mean_exp(query)
+            }
+        };
+        let mut out = BlockSamples::new(blocks, hidden);
+        out.push(
+            &x.into_data().to_vec::<f32>().unwrap(),
+            &log_scores.exp().into_data().to_vec::<f32>().unwrap(),
+        );
+        out
+    }
+
+    #[test]
+    fn trained_predictors_find_the_kept_blocks_and_pruning_keeps_recall() {
+        let seed = lemo_test_support::seed();
+        let device = Default::default();
+        B::seed(&device, seed);
+        for block in [Block::Attention, Block::Mlp] {
+            let data = samples(block, 300, 24, 12);
+            let (train, validation) = data.split(200);
+            let selection = Selection {
+                threshold: 1.0,
+                min_keep: 0.1,
+            };
+            let options = TrainOptions {
+                rank: 16,
+                epochs: 300,
+                learning_rate: 1e-2,
+                prune_every: 40,
+                recall_tolerance: 0.01,
+                seed,
+                ..TrainOptions::default()
+            };
+            let untrained = BlockPredictor::<B>::new(block, 12, 16, &device);
+            let chance = recall(&untrained, &validation, selection, &device);
+            let trained = train_block::<Autodiff<B>>(
+                block,
+                &train,
+                &validation,
+                selection,
+                &options,
+                &device,
+                &mut || {},
+            );
+            let after = trained.validation;
+            println!(
+                "{block:?}: untrained {chance:?}, trained {after:?}, loss {}",
+                trained.final_loss
+            );
+            assert!(after.recall >= 0.9, "{block:?}: {after:?}");
+            assert!(
+                after.recall > chance.recall,
+                "{block:?}: {after:?} vs {chance:?}"
+            );
+            assert!(
+                after.recall + options.recall_tolerance >= trained.validation_before.recall - 1e-9,
+                "{block:?}: pruning lost recall: {:?} -> {after:?}",
+                trained.validation_before
+            );
+            assert!(
+                trained.predictor.num_params() < trained.params_before,
+                "{block:?}: nothing pruned"
+            );
+        }
+    }
+
+    #[test]
+    fn survivors_drop_the_neurons_most_often_zero_and_keep_four() {
+        assert_eq!(
+            survivors(&[0.1, 0.9, 0.5, 0.0, 1.0, 0.2, 0.3, 0.4], 0.25),
+            vec![0, 2, 3, 5, 6, 7]
+        );
+        assert_eq!(survivors(&[1.0; 5], 0.5), vec![1, 2, 3, 4]);
+    }
+
+    #[test]
+    fn kept_blocks_are_block_indices_with_the_first_and_last_always_kept() {
+        let selection = Selection {
+            threshold: 1.0,
+            min_keep: 0.0,
+        };
+        // Exact keeps blocks 0, 1, 3 (the first and last always); a prediction that keeps 0, 2, 3.
+        let exact = [0.1, 5.0, 0.2, 0.3];
+        assert_eq!(selection.kept_blocks(&exact, 4), vec![vec![0, 1, 3]]);
+        let predicted = [0.1, 0.2, 5.0, 0.3];
+        assert_eq!(selection.kept_blocks(&predicted, 4), vec![vec![0, 2, 3]]);
+    }
+}
