@@ -21,8 +21,7 @@ use crate::sparsity::{self, SparsitySettings, sparse_keep};
 use crate::train::config::Method;
 use crate::train::optim::{self, AdamW, AdamWSettings, NamedTensors};
 use crate::train::{forward_backward, int_tokens};
-use burn::module::AutodiffModule;
-use lemo_models::token_plan::{TokenPlan, TokenSparsity};
+use lemo_models::token_plan::TokenPlan;
 use lemo_sparsity::calibration::Block;
 
 /// Uniform random weights with the standard deviation of Hugging Face's N(0, 0.02) init, ones for
@@ -189,17 +188,13 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
         let tokens: Vec<u32> = (0..seq_len)
             .map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32)
             .collect();
-        let thresholds = if job.method == Method::Lemo {
+        let elimination = if job.method == Method::Lemo {
             model.check_token_elimination(seq_len)?;
-            Some(match &job.sparsity.thresholds {
-                Some(path) => sparsity::read_thresholds(path, &config)?,
-                None => sparsity::quantile_thresholds(
-                    &model.valid(),
-                    &config,
-                    std::slice::from_ref(&tokens),
-                    &job.sparsity,
-                ),
-            })
+            Some(sparsity::bench_elimination::<B>(
+                &job.sparsity,
+                &config,
+                &device,
+            )?)
         } else {
             None
         };
@@ -214,9 +209,7 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                 let mut grads = NamedTensors::<B>::new();
                 let batch = int_tokens::<AB<B>>(std::slice::from_ref(&tokens), &device);
                 let scale = 1.0 / (seq_len - 1) as f64;
-                let mut token_sparsity = thresholds
-                    .as_ref()
-                    .map_or(TokenSparsity::Dense, TokenSparsity::select);
+                let mut token_sparsity = sparsity::token_sparsity(elimination.as_ref());
                 let (_, _, mem) = forward_backward(
                     &model,
                     batch,

@@ -4,7 +4,6 @@
 //! protocol: windows of `seq_len` tokens starting every `stride` tokens, each scored on all its
 //! next-token predictions; the loss is the mean over all scored predictions.
 
-use lemo_models::token_plan::TokenSparsity;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -68,20 +67,20 @@ impl BackendJob for EvalJob {
         {
             bail!("--seq-len {seq_len} is longer than this model supports ({limit} positions)");
         }
-        let thresholds = match &self.sparsity {
+        let elimination = match &self.sparsity {
             Some(settings) => {
                 model.check_token_elimination(seq_len)?;
                 let beside_adapter = self.setup.adapter.as_ref().map(|a| a.join(THRESHOLDS_FILE));
-                let path = settings
-                    .thresholds
-                    .clone()
-                    .or(beside_adapter.filter(|p| p.exists()))
-                    .context("eval --method lemo needs --thresholds FILE (written by `train --method lemo` beside its adapter, or by `calibrate`)")?;
-                eprintln!(
-                    "lemo: token elimination with the thresholds of {}",
-                    path.display()
-                );
-                Some(read_thresholds(&path, &config)?)
+                Some(crate::sparsity::elimination(settings, &config, || {
+                    let path = beside_adapter
+                        .filter(|p| p.exists())
+                        .context("eval --method lemo needs --thresholds FILE (written by `train --method lemo` beside its adapter, or by `calibrate`) or --predictors FILE")?;
+                    eprintln!(
+                        "lemo: token elimination with the thresholds of {}",
+                        path.display()
+                    );
+                    read_thresholds(&path, &config)
+                })?)
             }
             None => None,
         };
@@ -115,9 +114,7 @@ impl BackendJob for EvalJob {
             let ids: Vec<i32> = document[*start..*end].iter().map(|&id| id as i32).collect();
             let input =
                 Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, end - start]), &device);
-            let mut sparsity = thresholds
-                .as_ref()
-                .map_or(TokenSparsity::Dense, TokenSparsity::select);
+            let mut sparsity = crate::sparsity::token_sparsity(elimination.as_ref());
             let (sum, count) = model.next_token_loss_sum(input, LOSS_CHUNK_ROWS, &mut sparsity);
             if let Some(plan) = sparsity.into_plan() {
                 keep_attention += sparse_keep(&plan, Block::Attention) / plan_len;
@@ -139,8 +136,8 @@ impl BackendJob for EvalJob {
             loss,
             ppl: loss.exp(),
             tokens,
-            keep_attention: thresholds.as_ref().map(|_| keep_attention),
-            keep_mlp: thresholds.as_ref().map(|_| keep_mlp),
+            keep_attention: elimination.as_ref().map(|_| keep_attention),
+            keep_mlp: elimination.as_ref().map(|_| keep_mlp),
         })
     }
 }

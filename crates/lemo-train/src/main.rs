@@ -110,6 +110,10 @@ enum Command {
     /// Informativeness statistics per layer and block type, and a heat map of kept token
     /// blocks (profile.json, kept.svg).
     Profile(Box<sparsity::InspectArgs>),
+    /// Per-layer predictors of token-block informativeness trained on your data against the
+    /// model's exact scores, with their recall on held-out sequences (a safetensors file for
+    /// `train --method lemo --predictors`).
+    TrainPredictors(Box<sparsity::TrainPredictorsArgs>),
     /// Time and memory of a few training steps of a random-init model, per sequence length
     /// (one JSON line each).
     Bench {
@@ -246,6 +250,10 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Profile(args) => {
             let path = sparsity::run_profile(*args)?;
+            println!("{}", path.display());
+        }
+        Command::TrainPredictors(args) => {
+            let path = sparsity::run_train_predictors(*args)?;
             println!("{}", path.display());
         }
         Command::Bench {

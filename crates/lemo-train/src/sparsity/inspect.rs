@@ -22,6 +22,8 @@ use crate::device::{BackendJob, DeviceKind, PrecisionKind};
 use crate::modelio::{self, ModelSetup};
 use crate::train::{int_tokens, special_ids};
 
+use super::predictors::{TrainPredictorsArgs, train_predictors};
+
 /// What `calibrate` and `profile` read.
 #[derive(Debug, Args, Clone)]
 pub struct InspectArgs {
@@ -49,7 +51,8 @@ pub struct InspectArgs {
     #[command(flatten)]
     pub sparsity: SparsityArgs,
     /// calibrate: the thresholds file to write [default: thresholds.json];
-    /// profile: the folder for profile.json and kept.svg [default: profile].
+    /// profile: the folder for profile.json and kept.svg [default: profile];
+    /// train-predictors: the predictors file [default: predictors.safetensors].
     #[arg(long)]
     pub out: Option<PathBuf>,
     /// bf16 or f32 [default: bf16 on cuda; f32 on cpu and wgpu].
@@ -63,6 +66,7 @@ pub struct InspectArgs {
 enum Task {
     Calibrate,
     Profile,
+    TrainPredictors(Box<TrainPredictorsArgs>),
 }
 
 struct InspectJob {
@@ -80,6 +84,11 @@ pub fn run_calibrate(args: InspectArgs) -> Result<PathBuf> {
 /// `lemo-train profile`: writes `profile.json` and `kept.svg`; returns the folder.
 pub fn run_profile(args: InspectArgs) -> Result<PathBuf> {
     run(args, Task::Profile)
+}
+
+/// `lemo-train train-predictors`: writes the predictors file; returns its path.
+pub fn run_train_predictors(args: TrainPredictorsArgs) -> Result<PathBuf> {
+    run(args.inspect.clone(), Task::TrainPredictors(Box::new(args)))
 }
 
 fn run(args: InspectArgs, task: Task) -> Result<PathBuf> {
@@ -111,11 +120,17 @@ impl BackendJob for InspectJob {
             .or(args.target_context)
             .unwrap_or(config.max_position_embeddings());
         model.check_token_elimination(seq_len)?;
-        let sequences =
-            read_sequences(args, &config, seq_len, self.settings.calibration_sequences)?;
+        let read = || {
+            let count = self.settings.calibration_sequences;
+            read_sequences(args, &args.data, &config, seq_len, count)
+        };
         let name = args.model.display().to_string();
         match self.task {
+            Task::TrainPredictors(predictor_args) => {
+                train_predictors(&predictor_args, &self.settings, &model, &config, seq_len)
+            }
             Task::Calibrate => {
+                let sequences = read()?;
                 let thresholds = calibrate(&model, &config, &name, &sequences, &self.settings)?;
                 let out = args.out.clone().unwrap_or_else(|| "thresholds.json".into());
                 write_thresholds(&out, &thresholds)?;
@@ -123,6 +138,7 @@ impl BackendJob for InspectJob {
                 Ok(out)
             }
             Task::Profile => {
+                let sequences = read()?;
                 let out = args.out.clone().unwrap_or_else(|| "profile".into());
                 write_profile(&model, &config, &name, &sequences, &self.settings, &out)?;
                 Ok(out)
@@ -131,9 +147,10 @@ impl BackendJob for InspectJob {
     }
 }
 
-/// The first `count` sequences of `seq_len` tokens of the data, packed as `train` packs them.
-fn read_sequences(
+/// The first `count` sequences of `seq_len` tokens of `data`, packed as `train` packs them.
+pub(super) fn read_sequences(
     args: &InspectArgs,
+    data: &Path,
     config: &ModelConfig,
     seq_len: usize,
     count: usize,
@@ -144,7 +161,7 @@ fn read_sequences(
         .or_else(|| find_tokenizer(&args.model));
     let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
     let documents = read_documents_cached(
-        &args.data,
+        data,
         TokenWidth::from_bytes(args.token_width)?,
         &mut tokenizer,
         tokenizer_path.as_deref(),

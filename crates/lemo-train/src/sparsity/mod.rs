@@ -26,9 +26,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::train::int_tokens;
 
+mod elimination;
 mod inspect;
+mod predictors;
 
-pub use inspect::{InspectArgs, run_calibrate, run_profile};
+pub use elimination::{ScoreSource, bench_elimination, elimination, token_sparsity};
+pub use inspect::{InspectArgs, run_calibrate, run_profile, run_train_predictors};
+pub use predictors::TrainPredictorsArgs;
 
 /// File name of the thresholds a run used, in its folder and beside its adapter.
 pub const THRESHOLDS_FILE: &str = "thresholds.json";
@@ -60,6 +64,10 @@ pub struct SparsitySettings {
     pub calibration_sequences: usize,
     /// Finite-difference refinement rounds (0: the paper's mean initialization and the shift).
     pub calibration_rounds: usize,
+    /// Trained predictors (`cargo xtask train-predictors`); used unless `scores` is exact.
+    pub predictors: Option<PathBuf>,
+    /// Unset: predicted when `predictors` is given, else exact.
+    pub scores: Option<ScoreSource>,
 }
 
 impl Default for SparsitySettings {
@@ -72,6 +80,8 @@ impl Default for SparsitySettings {
             dense_layers: vec![0],
             calibration_sequences: 4,
             calibration_rounds: 0,
+            predictors: None,
+            scores: None,
         }
     }
 }
@@ -124,6 +134,13 @@ pub struct SparsityArgs {
     /// Finite-difference refinement rounds of calibration [default: 0].
     #[arg(long)]
     pub calibration_rounds: Option<usize>,
+    /// Trained predictors (from `cargo xtask train-predictors`): token-block scores come from
+    /// them, and the thresholds too unless --thresholds is given.
+    #[arg(long)]
+    pub predictors: Option<PathBuf>,
+    /// Token-block scores: exact, or predicted [default: predicted with --predictors, else exact].
+    #[arg(long, value_enum)]
+    pub scores: Option<ScoreSource>,
 }
 
 impl SparsityArgs {
@@ -149,6 +166,12 @@ impl SparsityArgs {
         }
         if let Some(v) = self.calibration_rounds {
             settings.calibration_rounds = v;
+        }
+        if let Some(v) = &self.predictors {
+            settings.predictors = Some(v.clone());
+        }
+        if let Some(v) = self.scores {
+            settings.scores = Some(v);
         }
         settings
     }
@@ -430,20 +453,6 @@ pub fn calibrate<B: LemoBackend>(
         started.elapsed().as_secs_f64()
     );
     Ok(thresholds)
-}
-
-/// Thresholds that keep `settings.target_keep` of the profiled token blocks of every
-/// token-eliminating block, with no refinement: what `bench` uses on random weights, where no
-/// loss is worth refining against.
-pub fn quantile_thresholds<B: LemoBackend>(
-    model: &CausalLm<B>,
-    config: &ModelConfig,
-    sequences: &[Vec<u32>],
-    settings: &SparsitySettings,
-) -> Thresholds {
-    let mut calibrator = profiled_calibrator(model, config, sequences, settings);
-    calibrator.set_keep(settings.target_keep);
-    thresholds_for_model(config, "", settings, calibrator.thresholds())
 }
 
 /// Writes `thresholds` to `path` atomically.

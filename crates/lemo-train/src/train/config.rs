@@ -10,7 +10,7 @@ use lemo_models::lora::LLAMA_PROJECTIONS;
 use serde::{Deserialize, Serialize};
 
 use crate::device::{DeviceKind, PrecisionKind};
-use crate::sparsity::{SparsityArgs, SparsitySettings};
+use crate::sparsity::{ScoreSource, SparsityArgs, SparsitySettings};
 use crate::train::optim::Schedule;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
@@ -93,6 +93,10 @@ pub struct TrainConfig {
     pub calibration_sequences: usize,
     /// lemo: finite-difference rounds of calibration.
     pub calibration_rounds: usize,
+    /// lemo: trained predictors; unset: exact scores.
+    pub predictors: Option<PathBuf>,
+    /// lemo: exact or predicted scores; unset: predicted with `predictors`.
+    pub scores: Option<ScoreSource>,
     /// Rows of the vocabulary projection per segment of the segment-based loss.
     pub loss_segment: usize,
     pub seed: u64,
@@ -157,6 +161,8 @@ impl Default for TrainConfig {
             dense_layers: lemo.dense_layers,
             calibration_sequences: lemo.calibration_sequences,
             calibration_rounds: lemo.calibration_rounds,
+            predictors: lemo.predictors,
+            scores: lemo.scores,
             loss_segment: 1024,
             seed: 42,
             val_fraction: 0.02,
@@ -243,6 +249,8 @@ impl TrainConfig {
             dense_layers: self.dense_layers.clone(),
             calibration_sequences: self.calibration_sequences,
             calibration_rounds: self.calibration_rounds,
+            predictors: self.predictors.clone(),
+            scores: self.scores,
         }
     }
 
@@ -557,6 +565,14 @@ impl TrainArgs {
         put(
             "calibration_rounds",
             int("calibration_rounds", lemo.calibration_rounds)?,
+        );
+        put("predictors", path(&lemo.predictors));
+        put(
+            "scores",
+            enum_value(
+                lemo.scores
+                    .map(|s| s.to_possible_value().expect("named").get_name().to_string()),
+            ),
         );
         put("loss_segment", int("loss_segment", self.loss_segment)?);
         put("seed", int("seed", self.seed.map(|v| v as usize))?);

@@ -13,7 +13,6 @@ mod step;
 
 pub use step::{forward_backward, int_tokens, validation_loss};
 
-use lemo_models::token_plan::TokenSparsity;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -238,36 +237,33 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
             .collect()
     };
 
-    // Token elimination: the run's thresholds, from --thresholds, from the run folder when
-    // resuming, or calibrated on the first training sequences with the fresh adapter.
-    let thresholds = if config.method == Method::Lemo {
+    // Token elimination: the run's thresholds, from --thresholds, from its predictors, from the
+    // run folder when resuming, or calibrated on the first training sequences with the fresh
+    // adapter; scores from the predictors unless --scores exact.
+    let elimination = if config.method == Method::Lemo {
         model.check_token_elimination(seq_len)?;
         let settings = config.sparsity();
         let saved = out.join(THRESHOLDS_FILE);
-        let thresholds = match &settings.thresholds {
-            Some(path) => sparsity::read_thresholds(path, &model_config)?,
-            None if job.resume.is_some() && saved.exists() => {
-                sparsity::read_thresholds(&saved, &model_config)?
+        let elimination = sparsity::elimination(&settings, &model_config, || {
+            if job.resume.is_some() && saved.exists() {
+                return sparsity::read_thresholds(&saved, &model_config);
             }
-            None => {
-                let count = settings.calibration_sequences.min(corpus.train_len());
-                let sequences: Vec<Vec<u32>> =
-                    (0..count).map(|i| corpus.train_sequence(i)).collect();
-                eprintln!(
-                    "lemo: calibrating per-layer thresholds on {count} training sequences toward a kept fraction of {}",
-                    settings.target_keep
-                );
-                sparsity::calibrate(
-                    &model.valid(),
-                    &model_config,
-                    &model_path.display().to_string(),
-                    &sequences,
-                    &settings,
-                )?
-            }
-        };
-        sparsity::write_thresholds(&saved, &thresholds)?;
-        Some(thresholds)
+            let count = settings.calibration_sequences.min(corpus.train_len());
+            let sequences: Vec<Vec<u32>> = (0..count).map(|i| corpus.train_sequence(i)).collect();
+            eprintln!(
+                "lemo: calibrating per-layer thresholds on {count} training sequences toward a kept fraction of {}",
+                settings.target_keep
+            );
+            sparsity::calibrate(
+                &model.valid(),
+                &model_config,
+                &model_path.display().to_string(),
+                &sequences,
+                &settings,
+            )
+        })?;
+        sparsity::write_thresholds(&saved, &elimination.thresholds)?;
+        Some(elimination)
     } else {
         None
     };
@@ -363,8 +359,8 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
     let write_adapter = |model: &CausalLm<AB<B>>, dir: &Path| -> Result<()> {
         let inner = model.valid();
         inner.save_adapter(dir, &lora, &model_path.display().to_string())?;
-        if let Some(thresholds) = &thresholds {
-            sparsity::write_thresholds(&dir.join(THRESHOLDS_FILE), thresholds)?;
+        if let Some(elimination) = &elimination {
+            sparsity::write_thresholds(&dir.join(THRESHOLDS_FILE), &elimination.thresholds)?;
         }
         lemo_models::adapter::write_atomically(
             &dir.join(TRAINING_INFO_FILE),
@@ -412,9 +408,7 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
                 .map(|i| corpus.train_sequence(i))
                 .collect();
             let tokens = int_tokens::<AB<B>>(&batch, &device);
-            let mut token_sparsity = thresholds
-                .as_ref()
-                .map_or(TokenSparsity::Dense, TokenSparsity::select);
+            let mut token_sparsity = sparsity::token_sparsity(elimination.as_ref());
             let (loss, n, mem) = forward_backward(
                 &model,
                 tokens,
@@ -466,7 +460,7 @@ fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSumma
         last_loss = Some(loss);
         let done = step + 1;
         steps_done = done;
-        let kept = thresholds.as_ref().map(|_| (keep_attention, keep_mlp));
+        let kept = elimination.as_ref().map(|_| (keep_attention, keep_mlp));
         metrics.write(&json!({
             "kind": "train",
             "step": done,

@@ -1,0 +1,194 @@
+//! How a run scores token blocks: exact scores, or trained predictors (`--predictors FILE`,
+//! the default whenever a file is given; `--scores exact` turns them off).
+
+use std::path::Path;
+
+use anyhow::{Result, bail};
+use burn::tensor::backend::Backend;
+use lemo_models::ModelConfig;
+use lemo_models::token_plan::TokenSparsity;
+use lemo_predictor::training::TrainOptions;
+use lemo_predictor::{BlockPredictor, LayerPredictors, Predictors, PredictorsHeader};
+use lemo_sparsity::calibration::Block;
+use lemo_sparsity::{LayerThresholds, Thresholds};
+use serde::{Deserialize, Serialize};
+
+use super::SparsitySettings;
+
+/// Where token-block scores come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScoreSource {
+    /// Exact scores from each block's pass over every token (O(s^2 h) per attention block).
+    Exact,
+    /// Trained predictors (`--predictors FILE`): a few small GEMMs per block.
+    Predicted,
+}
+
+/// Token elimination of a run: thresholds, and the predictors that score for them (if any).
+pub struct Elimination {
+    pub thresholds: Thresholds,
+    pub predictors: Option<Predictors>,
+}
+
+impl Elimination {
+    /// The token sparsity of one forward pass.
+    pub fn token_sparsity(&self) -> TokenSparsity<'_> {
+        match &self.predictors {
+            Some(predictors) => TokenSparsity::predicted(&self.thresholds, predictors),
+            None => TokenSparsity::select(&self.thresholds),
+        }
+    }
+}
+
+/// The token sparsity of a pass of a run with (`Some`) or without token elimination.
+pub fn token_sparsity(elimination: Option<&Elimination>) -> TokenSparsity<'_> {
+    elimination.map_or(TokenSparsity::Dense, Elimination::token_sparsity)
+}
+
+/// The predictors `settings` ask for, checked against the model: `--predictors` unless
+/// `--scores exact`; `--scores predicted` without a file is an error.
+pub fn read_predictors(
+    settings: &SparsitySettings,
+    config: &ModelConfig,
+) -> Result<Option<Predictors>> {
+    let path = match (settings.scores, &settings.predictors) {
+        (Some(ScoreSource::Exact), _) | (None, None) => return Ok(None),
+        (_, Some(path)) => path,
+        (Some(ScoreSource::Predicted), None) => bail!(
+            "--scores predicted needs --predictors FILE (written by `cargo xtask train-predictors`)"
+        ),
+    };
+    let predictors = Predictors::read(path)?;
+    let h = &predictors.header;
+    predictors.check_model(
+        path,
+        config.architecture(),
+        config.num_layers(),
+        config.hidden_size(),
+        h.block_size,
+    )?;
+    eprintln!(
+        "lemo: token-block scores predicted by {} ({} parameters; held-out recall {:.1}%)",
+        path.display(),
+        predictors.num_params(),
+        100.0 * h.recall
+    );
+    Ok(Some(predictors))
+}
+
+/// Checks that `predictors` can score for `thresholds`: the same block size, and a predictor
+/// for every token-eliminating block.
+pub fn check_coverage(predictors: &Predictors, path: &Path, thresholds: &Thresholds) -> Result<()> {
+    let h = &predictors.header;
+    if h.block_size != thresholds.block_size {
+        bail!(
+            "{} predicts blocks of {} tokens, but the thresholds use blocks of {}",
+            path.display(),
+            h.block_size,
+            thresholds.block_size
+        );
+    }
+    for (layer, (wanted, trained)) in thresholds
+        .layers
+        .iter()
+        .zip(&h.thresholds.layers)
+        .enumerate()
+    {
+        for (block, wanted, trained) in [
+            (Block::Attention, wanted.attention, trained.attention),
+            (Block::Mlp, wanted.mlp, trained.mlp),
+        ] {
+            if wanted.is_some() && trained.is_none() {
+                bail!(
+                    "{} has no predictor for the {block:?} block of layer {layer}, which these thresholds make token-sparse (retrain the predictors with the same --dense-layers)",
+                    path.display()
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The thresholds given by `--thresholds`, else those the predictors were trained with, else
+/// `otherwise()` (calibration, a run folder's file...), with the predictors.
+pub fn elimination(
+    settings: &SparsitySettings,
+    config: &ModelConfig,
+    otherwise: impl FnOnce() -> Result<Thresholds>,
+) -> Result<Elimination> {
+    let predictors = read_predictors(settings, config)?;
+    let thresholds = match (&settings.thresholds, &predictors) {
+        (Some(path), _) => super::read_thresholds(path, config)?,
+        (None, Some(predictors)) => predictors.header.thresholds.clone(),
+        (None, None) => otherwise()?,
+    };
+    if let (Some(predictors), Some(path)) = (&predictors, &settings.predictors) {
+        check_coverage(predictors, path, &thresholds)?;
+    }
+    Ok(Elimination {
+        thresholds,
+        predictors,
+    })
+}
+
+/// Thresholds under which every token-eliminating block keeps exactly `settings.target_keep` of
+/// its token blocks, the best-scoring ones (a floor and no threshold): what `bench` measures
+/// with on random weights, where exact and predicted scores then keep as many tokens.
+pub fn keep_exactly(config: &ModelConfig, settings: &SparsitySettings) -> Thresholds {
+    let layers = (0..config.num_layers())
+        .map(|layer| {
+            let sparse = (!settings.dense_layers.contains(&layer)).then_some(f32::MAX);
+            LayerThresholds {
+                attention: sparse,
+                mlp: sparse,
+            }
+        })
+        .collect();
+    let mut thresholds = super::thresholds_for_model(config, "", settings, layers);
+    thresholds.min_keep = settings.target_keep as f32;
+    thresholds
+}
+
+/// `bench`'s token elimination: `--thresholds` or [`keep_exactly`]; with `--scores predicted`
+/// and no `--predictors`, untrained predictors of the default size (their time and memory are
+/// those of trained ones; their choice of blocks is not).
+pub fn bench_elimination<B: Backend>(
+    settings: &SparsitySettings,
+    config: &ModelConfig,
+    device: &B::Device,
+) -> Result<Elimination> {
+    let untrained =
+        settings.scores == Some(ScoreSource::Predicted) && settings.predictors.is_none();
+    let exact = SparsitySettings {
+        scores: untrained.then_some(ScoreSource::Exact).or(settings.scores),
+        ..settings.clone()
+    };
+    let mut elimination = elimination(&exact, config, || Ok(keep_exactly(config, settings)))?;
+    if untrained {
+        let rank = TrainOptions::default().rank;
+        let layers: Vec<LayerPredictors<B>> = elimination
+            .thresholds
+            .layers
+            .iter()
+            .map(|t| {
+                let block = |threshold: Option<f32>, block| {
+                    threshold
+                        .map(|_| BlockPredictor::new(block, config.hidden_size(), rank, device))
+                };
+                LayerPredictors {
+                    attention: block(t.attention, Block::Attention),
+                    mlp: block(t.mlp, Block::Mlp),
+                }
+            })
+            .collect();
+        let header = PredictorsHeader::new(elimination.thresholds.clone(), rank);
+        let predictors = Predictors::new(header, &layers);
+        eprintln!(
+            "bench: untrained predictors of rank {rank} ({} parameters), for timing only",
+            predictors.num_params()
+        );
+        elimination.predictors = Some(predictors);
+    }
+    Ok(elimination)
+}

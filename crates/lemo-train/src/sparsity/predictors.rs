@@ -1,0 +1,312 @@
+//! `train-predictors`: the frozen model's exact token-block scores on the user's data, the
+//! predictors trained on them per layer and block (with elastic size transformation), their
+//! recall of the exactly kept blocks on held-out sequences, and the predictors file.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Result, bail};
+use burn::backend::Autodiff;
+use clap::Args;
+use lemo_kernels::LemoBackend;
+use lemo_models::CausalLm;
+use lemo_models::token_plan::{Record, TokenSparsity};
+use lemo_predictor::training::{
+    BlockSamples, Recall, Selection, TrainOptions, recall, train_block,
+};
+use lemo_predictor::{LayerPredictors, Predictors, PredictorsHeader};
+use lemo_sparsity::Thresholds;
+use lemo_sparsity::calibration::Block;
+
+use super::inspect::{InspectArgs, read_sequences};
+use super::{SparsitySettings, calibrate, progress, read_thresholds};
+use crate::train::int_tokens;
+
+/// What `train-predictors` reads besides the model and data options it shares with `calibrate`.
+#[derive(Debug, Args, Clone)]
+pub struct TrainPredictorsArgs {
+    #[command(flatten)]
+    pub inspect: InspectArgs,
+    /// Held-out data to report recall on [default: the --eval-sequences sequences of --data
+    /// after the training ones].
+    #[arg(long)]
+    pub eval_data: Option<PathBuf>,
+    /// Sequences the predictors train on (a fifth of them decide what pruning may remove).
+    #[arg(long, default_value_t = 32)]
+    pub sequences: usize,
+    /// Held-out sequences recall is reported on.
+    #[arg(long, default_value_t = 8)]
+    pub eval_sequences: usize,
+    /// Initial hidden width of every predictor.
+    #[arg(long, default_value_t = TrainOptions::default().rank)]
+    pub rank: usize,
+    /// Full-batch training epochs before elastic size transformation.
+    #[arg(long, default_value_t = TrainOptions::default().epochs)]
+    pub epochs: usize,
+    /// Adam learning rate of the predictors.
+    #[arg(long, default_value_t = TrainOptions::default().learning_rate)]
+    pub predictor_lr: f64,
+    /// Epochs of training after each pruning (0: no elastic size transformation).
+    #[arg(long, default_value_t = TrainOptions::default().prune_every)]
+    pub prune_every: usize,
+    /// Fraction of each hidden layer's neurons a pruning removes, the most often zero.
+    #[arg(long, default_value_t = TrainOptions::default().prune_fraction)]
+    pub prune_fraction: f64,
+    /// Validation recall a pruning may cost (absolute).
+    #[arg(long, default_value_t = TrainOptions::default().recall_tolerance)]
+    pub recall_tolerance: f64,
+}
+
+/// Training data of every block of every layer (`[attention, mlp]`, `None` where dense).
+type LayerSamples = [Option<BlockSamples>; 2];
+
+fn block_index(block: Block) -> usize {
+    match block {
+        Block::Attention => 0,
+        Block::Mlp => 1,
+    }
+}
+
+fn threshold(thresholds: &Thresholds, layer: usize, block: Block) -> Option<f32> {
+    let t = thresholds.layers[layer];
+    match block {
+        Block::Attention => t.attention,
+        Block::Mlp => t.mlp,
+    }
+}
+
+/// Exact token-block scores and block-input representatives of every token-eliminating block of
+/// `thresholds`, one dense pass per sequence.
+fn collect<B: LemoBackend>(
+    model: &CausalLm<B>,
+    thresholds: &Thresholds,
+    sequences: &[Vec<u32>],
+    what: &str,
+) -> Vec<LayerSamples> {
+    let device = model.lm_head_weight().device();
+    let observe = Thresholds {
+        block_size: thresholds.block_size,
+        ..Thresholds::keep_all(
+            &thresholds.architecture,
+            thresholds.num_layers,
+            thresholds.hidden_size,
+        )
+    };
+    let mut samples: Vec<LayerSamples> = vec![[None, None]; thresholds.num_layers];
+    let bar = progress(sequences.len() as u64, what);
+    for sequence in sequences {
+        let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
+        let mut sparsity = TokenSparsity::recording(&observe, Record::ScoresAndRepresentatives);
+        model.hidden_states(tokens, None, &mut sparsity);
+        let plan = sparsity.into_plan().unwrap_or_default();
+        for (layer, recorded) in plan.scores.iter().enumerate() {
+            for block in [Block::Attention, Block::Mlp] {
+                if threshold(thresholds, layer, block).is_none() {
+                    continue;
+                }
+                let record = recorded.block(block).expect("every block is recorded");
+                let representatives = record
+                    .representatives
+                    .as_ref()
+                    .expect("representatives were asked for");
+                samples[layer][block_index(block)]
+                    .get_or_insert_with(|| {
+                        BlockSamples::new(record.scores.len(), thresholds.hidden_size)
+                    })
+                    .push(representatives, &record.scores);
+            }
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    samples
+}
+
+/// Runs `train-predictors` on backend `B`; returns the predictors file.
+pub fn train_predictors<B: LemoBackend>(
+    args: &TrainPredictorsArgs,
+    settings: &SparsitySettings,
+    model: &CausalLm<B>,
+    config: &lemo_models::ModelConfig,
+    seq_len: usize,
+) -> Result<PathBuf> {
+    let started = Instant::now();
+    let inspect = &args.inspect;
+    if args.sequences < 2 || args.eval_sequences == 0 {
+        bail!("--sequences must be at least 2 and --eval-sequences at least 1");
+    }
+    let (train, held_out) = match &args.eval_data {
+        Some(eval_data) => (
+            read_sequences(inspect, &inspect.data, config, seq_len, args.sequences)?,
+            read_sequences(inspect, eval_data, config, seq_len, args.eval_sequences)?,
+        ),
+        None => {
+            let mut all = read_sequences(
+                inspect,
+                &inspect.data,
+                config,
+                seq_len,
+                args.sequences + args.eval_sequences,
+            )?;
+            if all.len() <= args.eval_sequences + 1 {
+                bail!(
+                    "{} holds {} sequences of {seq_len} tokens: too few for --eval-sequences {} held out and at least two to train on (pass --eval-data)",
+                    inspect.data.display(),
+                    all.len(),
+                    args.eval_sequences
+                );
+            }
+            let held_out = all.split_off(all.len() - args.eval_sequences);
+            (all, held_out)
+        }
+    };
+    if train.len() < 2 || held_out.is_empty() {
+        bail!(
+            "train-predictors needs at least two training sequences and one held-out sequence of {seq_len} tokens (found {} and {})",
+            train.len(),
+            held_out.len()
+        );
+    }
+    let name = inspect.model.display().to_string();
+    let thresholds = match &settings.thresholds {
+        Some(path) => read_thresholds(path, config)?,
+        None => {
+            let count = settings.calibration_sequences.min(train.len());
+            calibrate(model, config, &name, &train[..count], settings)?
+        }
+    };
+    eprintln!(
+        "train-predictors: {} training and {} held-out sequences of {seq_len} tokens, blocks of {}",
+        train.len(),
+        held_out.len(),
+        thresholds.block_size
+    );
+    let train_samples = collect(model, &thresholds, &train, "train-predictors: exact scores");
+    let held_out_samples = collect(
+        model,
+        &thresholds,
+        &held_out,
+        "train-predictors: held-out scores",
+    );
+
+    let options = TrainOptions {
+        rank: args.rank,
+        epochs: args.epochs,
+        learning_rate: args.predictor_lr,
+        prune_every: args.prune_every,
+        prune_fraction: args.prune_fraction,
+        recall_tolerance: args.recall_tolerance,
+        seed: 0,
+    };
+    let device = model.lm_head_weight().device();
+    let mut header = PredictorsHeader::new(thresholds.clone(), args.rank);
+    header.model = name;
+    let mut layers: Vec<LayerPredictors<B>> = Vec::with_capacity(thresholds.num_layers);
+    let sparse_blocks = train_samples.iter().flatten().flatten().count();
+    let bar = progress(sparse_blocks as u64, "train-predictors: training");
+    let mut held_out_recalls: Vec<Recall> = Vec::new();
+    for (layer, samples) in train_samples.iter().enumerate() {
+        let mut trained = LayerPredictors {
+            attention: None,
+            mlp: None,
+        };
+        for block in [Block::Attention, Block::Mlp] {
+            let (Some(samples), Some(threshold)) = (
+                &samples[block_index(block)],
+                threshold(&thresholds, layer, block),
+            ) else {
+                continue;
+            };
+            let selection = Selection {
+                threshold,
+                min_keep: thresholds.min_keep,
+            };
+            let validation_count = (samples.sequences() / 5).max(1);
+            let (fit, validation) = samples.split(samples.sequences() - validation_count);
+            let result = train_block::<Autodiff<B>>(
+                block,
+                &fit,
+                &validation,
+                selection,
+                &options,
+                &device,
+                &mut || {},
+            );
+            let held_out = held_out_samples[layer][block_index(block)]
+                .as_ref()
+                .expect("held-out sequences have the same blocks");
+            let measured = recall(&result.predictor, held_out, selection, &device);
+            held_out_recalls.push(measured);
+            *header.layers[layer].block_mut(block) = Some(lemo_predictor::file::BlockReport {
+                widths: result
+                    .predictor
+                    .scorers
+                    .iter()
+                    .map(|s| s.widths())
+                    .collect(),
+                params_before: result.params_before,
+                params_after: result.predictor.num_params(),
+                recall: measured.recall,
+                precision: measured.precision,
+            });
+            match block {
+                Block::Attention => trained.attention = Some(result.predictor),
+                Block::Mlp => trained.mlp = Some(result.predictor),
+            }
+            bar.inc(1);
+        }
+        layers.push(trained);
+    }
+    bar.finish_and_clear();
+    if held_out_recalls.is_empty() {
+        bail!("these thresholds keep every block dense: there is nothing to predict");
+    }
+    let count = held_out_recalls.len() as f64;
+    header.recall = held_out_recalls.iter().map(|r| r.recall).sum::<f64>() / count;
+    header.precision = held_out_recalls.iter().map(|r| r.precision).sum::<f64>() / count;
+    header.held_out_sequences = held_out.len();
+    header.seq_len = seq_len;
+    print_report(&header);
+    let predictors = Predictors::new(header, &layers);
+    let out = inspect
+        .out
+        .clone()
+        .unwrap_or_else(|| "predictors.safetensors".into());
+    lemo_models::adapter::write_atomically(&out, &predictors.to_bytes())?;
+    eprintln!(
+        "train-predictors: wrote {} ({} parameters), {:.1}s",
+        out.display(),
+        predictors.num_params(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(out)
+}
+
+/// The per-layer table of recall, precision and size, and the means.
+fn print_report(header: &PredictorsHeader) {
+    eprintln!("layer  block      recall  precision  params before -> after");
+    let (mut before, mut after) = (0usize, 0usize);
+    for (layer, report) in header.layers.iter().enumerate() {
+        for (name, block) in [("attention", &report.attention), ("mlp", &report.mlp)] {
+            if let Some(b) = block {
+                eprintln!(
+                    "{layer:>5}  {name:<9}  {:>5.1}%  {:>8.1}%  {:>13} -> {}",
+                    100.0 * b.recall,
+                    100.0 * b.precision,
+                    b.params_before,
+                    b.params_after
+                );
+                before += b.params_before;
+                after += b.params_after;
+            }
+        }
+    }
+    eprintln!(
+        "mean held-out recall {:.2}%, precision {:.2}% ({} sequences of {} tokens); parameters {before} -> {after} ({:.1}% removed)",
+        100.0 * header.recall,
+        100.0 * header.precision,
+        header.held_out_sequences,
+        header.seq_len,
+        100.0 * (1.0 - after as f64 / before.max(1) as f64)
+    );
+}
