@@ -42,6 +42,16 @@ enum Task {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         options: Vec<String>,
     },
+    /// Per-layer predictors of token-block informativeness, trained on the frozen model's exact
+    /// scores on your data, with recall on held-out sequences: `lemo-train train-predictors`
+    /// with the same options, e.g. `cargo xtask train-predictors --model M --data D
+    /// --eval-data E --seq-len 2048 --out predictors.safetensors`.
+    #[command(name = "train-predictors")]
+    TrainPredictors {
+        /// Options of `lemo-train train-predictors` (see its --help).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        options: Vec<String>,
+    },
     /// Token-block informativeness per layer and block type on a few sequences of your data,
     /// and a heat map of the kept blocks: `lemo-train profile` with the same options.
     Profile {
@@ -156,6 +166,7 @@ fn main() -> Result<()> {
             .current_dir(&root))?,
         Task::CalibrateThresholds { options } => lemo_train(&root, "calibrate", &options)?,
         Task::Profile { options } => lemo_train(&root, "profile", &options)?,
+        Task::TrainPredictors { options } => lemo_train(&root, "train-predictors", &options)?,
         Task::FetchModel {
             name,
             cache,
