@@ -215,3 +215,61 @@ fn each_sequence_of_a_batch_keeps_its_own_rows() {
         "both sequences kept the same rows in every block"
     );
 }
+
+#[test]
+fn predicted_scores_choose_the_kept_rows_and_the_pass_stays_exact() {
+    use lemo_models::token_plan::Record;
+    use lemo_predictor::{BlockPredictor, LayerPredictors, Predictors, PredictorsHeader};
+    type B = CpuBackend;
+    let device = Default::default();
+    let model =
+        trainable_model::<Autodiff<B>>("llama_gqa_tied", &LLAMA_PROJECTIONS, false, &device);
+    let model = burn::module::AutodiffModule::valid(&model);
+    let [vocab, hidden] = model.lm_head_weight().dims();
+    let tokens = random_tokens::<B>(vocab, [1, 96], &device);
+    let thresholds = half_kept(&model, 8);
+    let layers: Vec<LayerPredictors<B>> = (0..model.num_layers())
+        .map(|_| LayerPredictors {
+            attention: Some(BlockPredictor::new(Block::Attention, hidden, 8, &device)),
+            mlp: Some(BlockPredictor::new(Block::Mlp, hidden, 8, &device)),
+        })
+        .collect();
+    let predictors = Predictors::new(PredictorsHeader::new(thresholds.clone(), 8), &layers);
+
+    let mut predicted = TokenSparsity::predicted(&thresholds, &predictors);
+    let sparse = model.hidden_states(tokens.clone(), None, &mut predicted);
+    let plan = predicted.into_plan().unwrap();
+    let mut recording = TokenSparsity::recording(&thresholds, Record::ScoresAndRepresentatives);
+    let dense = model.hidden_states(tokens, None, &mut recording);
+    let recorded = recording.into_plan().unwrap();
+
+    // The forward pass is exact whatever the scores.
+    let scale: f32 = dense.clone().abs().max().into_scalar();
+    let difference: f32 = (sparse - dense).abs().max().into_scalar();
+    assert!(difference <= 1e-5 * scale, "{difference}");
+    // Each block kept what its predictor's scores of the block input select.
+    let mut differs_from_exact = false;
+    for (layer, predictor) in layers.iter().enumerate() {
+        for block in [Block::Attention, Block::Mlp] {
+            let record = recorded.scores[layer].block(block).unwrap();
+            let representatives = Tensor::<B, 1>::from_floats(
+                record.representatives.as_ref().unwrap().as_slice(),
+                &device,
+            )
+            .reshape([1, 12, hidden]);
+            let scores = predictor
+                .block(block)
+                .unwrap()
+                .log_scores(representatives)
+                .exp();
+            let expected = KeptRows::select(&scores, 8, 96, f32::MAX, 0.5);
+            let kept = plan.layers[layer].block(block).unwrap();
+            assert_eq!(kept, &expected, "layer {layer} {block:?}");
+            differs_from_exact |= recorded.layers[layer].block(block) != Some(kept);
+        }
+    }
+    assert!(
+        differs_from_exact,
+        "the predictors chose the exact rows everywhere"
+    );
+}

@@ -388,3 +388,111 @@ fn bad_inputs_give_one_line_errors() {
     );
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn trained_predictors_drive_a_lemo_evaluation_and_bad_ones_are_refused() {
+    let fixture = models_fixture("llama_gqa_tied");
+    let model = fixture.to_str().unwrap();
+    let dir = scratch("predictors");
+    // Twelve documents of 70 ids: enough sequences of 32 tokens to train on and hold out.
+    let data = dir.join("ids.jsonl");
+    let documents: Vec<String> = (0..12u64)
+        .map(|d| {
+            let ids: Vec<u64> = (0..70u64).map(|i| (d * 7919 + i * 104729) % 128).collect();
+            serde_json::json!({ "input_ids": ids }).to_string()
+        })
+        .collect();
+    std::fs::write(&data, documents.join("\n")).unwrap();
+    let data = data.to_str().unwrap();
+    let file = dir.join("predictors.safetensors");
+    let file = file.to_str().unwrap();
+    let sparse = [
+        "--seq-len",
+        "32",
+        "--block-size",
+        "8",
+        "--dense-layers",
+        "0",
+        "--device",
+        "cpu",
+    ];
+    let output = lemo(
+        &[
+            &[
+                "train-predictors",
+                "--model",
+                model,
+                "--data",
+                data,
+                "--sequences",
+                "8",
+                "--eval-sequences",
+                "3",
+                "--calibration-sequences",
+                "2",
+                "--epochs",
+                "30",
+                "--prune-every",
+                "10",
+                "--rank",
+                "8",
+                "--out",
+                file,
+            ][..],
+            &sparse[..],
+        ]
+        .concat(),
+    );
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{stderr}");
+    assert!(stderr.contains("mean held-out recall"), "{stderr}");
+    let header = lemo_predictor::Predictors::read(Path::new(file))
+        .unwrap()
+        .header;
+    assert_eq!((header.block_size, header.seq_len), (8, 32));
+    assert!(header.layers[0].attention.is_none() && header.layers[1].attention.is_some());
+
+    let eval = |extra: &[&str]| -> Vec<String> {
+        [
+            &["eval", "--model", model, "--data", data, "--method", "lemo"][..],
+            &sparse[..],
+            extra,
+        ]
+        .concat()
+        .into_iter()
+        .map(String::from)
+        .collect()
+    };
+    let json = stdout_json(&lemo_owned(&eval(&["--predictors", file, "--json"])));
+    assert!(json["keep_attention"].as_f64().unwrap() < 1.0, "{json}");
+    assert_clean_error_owned(
+        &eval(&["--scores", "predicted"]),
+        "--scores predicted needs --predictors FILE",
+    );
+    let thresholds = dir.join("thresholds.json");
+    let mut other = header.thresholds.clone();
+    other.block_size = 16;
+    std::fs::write(&thresholds, other.to_json()).unwrap();
+    assert_clean_error_owned(
+        &eval(&[
+            "--predictors",
+            file,
+            "--thresholds",
+            thresholds.to_str().unwrap(),
+        ]),
+        "predicts blocks of 8 tokens, but the thresholds use blocks of 16",
+    );
+    std::fs::write(&thresholds, "not a predictors file").unwrap();
+    assert_clean_error_owned(
+        &eval(&["--predictors", thresholds.to_str().unwrap()]),
+        "not a safetensors file",
+    );
+}
+
+fn lemo_owned(args: &[String]) -> Output {
+    lemo(&args.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
+fn assert_clean_error_owned(args: &[String], needle: &str) {
+    assert_clean_error(&args.iter().map(String::as_str).collect::<Vec<_>>(), needle);
+}

@@ -68,12 +68,6 @@ pub fn read_predictors(
         config.hidden_size(),
         h.block_size,
     )?;
-    eprintln!(
-        "lemo: token-block scores predicted by {} ({} parameters; held-out recall {:.1}%)",
-        path.display(),
-        predictors.num_params(),
-        100.0 * h.recall
-    );
     Ok(Some(predictors))
 }
 
@@ -125,6 +119,12 @@ pub fn elimination(
     };
     if let (Some(predictors), Some(path)) = (&predictors, &settings.predictors) {
         check_coverage(predictors, path, &thresholds)?;
+        eprintln!(
+            "lemo: token-block scores predicted by {} ({} parameters; held-out recall {:.1}%)",
+            path.display(),
+            predictors.num_params(),
+            100.0 * predictors.header.recall
+        );
     }
     Ok(Elimination {
         thresholds,
