@@ -287,28 +287,27 @@ impl Predictors {
         Ok(())
     }
 
-    /// Errors unless these predictors were trained for this model and block size.
+    /// Errors unless these predictors were trained for a model of this shape (the block size
+    /// is checked against the thresholds they score for, by the caller).
     pub fn check_model(
         &self,
         path: &Path,
         architecture: &str,
         num_layers: usize,
         hidden_size: usize,
-        block_size: usize,
     ) -> Result<(), PredictorsError> {
         let h = &self.header;
-        let describe = |arch: &str, layers: usize, hidden: usize, block: usize| {
-            format!("{arch}, {layers} layers, hidden size {hidden}, block size {block}")
+        let describe = |arch: &str, layers: usize, hidden: usize| {
+            format!("{arch}, {layers} layers, hidden size {hidden}")
         };
         if h.architecture != architecture
             || h.num_layers != num_layers
             || h.hidden_size != hidden_size
-            || h.block_size != block_size
         {
             return Err(PredictorsError::WrongModel {
                 path: path.display().to_string(),
-                found: describe(&h.architecture, h.num_layers, h.hidden_size, h.block_size),
-                expected: describe(architecture, num_layers, hidden_size, block_size),
+                found: describe(&h.architecture, h.num_layers, h.hidden_size),
+                expected: describe(architecture, num_layers, hidden_size),
             });
         }
         Ok(())
@@ -452,9 +451,14 @@ mod tests {
             assert_eq!(got, expected);
             assert!(read.token_block_scores(0, block, x.clone()).is_none());
         }
-        read.check_model(&path, "llama", 2, 8, 4).unwrap();
-        let wrong = read.check_model(&path, "llama", 2, 8, 64).unwrap_err();
-        assert!(wrong.to_string().contains("block size 4"), "{wrong}");
+        read.check_model(&path, "llama", 2, 8).unwrap();
+        let wrong = read.check_model(&path, "llama", 2, 16).unwrap_err();
+        assert!(
+            wrong
+                .to_string()
+                .contains("hidden size 8, not this model (llama, 2 layers, hidden size 16)"),
+            "{wrong}"
+        );
     }
 
     #[test]

@@ -60,13 +60,11 @@ pub fn read_predictors(
         ),
     };
     let predictors = Predictors::read(path)?;
-    let h = &predictors.header;
     predictors.check_model(
         path,
         config.architecture(),
         config.num_layers(),
         config.hidden_size(),
-        h.block_size,
     )?;
     Ok(Some(predictors))
 }
