@@ -9,7 +9,7 @@
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 use lemo_predictor::Predictors;
-use lemo_predictor::scorer::block_representatives;
+use lemo_predictor::scorer::block_token_rows;
 use lemo_sparsity::calibration::Block;
 use lemo_sparsity::{KeptRows, Thresholds};
 
@@ -43,9 +43,9 @@ impl LayerPlan {
 pub struct BlockRecord {
     /// Exact token-block scores, row-major `[batch, blocks]`.
     pub scores: Vec<f32>,
-    /// Representatives of the block input's token blocks, `[batch, blocks, hidden]`, when asked
-    /// for (what predictors read).
-    pub representatives: Option<Vec<f32>>,
+    /// The block input's normalized token rows, `[batch, blocks, tokens, hidden]` with the
+    /// recorded tokens per block, when asked for (what predictors read).
+    pub token_rows: Option<Vec<f32>>,
 }
 
 /// What a pass recorded of one layer's blocks.
@@ -70,8 +70,11 @@ pub enum Record {
     Nothing,
     /// The exact scores of every block (profiling, calibration).
     Scores,
-    /// The exact scores and the block inputs' representatives (training predictors).
-    ScoresAndRepresentatives,
+    /// The exact scores and `tokens_per_block` evenly spaced normalized token rows of each token
+    /// block of the block inputs (training predictors).
+    ScoresAndTokenRows {
+        tokens_per_block: usize,
+    },
 }
 
 /// What a token-sparse forward pass chose, layer by layer.
@@ -236,20 +239,22 @@ impl<'a> TokenSparsity<'a> {
                     )
                 });
                 if *record != Record::Nothing {
-                    let representatives =
-                        (*record == Record::ScoresAndRepresentatives).then(|| {
-                            block_representatives(input.clone(), block_size)
+                    let token_rows = match *record {
+                        Record::ScoresAndTokenRows { tokens_per_block } => Some(
+                            block_token_rows(input.clone(), block_size, tokens_per_block)
                                 .into_data()
                                 .convert::<f32>()
                                 .into_vec()
-                                .expect("f32 representatives")
-                        });
+                                .expect("f32 token rows"),
+                        ),
+                        _ => None,
+                    };
                     plan.record(
                         layer,
                         block,
                         BlockRecord {
                             scores: values,
-                            representatives,
+                            token_rows,
                         },
                     );
                 }

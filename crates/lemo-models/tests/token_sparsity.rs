@@ -239,7 +239,12 @@ fn predicted_scores_choose_the_kept_rows_and_the_pass_stays_exact() {
     let mut predicted = TokenSparsity::predicted(&thresholds, &predictors);
     let sparse = model.hidden_states(tokens.clone(), None, &mut predicted);
     let plan = predicted.into_plan().unwrap();
-    let mut recording = TokenSparsity::recording(&thresholds, Record::ScoresAndRepresentatives);
+    let mut recording = TokenSparsity::recording(
+        &thresholds,
+        Record::ScoresAndTokenRows {
+            tokens_per_block: 8,
+        },
+    );
     let dense = model.hidden_states(tokens, None, &mut recording);
     let recorded = recording.into_plan().unwrap();
 
@@ -252,16 +257,12 @@ fn predicted_scores_choose_the_kept_rows_and_the_pass_stays_exact() {
     for (layer, predictor) in layers.iter().enumerate() {
         for block in [Block::Attention, Block::Mlp] {
             let record = recorded.scores[layer].block(block).unwrap();
-            let representatives = Tensor::<B, 1>::from_floats(
-                record.representatives.as_ref().unwrap().as_slice(),
+            let token_rows = Tensor::<B, 1>::from_floats(
+                record.token_rows.as_ref().unwrap().as_slice(),
                 &device,
             )
-            .reshape([1, 12, hidden]);
-            let scores = predictor
-                .block(block)
-                .unwrap()
-                .log_scores(representatives)
-                .exp();
+            .reshape([1, 12, 8, hidden]);
+            let scores = predictor.block(block).unwrap().log_scores(token_rows).exp();
             let expected = KeptRows::select(&scores, 8, 96, f32::MAX, 0.5);
             let kept = plan.layers[layer].block(block).unwrap();
             assert_eq!(kept, &expected, "layer {layer} {block:?}");

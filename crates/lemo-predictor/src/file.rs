@@ -24,7 +24,8 @@ use crate::scorer::{Dense, Scorer};
 
 /// Metadata key of the JSON header.
 const HEADER_KEY: &str = "lemo_predictors";
-const FORMAT: u32 = 1;
+/// 2: per-token scores pooled per token block (1 scored block means).
+const FORMAT: u32 = 2;
 
 /// What a predictors file cannot be used for, in one line.
 #[derive(Debug, thiserror::Error)]

@@ -7,7 +7,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use lemo_sparsity::calibration::Block;
 
-use crate::scorer::{Scorer, block_representatives};
+use crate::scorer::{Scorer, block_token_rows};
 
 /// The predictor of one block of a layer: attention `[query, key]`, MLP `[mlp]`.
 #[derive(Module, Debug)]
@@ -37,24 +37,22 @@ impl<B: Backend> BlockPredictor<B> {
         }
     }
 
-    /// Natural-log token-block scores `[batch, blocks]` from the block input's representatives
-    /// `[batch, blocks, hidden]`, up to a constant per sequence (selection is relative to the
-    /// sequence's mean, so only ratios matter).
-    pub fn log_scores(&self, representatives: Tensor<B, 3>) -> Tensor<B, 2> {
+    /// Natural-log token-block scores `[batch, blocks]` from the block input's token rows
+    /// `[batch, blocks, tokens, hidden]` ([`block_token_rows`]), up to a constant per sequence
+    /// (selection is relative to the sequence's mean, so only ratios matter).
+    pub fn log_scores(&self, rows: Tensor<B, 4>) -> Tensor<B, 2> {
         match self.scorers.as_slice() {
-            [query, key] => {
-                key.forward(representatives.clone())
-                    + suffix_log_mean_exp(query.forward(representatives))
-            }
-            [mlp] => mlp.forward(representatives),
+            [query, key] => key.forward(rows.clone()) + suffix_log_mean_exp(query.forward(rows)),
+            [mlp] => mlp.forward(rows),
             _ => unreachable!("a block predictor has one or two scorers"),
         }
     }
 
     /// Token-block scores `[batch, blocks]` (f32, each sequence's largest 1) of the block input
-    /// `x: [batch, seq, hidden]`: a few small GEMMs on `seq / block_size` representatives.
+    /// `x: [batch, seq, hidden]`: three small GEMMs per scorer over the tokens
+    /// (O(seq * hidden * rank)) and the pooling.
     pub fn token_block_scores(&self, x: Tensor<B, 3>, block_size: usize) -> Tensor<B, 2> {
-        let log_scores = self.log_scores(block_representatives(x, block_size));
+        let log_scores = self.log_scores(block_token_rows(x, block_size, block_size));
         let largest = log_scores.clone().max_dim(1);
         (log_scores - largest).exp()
     }
@@ -119,17 +117,16 @@ mod tests {
     fn attention_scores_are_column_means_of_the_causal_outer_product() {
         let device = Default::default();
         let predictor = BlockPredictor::<B>::new(Block::Attention, 8, 4, &device);
-        let representatives =
-            Tensor::<B, 3>::random([2, 5, 8], Distribution::Normal(0.0, 1.0), &device);
+        let rows = Tensor::<B, 4>::random([2, 5, 3, 8], Distribution::Normal(0.0, 1.0), &device);
         let scores: Vec<f32> = predictor
-            .log_scores(representatives.clone())
+            .log_scores(rows.clone())
             .exp()
             .into_data()
             .to_vec()
             .unwrap();
         let exp = |scorer: &Scorer<B>| -> Vec<f32> {
             scorer
-                .forward(representatives.clone())
+                .forward(rows.clone())
                 .exp()
                 .into_data()
                 .to_vec()
@@ -163,7 +160,7 @@ mod tests {
             .to_vec()
             .unwrap();
         let logs: Vec<f32> = predictor
-            .log_scores(block_representatives(x, 8))
+            .log_scores(block_token_rows(x, 8, 8))
             .into_data()
             .to_vec()
             .unwrap();

@@ -1,5 +1,5 @@
-//! One predictor: three low-rank matrices with ReLU between them, from a token block's
-//! representative embedding to one log-score, and the representatives themselves.
+//! One predictor: three low-rank matrices with ReLU between them, from each token's normalized
+//! embedding to a log-score, pooled per token block; and the token rows it reads.
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::relu;
@@ -49,7 +49,7 @@ impl<B: Backend> Dense<B> {
 }
 
 /// `hidden -> width[0] -> width[1] -> 1` with ReLU after the first two maps: one log-score per
-/// representative.
+/// token, and a token block's log-score the log of its tokens' mean score.
 #[derive(Module, Debug)]
 pub struct Scorer<B: Backend> {
     pub first: Dense<B>,
@@ -78,10 +78,17 @@ impl<B: Backend> Scorer<B> {
         (first, second, out)
     }
 
-    /// Log-scores `[batch, blocks]` of representatives `[batch, blocks, hidden]`.
-    pub fn forward(&self, representatives: Tensor<B, 3>) -> Tensor<B, 2> {
-        let (_, _, out) = self.forward_with_activations(representatives);
-        out.squeeze_dim::<2>(2)
+    /// Token-block log-scores `[batch, blocks]` of token rows `[batch, blocks, tokens, hidden]`
+    /// ([`block_token_rows`]): `log mean_t exp(s_t)` over each block's tokens. A block's exact
+    /// score pools its tokens (a mean for the MLP, a maximum for attention, which large
+    /// per-token log-scores approach), so the scorer reads tokens, not a block average.
+    pub fn forward(&self, rows: Tensor<B, 4>) -> Tensor<B, 2> {
+        let [batch, blocks, tokens, _] = rows.dims();
+        let (_, _, out) = self.forward_with_activations(rows);
+        let per_token = out.reshape([batch, blocks, tokens]);
+        let largest = per_token.clone().max_dim(2).detach();
+        let log_sum = (per_token - largest.clone()).exp().sum_dim(2).log() + largest;
+        log_sum.reshape([batch, blocks]) - (tokens as f32).ln()
     }
 
     /// Widths of the two hidden layers.
@@ -126,11 +133,21 @@ impl<B: Backend> Scorer<B> {
     }
 }
 
-/// Each token block's representative embedding: the mean over its tokens of the RMS-normalized
-/// rows of `x: [batch, seq, hidden]` (the scale of the residual stream varies by orders of
-/// magnitude between tokens; its direction is what the layer's projections read). f32
-/// `[batch, blocks, hidden]`; a last partial block averages its own tokens. O(seq * hidden).
-pub fn block_representatives<B: Backend>(x: Tensor<B, 3>, block_size: usize) -> Tensor<B, 3> {
+/// The RMS-normalized rows of `x: [batch, seq, hidden]` grouped by token block, f32
+/// `[batch, blocks, tokens_per_block, hidden]`: every token (`tokens_per_block == block_size`),
+/// or an evenly spaced subset of each block (what training data keeps of large models). The
+/// scale of the residual stream varies by orders of magnitude between tokens; its direction is
+/// what the layer's projections read. A last partial block is padded with zero rows (it is
+/// always kept, so its score only enters the sequence's mean). O(seq * hidden).
+pub fn block_token_rows<B: Backend>(
+    x: Tensor<B, 3>,
+    block_size: usize,
+    tokens_per_block: usize,
+) -> Tensor<B, 4> {
+    assert!(
+        tokens_per_block > 0 && block_size % tokens_per_block == 0,
+        "{tokens_per_block} tokens per block must divide the block size {block_size}"
+    );
     let [batch, seq, hidden] = x.dims();
     let blocks = seq.div_ceil(block_size);
     let x = x.cast(DType::F32);
@@ -142,16 +159,14 @@ pub fn block_representatives<B: Backend>(x: Tensor<B, 3>, block_size: usize) -> 
     } else {
         normalized
     };
-    let counts: Vec<f32> = (0..blocks)
-        .map(|n| (((n + 1) * block_size).min(seq) - n * block_size) as f32)
-        .collect();
-    let counts = Tensor::<B, 1>::from_data(TensorData::new(counts, [blocks]), &normalized.device())
-        .reshape([1, blocks, 1]);
-    normalized
-        .reshape([batch, blocks, block_size, hidden])
-        .sum_dim(2)
-        .reshape([batch, blocks, hidden])
-        / counts
+    let stride = block_size / tokens_per_block;
+    let grouped = normalized.reshape([batch * blocks * tokens_per_block, stride, hidden]);
+    let grouped = if stride > 1 {
+        grouped.narrow(1, 0, 1)
+    } else {
+        grouped
+    };
+    grouped.reshape([batch, blocks, tokens_per_block, hidden])
 }
 
 #[cfg(test)]
@@ -162,25 +177,58 @@ mod tests {
     type B = NdArray<f32>;
 
     #[test]
-    fn representatives_average_the_normalized_rows_of_each_block_and_of_a_short_tail() {
+    fn token_rows_are_normalized_grouped_by_block_and_subsampled_evenly() {
         let device = Default::default();
-        // Five rows of two channels, blocks of two: [0, 1], [2, 3], [4].
+        // Five rows of two channels, blocks of two: [0, 1], [2, 3], [4, pad].
         let rows = [3.0, 4.0, 6.0, 8.0, 1.0, 0.0, 0.0, -2.0, 5.0, 5.0];
         let x = Tensor::<B, 1>::from_floats(rows, &device).reshape([1, 5, 2]);
-        let got: Vec<f32> = block_representatives(x, 2).into_data().to_vec().unwrap();
         let normalized = |a: f32, b: f32| {
             let rms = ((a * a + b * b) / 2.0 + 1e-6).sqrt();
             [a / rms, b / rms]
         };
-        let mean = |p: [f32; 2], q: [f32; 2]| [(p[0] + q[0]) / 2.0, (p[1] + q[1]) / 2.0];
+        let all: Vec<f32> = block_token_rows(x.clone(), 2, 2)
+            .into_data()
+            .to_vec()
+            .unwrap();
         let expected = [
-            mean(normalized(3.0, 4.0), normalized(6.0, 8.0)),
-            mean(normalized(1.0, 0.0), normalized(0.0, -2.0)),
+            normalized(3.0, 4.0),
+            normalized(6.0, 8.0),
+            normalized(1.0, 0.0),
+            normalized(0.0, -2.0),
+            normalized(5.0, 5.0),
+            [0.0, 0.0],
+        ]
+        .concat();
+        let close = |got: &[f32], expected: &[f32]| {
+            got.len() == expected.len()
+                && got.iter().zip(expected).all(|(g, e)| (g - e).abs() < 1e-5)
+        };
+        assert!(close(&all, &expected), "{all:?} vs {expected:?}");
+        let first_of_each: Vec<f32> = block_token_rows(x, 2, 1).into_data().to_vec().unwrap();
+        let expected = [
+            normalized(3.0, 4.0),
+            normalized(1.0, 0.0),
             normalized(5.0, 5.0),
         ]
         .concat();
-        for (g, e) in got.iter().zip(&expected) {
-            assert!((g - e).abs() < 1e-5, "{got:?} vs {expected:?}");
+        assert!(close(&first_of_each, &expected), "{first_of_each:?}");
+    }
+
+    #[test]
+    fn a_block_log_score_is_the_log_mean_of_its_token_scores() {
+        let device = Default::default();
+        let scorer = Scorer::<B>::new(3, 4, &device);
+        let rows = Tensor::<B, 4>::random([2, 3, 4, 3], Distribution::Normal(0.0, 1.0), &device);
+        let (_, _, per_token) = scorer.forward_with_activations(rows.clone());
+        let per_token: Vec<f32> = per_token.into_data().to_vec().unwrap();
+        let pooled: Vec<f32> = scorer.forward(rows).into_data().to_vec().unwrap();
+        for (block, got) in pooled.iter().enumerate() {
+            let mean = per_token[block * 4..(block + 1) * 4]
+                .iter()
+                .map(|v| v.exp())
+                .sum::<f32>()
+                / 4.0;
+            assert!((got - mean.ln()).abs() < 1e-4, "{got} vs {}", mean.ln());
         }
     }
 
@@ -204,7 +252,7 @@ mod tests {
         let pruned = scorer.pruned([&[0, 2, 3], &[0, 1, 3]]);
         assert_eq!(pruned.widths(), [3, 3]);
         assert_eq!(pruned.num_params(), 6 * 3 + 3 + 3 * 3 + 3 + 3 + 1);
-        let x = Tensor::<B, 3>::random([2, 5, 6], Distribution::Normal(0.0, 1.0), &device);
+        let x = Tensor::<B, 4>::random([2, 5, 3, 6], Distribution::Normal(0.0, 1.0), &device);
         let full: Vec<f32> = scorer.forward(x.clone()).into_data().to_vec().unwrap();
         let small: Vec<f32> = pruned.forward(x).into_data().to_vec().unwrap();
         for (f, s) in full.iter().zip(&small) {

@@ -1,4 +1,4 @@
-//! Offline training of one block's predictor on (representatives, exact token-block scores) of
+//! Offline training of one block's predictor on (token rows, exact token-block scores) of
 //! the frozen model, with elastic size transformation, and the recall it reaches.
 //!
 //! The loss has two terms, both on natural-log scores of each sequence:
@@ -26,26 +26,29 @@ const SHARPNESS: f64 = 4.0;
 pub struct BlockSamples {
     pub hidden: usize,
     pub blocks: usize,
-    /// `[sequences, blocks, hidden]`.
-    pub representatives: Vec<f32>,
+    /// Token rows kept per block (`scorer::block_token_rows`).
+    pub tokens: usize,
+    /// `[sequences, blocks, tokens, hidden]`.
+    pub token_rows: Vec<f32>,
     /// Exact token-block scores `[sequences, blocks]`.
     pub scores: Vec<f32>,
 }
 
 impl BlockSamples {
-    pub fn new(blocks: usize, hidden: usize) -> Self {
+    pub fn new(blocks: usize, tokens: usize, hidden: usize) -> Self {
         Self {
             hidden,
             blocks,
+            tokens,
             ..Self::default()
         }
     }
 
-    /// Appends sequences: `representatives` `[n, blocks, hidden]` and `scores` `[n, blocks]`.
-    pub fn push(&mut self, representatives: &[f32], scores: &[f32]) {
-        assert_eq!(representatives.len(), scores.len() * self.hidden);
+    /// Appends sequences: `token_rows` `[n, blocks, tokens, hidden]` and `scores` `[n, blocks]`.
+    pub fn push(&mut self, token_rows: &[f32], scores: &[f32]) {
+        assert_eq!(token_rows.len(), scores.len() * self.tokens * self.hidden);
         assert_eq!(scores.len() % self.blocks, 0, "whole sequences");
-        self.representatives.extend_from_slice(representatives);
+        self.token_rows.extend_from_slice(token_rows);
         self.scores.extend_from_slice(scores);
     }
 
@@ -55,22 +58,26 @@ impl BlockSamples {
 
     /// The first `count` sequences and the rest.
     pub fn split(&self, count: usize) -> (Self, Self) {
-        let (r, s) = (count * self.blocks * self.hidden, count * self.blocks);
-        let part = |representatives: &[f32], scores: &[f32]| Self {
+        let (r, s) = (
+            count * self.blocks * self.tokens * self.hidden,
+            count * self.blocks,
+        );
+        let part = |token_rows: &[f32], scores: &[f32]| Self {
             hidden: self.hidden,
             blocks: self.blocks,
-            representatives: representatives.to_vec(),
+            tokens: self.tokens,
+            token_rows: token_rows.to_vec(),
             scores: scores.to_vec(),
         };
         (
-            part(&self.representatives[..r], &self.scores[..s]),
-            part(&self.representatives[r..], &self.scores[s..]),
+            part(&self.token_rows[..r], &self.scores[..s]),
+            part(&self.token_rows[r..], &self.scores[s..]),
         )
     }
 
-    fn representatives<B: Backend>(&self, device: &B::Device) -> Tensor<B, 3> {
-        let shape = [self.sequences(), self.blocks, self.hidden];
-        Tensor::from_data(TensorData::new(self.representatives.clone(), shape), device)
+    fn token_rows<B: Backend>(&self, device: &B::Device) -> Tensor<B, 4> {
+        let shape = [self.sequences(), self.blocks, self.tokens, self.hidden];
+        Tensor::from_data(TensorData::new(self.token_rows.clone(), shape), device)
     }
 
     /// Per sequence, `(log score, +1 kept / -1 dropped by the threshold alone)`.
@@ -135,7 +142,7 @@ pub fn recall<B: Backend>(
     device: &B::Device,
 ) -> Recall {
     let predicted: Vec<f32> = predictor
-        .log_scores(samples.representatives::<B>(device))
+        .log_scores(samples.token_rows::<B>(device))
         .exp()
         .into_data()
         .convert::<f32>()
@@ -221,15 +228,15 @@ pub struct TrainedBlock<B: Backend> {
     pub final_loss: f64,
 }
 
-/// How often each hidden neuron of each scorer outputs zero on `representatives`.
+/// How often each hidden neuron of each scorer outputs zero on `token_rows`.
 fn zero_frequencies<B: Backend>(
     predictor: &BlockPredictor<B>,
-    representatives: Tensor<B, 3>,
+    token_rows: Tensor<B, 4>,
 ) -> Vec<[Vec<f32>; 2]> {
-    let frequency = |activation: Tensor<B, 3>| -> Vec<f32> {
-        let [a, b, width] = activation.dims();
+    let frequency = |activation: Tensor<B, 4>| -> Vec<f32> {
+        let [a, b, t, width] = activation.dims();
         activation
-            .reshape([a * b, width])
+            .reshape([a * b * t, width])
             .equal_elem(0.0)
             .float()
             .mean_dim(0)
@@ -242,7 +249,7 @@ fn zero_frequencies<B: Backend>(
         .scorers
         .iter()
         .map(|scorer| {
-            let (first, second, _) = scorer.forward_with_activations(representatives.clone());
+            let (first, second, _) = scorer.forward_with_activations(token_rows.clone());
             [frequency(first), frequency(second)]
         })
         .collect()
@@ -295,14 +302,14 @@ pub fn train_block<B: AutodiffBackend>(
     on_epoch: &mut dyn FnMut(),
 ) -> TrainedBlock<B::InnerBackend> {
     B::seed(device, options.seed);
-    let representatives = train.representatives::<B>(device);
+    let token_rows = train.token_rows::<B>(device);
     let (exact, labels) = train.targets::<B>(selection.threshold, device);
     let mut fit = |mut predictor: BlockPredictor<B>, epochs: usize| {
         let mut final_loss = f64::NAN;
         let mut optimizer = AdamConfig::new().init::<B, BlockPredictor<B>>();
         for epoch in 1..=epochs {
             let loss = selection_loss(
-                predictor.log_scores(representatives.clone()),
+                predictor.log_scores(token_rows.clone()),
                 exact.clone(),
                 labels.clone(),
                 selection.threshold,
@@ -327,7 +334,7 @@ pub fn train_block<B: AutodiffBackend>(
     let mut kept = unpruned;
     if options.prune_every > 0 && options.prune_fraction > 0.0 {
         loop {
-            let frequencies = zero_frequencies(&predictor, representatives.clone());
+            let frequencies = zero_frequencies(&predictor, token_rows.clone());
             let pruned = prune(&predictor, &frequencies, options.prune_fraction);
             if pruned.num_params() == predictor.num_params() {
                 break;
@@ -357,28 +364,33 @@ mod tests {
 
     type B = NdArray<f32>;
 
-    /// Sequences whose exact token-block scores are a fixed function of the representatives
-    /// (attention: a rank-one block matrix of two hidden linear scores), so that a predictor can
-    /// learn them.
+    /// Sequences of blocks of 4 tokens whose exact token-block scores are a fixed function of
+    /// the tokens (the log-mean of a linear per-token score; attention: the rank-one block
+    /// matrix of two such scores), so that a predictor can learn them.
     fn samples(block: Block, sequences: usize, blocks: usize, hidden: usize) -> BlockSamples {
         let device = Default::default();
-        let x = Tensor::<B, 3>::random(
-            [sequences, blocks, hidden],
+        let tokens = 4;
+        let x = Tensor::<B, 4>::random(
+            [sequences, blocks, tokens, hidden],
             Distribution::Normal(0.0, 1.0),
             &device,
         );
+        let pooled = |weights: Tensor<B, 2>| {
+            let per_token = x
+                .clone()
+                .reshape([sequences * blocks * tokens, hidden])
+                .matmul(weights)
+                .reshape([sequences, blocks, tokens]);
+            (per_token.exp().mean_dim(2).log()).reshape([sequences, blocks])
+        };
         let u = Tensor::<B, 2>::random([hidden, 1], Distribution::Normal(0.0, 0.5), &device);
         let w = Tensor::<B, 2>::random([hidden, 1], Distribution::Normal(0.0, 0.5), &device);
-        let rows = x.clone().reshape([sequences * blocks, hidden]);
-        let key = rows.clone().matmul(u).reshape([sequences, blocks]);
+        let key = pooled(u);
         let log_scores = match block {
             Block::Mlp => key,
-            Block::Attention => {
-                let query = rows.matmul(w).reshape([sequences, blocks]);
-                key + crate::predictor::suffix_log_mean_exp(query)
-            }
+            Block::Attention => key + crate::predictor::suffix_log_mean_exp(pooled(w)),
         };
-        let mut out = BlockSamples::new(blocks, hidden);
+        let mut out = BlockSamples::new(blocks, tokens, hidden);
         out.push(
             &x.into_data().to_vec::<f32>().unwrap(),
             &log_scores.exp().into_data().to_vec::<f32>().unwrap(),

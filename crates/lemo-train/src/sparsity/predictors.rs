@@ -37,6 +37,10 @@ pub struct TrainPredictorsArgs {
     /// Held-out sequences recall is reported on.
     #[arg(long, default_value_t = 8)]
     pub eval_sequences: usize,
+    /// Evenly spaced tokens of each token block kept as training data (a divisor of the block
+    /// size; predictors score every token when used; held-out recall reads every token too).
+    #[arg(long, default_value_t = 16)]
+    pub tokens_per_block: usize,
     /// Initial hidden width of every predictor.
     #[arg(long, default_value_t = TrainOptions::default().rank)]
     pub rank: usize,
@@ -75,12 +79,13 @@ fn threshold(thresholds: &Thresholds, layer: usize, block: Block) -> Option<f32>
     }
 }
 
-/// Exact token-block scores and block-input representatives of every token-eliminating block of
-/// `thresholds`, one dense pass per sequence.
+/// Exact token-block scores and `tokens_per_block` normalized token rows per token block of the
+/// input of every token-eliminating block of `thresholds`, one dense pass per sequence.
 fn collect<B: LemoBackend>(
     model: &CausalLm<B>,
     thresholds: &Thresholds,
     sequences: &[Vec<u32>],
+    tokens_per_block: usize,
     what: &str,
 ) -> Vec<LayerSamples> {
     let device = model.lm_head_weight().device();
@@ -96,7 +101,8 @@ fn collect<B: LemoBackend>(
     let bar = progress(sequences.len() as u64, what);
     for sequence in sequences {
         let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
-        let mut sparsity = TokenSparsity::recording(&observe, Record::ScoresAndRepresentatives);
+        let mut sparsity =
+            TokenSparsity::recording(&observe, Record::ScoresAndTokenRows { tokens_per_block });
         model.hidden_states(tokens, None, &mut sparsity);
         let plan = sparsity.into_plan().unwrap_or_default();
         for (layer, recorded) in plan.scores.iter().enumerate() {
@@ -105,15 +111,19 @@ fn collect<B: LemoBackend>(
                     continue;
                 }
                 let record = recorded.block(block).expect("every block is recorded");
-                let representatives = record
-                    .representatives
+                let token_rows = record
+                    .token_rows
                     .as_ref()
-                    .expect("representatives were asked for");
+                    .expect("token rows were asked for");
                 samples[layer][block_index(block)]
                     .get_or_insert_with(|| {
-                        BlockSamples::new(record.scores.len(), thresholds.hidden_size)
+                        BlockSamples::new(
+                            record.scores.len(),
+                            tokens_per_block,
+                            thresholds.hidden_size,
+                        )
                     })
-                    .push(representatives, &record.scores);
+                    .push(token_rows, &record.scores);
             }
         }
         bar.inc(1);
@@ -181,11 +191,26 @@ pub fn train_predictors<B: LemoBackend>(
         held_out.len(),
         thresholds.block_size
     );
-    let train_samples = collect(model, &thresholds, &train, "train-predictors: exact scores");
+    let block_size = thresholds.block_size;
+    let tokens_per_block = args.tokens_per_block.min(block_size);
+    if tokens_per_block == 0 || block_size % tokens_per_block != 0 {
+        bail!(
+            "--tokens-per-block {} does not divide the block size {block_size}",
+            args.tokens_per_block
+        );
+    }
+    let train_samples = collect(
+        model,
+        &thresholds,
+        &train,
+        tokens_per_block,
+        "train-predictors: exact scores",
+    );
     let held_out_samples = collect(
         model,
         &thresholds,
         &held_out,
+        block_size,
         "train-predictors: held-out scores",
     );
 
