@@ -24,7 +24,9 @@ pub(crate) const PREFIX: &str = "base_model.model";
 /// Writes `bytes` to `path` so that a reader (or a crash) sees the old file or the new one,
 /// never a part (see [`write_atomically_with`]).
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    write_atomically_with(path, |file| file.write_all(bytes).map_err(|e| Error::write(path, e)))
+    write_atomically_with(path, |file| {
+        file.write_all(bytes).map_err(|e| Error::write(path, e))
+    })
 }
 
 /// Writes `path` through `write`, atomically: the bytes go to a temporary file in the same folder

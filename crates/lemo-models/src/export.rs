@@ -137,7 +137,12 @@ fn write_safetensors_file(
         for tensor in tensors {
             let data = values(tensor)?;
             let expected: usize = tensor.shape.iter().product();
-            assert_eq!(data.len(), expected, "{} has the values of its shape", tensor.name);
+            assert_eq!(
+                data.len(),
+                expected,
+                "{} has the values of its shape",
+                tensor.name
+            );
             out.write_all(&encode(&data, tensor.dtype)).map_err(io)?;
         }
         Ok(())

@@ -16,6 +16,9 @@ use crate::lora::LoraConfig;
 use crate::weights::{Checkpoint, SafetensorsWeights, StoredTensor, WeightSource};
 use crate::{Error, Result};
 
+/// A tensor's shape and row-major values.
+type Shaped = (Vec<usize>, Vec<f32>);
+
 /// One adapted projection: `lora_A` `[rank, in]` and `lora_B` `[out, rank]`.
 struct LowRank {
     a: Vec<f32>,
@@ -32,7 +35,7 @@ pub struct AdapterWeights {
     /// Projection weight name (`model.layers.0.self_attn.q_proj.weight`) -> its adapter.
     low_rank: HashMap<String, LowRank>,
     /// Weights trained whole: name -> (shape, values).
-    replaced: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    replaced: HashMap<String, Shaped>,
 }
 
 /// A tensor name without the `model.` prefix, which OPT checkpoints have or lack: how an adapter
@@ -54,7 +57,7 @@ impl AdapterWeights {
         let path = dir.join(WEIGHTS_FILE);
         let mut file = SafetensorsWeights::open(&path)?;
         let bad = |message: String| Error::format(&path, message);
-        let mut halves: HashMap<String, [Option<(Vec<usize>, Vec<f32>)>; 2]> = HashMap::new();
+        let mut halves: HashMap<String, [Option<Shaped>; 2]> = HashMap::new();
         let mut replaced = HashMap::new();
         for tensor in file.tensors() {
             let name = tensor

@@ -69,13 +69,14 @@ fn assert_f16_rounded(name: &str, original: &[f32], back: &[f32]) {
 
 #[test]
 fn f16_export_reads_back_rounded_to_f16() {
-    round_trip(GgufPrecision::F16, |name, ggml_type, original, back| {
-        match ggml_type {
+    round_trip(
+        GgufPrecision::F16,
+        |name, ggml_type, original, back| match ggml_type {
             GgmlType::F32 => assert_eq!(original, back, "{name}"),
             GgmlType::F16 => assert_f16_rounded(name, original, back),
             other => panic!("{name}: {other:?} in an F16 export"),
-        }
-    });
+        },
+    );
 }
 
 #[test]
@@ -89,7 +90,10 @@ fn q8_0_export_reads_back_within_half_a_step() {
             GgmlType::Q8_0 => {
                 for (block, (o, b)) in original.chunks(32).zip(back.chunks(32)).enumerate() {
                     let step = o.iter().fold(0.0f32, |m, v| m.max(v.abs())) / 127.0;
-                    let error = o.iter().zip(b).fold(0.0f32, |m, (o, b)| m.max((o - b).abs()));
+                    let error = o
+                        .iter()
+                        .zip(b)
+                        .fold(0.0f32, |m, (o, b)| m.max((o - b).abs()));
                     // Half a step, and the f16 rounding of the scale over 127 steps.
                     assert!(
                         error <= step * (0.5 + 127.0 / 2048.0),

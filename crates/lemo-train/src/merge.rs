@@ -15,7 +15,7 @@ use lemo_models::gguf::{self, GgufFile, GgufPrecision, Value};
 use lemo_models::merge::AdapterWeights;
 use lemo_models::model::{ModelFormat, open_checkpoint};
 use lemo_models::tokenizer::Tokenizer;
-use lemo_models::weights::{Checkpoint, StoredTensor, WeightSource};
+use lemo_models::weights::StoredTensor;
 use lemo_models::{Error, ModelConfig};
 use serde_json::{Value as Json, json};
 
@@ -72,7 +72,10 @@ pub struct MergeArgs {
 pub fn run(args: MergeArgs) -> Result<PathBuf> {
     crate::require_model(&args.model)?;
     if !args.adapter.is_dir() {
-        bail!("--adapter {}: no such adapter folder", args.adapter.display());
+        bail!(
+            "--adapter {}: no such adapter folder",
+            args.adapter.display()
+        );
     }
     if args.max_shard_mb.is_nan() || args.max_shard_mb <= 0.0 {
         bail!("--max-shard-mb must be positive");
@@ -122,7 +125,10 @@ pub fn run(args: MergeArgs) -> Result<PathBuf> {
         (_, None) => unreachable!("llama2.c and GGUF bases are Llama models"),
     };
     let path = args.out.join("config.json");
-    write_atomically(&path, serde_json::to_string_pretty(&config_json)?.as_bytes())?;
+    write_atomically(
+        &path,
+        serde_json::to_string_pretty(&config_json)?.as_bytes(),
+    )?;
     report(&path);
 
     if let (Some(kind), Some(llama)) = (args.gguf, &llama) {
@@ -141,7 +147,13 @@ pub fn run(args: MergeArgs) -> Result<PathBuf> {
             .file_name()
             .map_or("merged".into(), |n| n.to_string_lossy().into_owned());
         gguf::write_llama(
-            &path, &name, llama, &tokenizer, &tensors, precision, &mut merged,
+            &path,
+            &name,
+            llama,
+            &tokenizer,
+            &tensors,
+            precision,
+            &mut merged,
         )?;
         report(&path);
     }
@@ -150,7 +162,11 @@ pub fn run(args: MergeArgs) -> Result<PathBuf> {
 
 fn report(path: &Path) {
     let size = std::fs::metadata(path).map_or(0, |m| m.len());
-    eprintln!("merge: wrote {} ({:.1} MB)", path.display(), size as f64 / 1e6);
+    eprintln!(
+        "merge: wrote {} ({:.1} MB)",
+        path.display(),
+        size as f64 / 1e6
+    );
 }
 
 /// The linear RoPE factor the merged model runs with: `--target-context`'s, else the one
@@ -209,7 +225,10 @@ fn patched_config(model: &Path, factor: Option<f64>) -> Result<Json> {
         .map_err(|e| Error::format(&path, format!("invalid JSON: {e}")))?;
     if let Some(factor) = factor {
         let scaling = export::rope_scaling_json(&RopeScaling::Linear { factor });
-        match json.get_mut("rope_parameters").and_then(Json::as_object_mut) {
+        match json
+            .get_mut("rope_parameters")
+            .and_then(Json::as_object_mut)
+        {
             // transformers 5 keeps theta and scaling together.
             Some(parameters) => {
                 parameters.insert("rope_type".into(), json!("linear"));

@@ -31,7 +31,15 @@ fn path(p: &Path) -> &str {
 fn loss(model: &Path, data: &Path, seq_len: &str, extra: &[&str]) -> f64 {
     let args = [
         &["eval", "--model", path(model), "--data", path(data)][..],
-        &["--seq-len", seq_len, "--stride", seq_len, "--device", "cpu", "--json"],
+        &[
+            "--seq-len",
+            seq_len,
+            "--stride",
+            seq_len,
+            "--device",
+            "cpu",
+            "--json",
+        ],
         extra,
     ]
     .concat();
@@ -109,7 +117,10 @@ fn a_merged_fixture_scores_as_eval_with_the_adapter_in_safetensors_and_gguf() {
     let merged = loss(&out, &data, "64", &[]);
     let gguf = loss(&out.join("model-f16.gguf"), &data, "64", &[]);
     println!("base {base}, adapter {with_adapter}, merged {merged}, gguf f16 {gguf}");
-    assert!((with_adapter - base).abs() > 1e-3, "the adapter changes the model");
+    assert!(
+        (with_adapter - base).abs() > 1e-3,
+        "the adapter changes the model"
+    );
     assert_close_scalar("merged", merged, with_adapter, 1e-5);
     assert_close_scalar("gguf f16", gguf, with_adapter, 2e-3);
 
@@ -164,7 +175,10 @@ fn bad_merges_are_one_line_errors() {
         &merge(&hf_fixture("opt_prenorm_proj"), &adapter, &out, &[]),
         "an adapter for another model?",
     );
-    assert!(!out.exists(), "nothing is written before the inputs check out");
+    assert!(
+        !out.exists(),
+        "nothing is written before the inputs check out"
+    );
     let file = dir.path().join("file");
     std::fs::write(&file, "").unwrap();
     assert_clean_error(

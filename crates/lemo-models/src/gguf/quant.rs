@@ -142,7 +142,10 @@ impl GgmlType {
                 .iter()
                 .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
                 .collect(),
-            Self::Q8_0 => values.chunks_exact(LEGACY_BLOCK).flat_map(quantize_q8_0).collect(),
+            Self::Q8_0 => values
+                .chunks_exact(LEGACY_BLOCK)
+                .flat_map(quantize_q8_0)
+                .collect(),
             Self::Q4_0 | Self::Q4_1 | Self::Q4_K | Self::Q6_K => return None,
         })
     }

@@ -10,11 +10,11 @@ use std::path::Path;
 use serde_json::{Value as Json, json};
 
 use super::{GgufFile, Value};
-use crate::{Error, Result};
 use crate::tokenizer::{
     HuggingFaceTokenizer, LLAMA2C_BOS_ID, LLAMA2C_BYTE_TOKEN_OFFSET, LLAMA2C_EOS_ID,
     Llama2cTokenizer,
 };
+use crate::{Error, Result};
 
 /// GPT-2's split of text into words, contractions, numbers, punctuation runs and spaces.
 const GPT2_PATTERN: &str =

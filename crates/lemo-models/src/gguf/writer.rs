@@ -156,7 +156,10 @@ fn llama_metadata(
         ("llama.embedding_length", count(config.hidden_size)),
         ("llama.block_count", count(config.num_hidden_layers)),
         ("llama.feed_forward_length", count(config.intermediate_size)),
-        ("llama.attention.head_count", count(config.num_attention_heads)),
+        (
+            "llama.attention.head_count",
+            count(config.num_attention_heads),
+        ),
         (
             "llama.attention.head_count_kv",
             count(config.num_key_value_heads),
