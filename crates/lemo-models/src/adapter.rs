@@ -18,13 +18,25 @@ use crate::{Error, Result};
 
 pub const CONFIG_FILE: &str = "adapter_config.json";
 pub const WEIGHTS_FILE: &str = "adapter_model.safetensors";
-const PREFIX: &str = "base_model.model";
+/// What PEFT puts before every key: `base_model.model.{module}...`.
+pub(crate) const PREFIX: &str = "base_model.model";
 
 /// Writes `bytes` to `path` so that a reader (or a crash) sees the old file or the new one,
-/// never a part: the bytes go to a temporary file in the same folder (a rename is atomic only
-/// within one file system), are flushed to disk, and the temporary is renamed over `path`; the
-/// folder is flushed too, so the rename itself survives a power loss.
+/// never a part (see [`write_atomically_with`]).
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomically_with(path, |file| {
+        file.write_all(bytes).map_err(|e| Error::write(path, e))
+    })
+}
+
+/// Writes `path` through `write`, atomically: the bytes go to a temporary file in the same folder
+/// (a rename is atomic only within one file system), are flushed to disk, and the temporary is
+/// renamed over `path`; the folder is flushed too, so the rename itself survives a power loss.
+/// `write` may stream a file larger than memory; if it fails, the temporary is removed.
+pub fn write_atomically_with(
+    path: &Path,
+    write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> Result<()>,
+) -> Result<()> {
     let folder = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -37,14 +49,19 @@ pub fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
         name.to_string_lossy(),
         std::process::id()
     ));
-    let write = || -> std::io::Result<()> {
-        let mut file = std::fs::File::create(&temporary)?;
-        file.write_all(bytes)?;
-        file.sync_all()
-    };
-    if let Err(e) = write() {
+    let written = std::fs::File::create(&temporary)
+        .map_err(|e| Error::write(&temporary, e))
+        .and_then(|file| {
+            let mut out = std::io::BufWriter::new(file);
+            write(&mut out)?;
+            let file = out
+                .into_inner()
+                .map_err(|e| Error::write(&temporary, e.into_error()))?;
+            file.sync_all().map_err(|e| Error::write(&temporary, e))
+        });
+    if let Err(e) = written {
         let _ = std::fs::remove_file(&temporary);
-        return Err(Error::write(&temporary, e));
+        return Err(e);
     }
     std::fs::rename(&temporary, path).map_err(|e| Error::write(path, e))?;
     sync_folder(folder);

@@ -9,10 +9,14 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use crate::config::{LlamaConfig, RopeConfig, RopeScaling};
-use crate::weights::WeightSource;
+use safetensors::Dtype;
+
+use crate::weights::{Checkpoint, StoredTensor, WeightSource, sort_tensors};
 use crate::{Error, Result};
 
 const HEADER_BYTES: usize = 7 * 4;
+/// run.c's precomputed RoPE tables: read past, never used (frequencies are recomputed).
+const FREQ_CIS: &str = "freq_cis";
 
 pub struct Llama2cCheckpoint {
     path: PathBuf,
@@ -123,8 +127,7 @@ impl Llama2cCheckpoint {
         per_layer(&mut add, "mlp.down_proj.weight", vec![dim, hidden], false);
         per_layer(&mut add, "mlp.up_proj.weight", vec![hidden, dim], false);
         add("model.norm.weight".into(), vec![dim], false);
-        // run.c's precomputed RoPE tables (unused: frequencies are recomputed).
-        add("freq_cis".into(), vec![seq_len, head_dim], false);
+        add(FREQ_CIS.into(), vec![seq_len, head_dim], false);
         if !shared_classifier {
             add("lm_head.weight".into(), vec![vocab, dim], false);
         }
@@ -163,28 +166,74 @@ impl Llama2cCheckpoint {
     }
 }
 
-/// Reorders the rows of a `[heads * head_dim, in]` projection so that each head's interleaved
-/// pairs `(2i, 2i + 1)` become the rotate-half pairs `(i, i + head_dim / 2)`.
+/// The row of a head in interleaved RoPE order (pairs `(2i, 2i + 1)`) that holds row `within`
+/// of the rotate-half order (pairs `(i, i + head_dim / 2)`).
+fn interleaved_row(within: usize, head_dim: usize) -> usize {
+    let half = head_dim / 2;
+    if within < half {
+        2 * within
+    } else {
+        2 * (within - half) + 1
+    }
+}
+
+/// Reorders the rows of a `[heads * head_dim, cols]` projection (or bias, `cols` 1) so that each
+/// head's interleaved pairs `(2i, 2i + 1)` become the rotate-half pairs `(i, i + head_dim / 2)`.
 pub(crate) fn interleaved_to_rotate_half(
     values: &[f32],
     rows: usize,
     cols: usize,
     head_dim: usize,
 ) -> Vec<f32> {
-    let half = head_dim / 2;
+    reorder_head_rows(values, rows, cols, head_dim, true)
+}
+
+/// The inverse of [`interleaved_to_rotate_half`]: the row order llama.cpp and llama2.c store.
+pub(crate) fn rotate_half_to_interleaved(
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    head_dim: usize,
+) -> Vec<f32> {
+    reorder_head_rows(values, rows, cols, head_dim, false)
+}
+
+fn reorder_head_rows(
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    head_dim: usize,
+    to_rotate_half: bool,
+) -> Vec<f32> {
     let mut out = vec![0.0; values.len()];
     for row in 0..rows {
-        let (head, within) = (row / head_dim, row % head_dim);
-        let source = head * head_dim
-            + if within < half {
-                2 * within
-            } else {
-                2 * (within - half) + 1
-            };
-        out[row * cols..(row + 1) * cols]
-            .copy_from_slice(&values[source * cols..(source + 1) * cols]);
+        let head = row / head_dim;
+        let interleaved = head * head_dim + interleaved_row(row % head_dim, head_dim);
+        let (to, from) = if to_rotate_half {
+            (row, interleaved)
+        } else {
+            (interleaved, row)
+        };
+        out[to * cols..(to + 1) * cols].copy_from_slice(&values[from * cols..(from + 1) * cols]);
     }
     out
+}
+
+impl Checkpoint for Llama2cCheckpoint {
+    fn tensors(&self) -> Vec<StoredTensor> {
+        let mut tensors: Vec<StoredTensor> = self
+            .tensors
+            .iter()
+            .filter(|(name, _)| name.as_str() != FREQ_CIS)
+            .map(|(name, (_, shape, _))| StoredTensor {
+                name: name.clone(),
+                shape: shape.clone(),
+                dtype: Dtype::F32,
+            })
+            .collect();
+        sort_tensors(&mut tensors);
+        tensors
+    }
 }
 
 impl WeightSource for Llama2cCheckpoint {

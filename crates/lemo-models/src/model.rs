@@ -20,7 +20,7 @@ use crate::lora::{Linear, LoraConfig};
 use crate::opt::Opt;
 use crate::rope::RotaryEmbedding;
 use crate::token_plan::TokenSparsity;
-use crate::weights::{Loader, SafetensorsWeights, WeightSource};
+use crate::weights::{Checkpoint, Loader, SafetensorsWeights, WeightSource};
 use crate::{Error, Result};
 
 // One instance per process: the size difference between variants costs nothing.
@@ -66,6 +66,32 @@ impl ModelFormat {
     }
 }
 
+/// The configuration and weights of a Hugging Face folder, a llama2.c checkpoint or a GGUF
+/// file, nothing read yet but the headers.
+pub fn open_checkpoint(path: &Path) -> Result<(ModelConfig, Box<dyn Checkpoint>)> {
+    Ok(match ModelFormat::detect(path)? {
+        ModelFormat::HuggingFace => {
+            let config = ModelConfig::from_file(path)?;
+            let weights = SafetensorsWeights::open(path)?;
+            check_layer_count(path, &config, &weights)?;
+            (config, Box::new(weights))
+        }
+        ModelFormat::Llama2c => {
+            let checkpoint = Llama2cCheckpoint::open(path)?;
+            (
+                ModelConfig::Llama(checkpoint.config().clone()),
+                Box::new(checkpoint),
+            )
+        }
+        ModelFormat::Gguf => {
+            let file = GgufFile::open(path)?;
+            let llama = file.llama_config()?;
+            let weights = GgufWeights::new(file, &llama);
+            (ModelConfig::Llama(llama), Box::new(weights))
+        }
+    })
+}
+
 impl<B: LemoBackend> CausalLm<B> {
     /// Loads a Hugging Face folder, a llama2.c checkpoint or a GGUF file onto `device`, its weights stored
     /// and its hidden states computed as `precision` says (see [`Self::build`]).
@@ -74,28 +100,7 @@ impl<B: LemoBackend> CausalLm<B> {
         device: &B::Device,
         precision: Precision,
     ) -> Result<(Self, ModelConfig)> {
-        let (config, mut source): (ModelConfig, Box<dyn WeightSource>) =
-            match ModelFormat::detect(path)? {
-                ModelFormat::HuggingFace => {
-                    let config = ModelConfig::from_file(path)?;
-                    let weights = SafetensorsWeights::open(path)?;
-                    check_layer_count(path, &config, &weights)?;
-                    (config, Box::new(weights))
-                }
-                ModelFormat::Llama2c => {
-                    let checkpoint = Llama2cCheckpoint::open(path)?;
-                    (
-                        ModelConfig::Llama(checkpoint.config().clone()),
-                        Box::new(checkpoint),
-                    )
-                }
-                ModelFormat::Gguf => {
-                    let file = GgufFile::open(path)?;
-                    let llama = file.llama_config()?;
-                    let weights = GgufWeights::new(file, &llama);
-                    (ModelConfig::Llama(llama), Box::new(weights))
-                }
-            };
+        let (config, mut source) = open_checkpoint(path)?;
         // A weight that disagrees with the config is a problem of this file: name it.
         let model =
             Self::build(&config, source.as_mut(), device, precision).map_err(|e| match e {

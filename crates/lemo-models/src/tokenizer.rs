@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use tokenizers::DecoderWrapper;
 
 /// llama2.c's fixed special ids: `run.c` hard-codes them rather than reading them from the file.
-const LLAMA2C_BOS_ID: u32 = 1;
-const LLAMA2C_EOS_ID: u32 = 2;
+pub(crate) const LLAMA2C_BOS_ID: u32 = 1;
+pub(crate) const LLAMA2C_EOS_ID: u32 = 2;
 /// Byte fallback: byte `b` is token `b + 3` (after `<unk>`, BOS and EOS).
-const LLAMA2C_BYTE_TOKEN_OFFSET: u32 = 3;
+pub(crate) const LLAMA2C_BYTE_TOKEN_OFFSET: u32 = 3;
 /// `run.c` starts each merge search with this best score, so a pair scoring no higher never merges.
 const LLAMA2C_NO_MERGE_SCORE: f32 = -1e10;
 
@@ -378,6 +378,14 @@ impl Llama2cTokenizer {
             id_by_piece,
             space_id,
         })
+    }
+
+    /// Each id's piece (SentencePiece's `▁` as a space) and merge score, in id order.
+    pub fn vocabulary(&self) -> impl Iterator<Item = (&[u8], f32)> {
+        self.pieces
+            .iter()
+            .map(Vec::as_slice)
+            .zip(self.scores.iter().copied())
     }
 
     /// run.c `encode(text, bos=1, eos=0)`: BOS, the dummy prefix, one token per character (its

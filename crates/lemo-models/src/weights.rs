@@ -20,6 +20,34 @@ pub trait WeightSource {
     fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>>;
 }
 
+/// A tensor a checkpoint holds: its Hugging Face name and row-major shape, and the dtype that
+/// holds its values exactly (f32 for tensors stored quantized).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredTensor {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub dtype: Dtype,
+}
+
+/// A checkpoint file that can list what it holds (what `merge` copies), in a stable order with
+/// layers in numeric order.
+pub trait Checkpoint: WeightSource {
+    fn tensors(&self) -> Vec<StoredTensor>;
+}
+
+/// Sorts tensors by name with numbers compared as numbers (`layers.2` before `layers.10`).
+pub fn sort_tensors(tensors: &mut [StoredTensor]) {
+    fn key(name: &str) -> Vec<(String, u64)> {
+        name.split('.')
+            .map(|part| match part.parse::<u64>() {
+                Ok(n) => (String::new(), n),
+                Err(_) => (part.to_string(), 0),
+            })
+            .collect()
+    }
+    tensors.sort_by_cached_key(|t| key(&t.name));
+}
+
 /// Builds Burn tensors on `device` from a [`WeightSource`], stored as `dtype` (converted on the
 /// host one tensor at a time, so a bf16 model never exists in f32 on the device).
 pub struct Loader<'a, B: Backend> {
@@ -219,6 +247,28 @@ impl WeightSource for SafetensorsWeights {
             return Err(shape_mismatch(name, &found, shape));
         }
         Ok(Some(values))
+    }
+}
+
+impl Checkpoint for SafetensorsWeights {
+    fn tensors(&self) -> Vec<StoredTensor> {
+        let mut tensors: Vec<StoredTensor> = self
+            .location
+            .iter()
+            .map(|(name, &file)| {
+                let info = self.files[file]
+                    .metadata
+                    .info(name)
+                    .expect("located names are in their file's metadata");
+                StoredTensor {
+                    name: name.clone(),
+                    shape: info.shape.clone(),
+                    dtype: info.dtype,
+                }
+            })
+            .collect();
+        sort_tensors(&mut tensors);
+        tensors
     }
 }
 

@@ -9,6 +9,7 @@ mod generate;
 mod longbench;
 mod memory;
 mod memory_plan;
+mod merge;
 mod modelio;
 mod passkey;
 mod preset;
@@ -210,6 +211,9 @@ enum Command {
         #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
         device: DeviceKind,
     },
+    /// Fold a PEFT adapter into its base model: a Hugging Face folder (config, safetensors,
+    /// tokenizer) that transformers loads, and optionally a GGUF file for llama.cpp.
+    Merge(Box<merge::MergeArgs>),
     /// Token ids of a text (BOS included where the tokenizer adds it).
     Tokenize {
         /// tokenizer.json (Hugging Face), tokenizer.bin (llama2.c) or a .gguf model.
@@ -243,6 +247,10 @@ fn run(cli: Cli) -> Result<()> {
                 );
                 std::process::exit(train::interrupt::EXIT_STATUS);
             }
+        }
+        Command::Merge(args) => {
+            let out = merge::run(*args)?;
+            println!("{}", out.display());
         }
         Command::Calibrate(args) => {
             let path = sparsity::run_calibrate(*args)?;

@@ -1,39 +1,23 @@
 //! The `lemo-train` command as a user runs it: outputs, and one-line errors on bad input.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
+use lemo_test_support::stdout_json;
 use serde_json::Value;
 
 fn lemo(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lemo-train"))
-        .args(args)
-        .output()
-        .expect("run lemo-train")
+    lemo_test_support::run(env!("CARGO_BIN_EXE_lemo-train"), args)
 }
 
 fn models_fixture(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../lemo-models/tests/fixtures/hf")
-        .join(case)
+    lemo_test_support::hf_fixture(case)
 }
 
 fn scratch(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("lemo-cli-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     dir
-}
-
-fn stdout_json(output: &Output) -> Value {
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "failed: {stderr}");
-    let stdout = String::from_utf8(output.stdout.clone()).unwrap();
-    assert_eq!(
-        stdout.lines().count(),
-        1,
-        "stdout must hold one JSON value: {stdout:?}"
-    );
-    serde_json::from_str(&stdout).unwrap()
 }
 
 fn eval_json(case: &str, device: &str) -> Value {
@@ -171,22 +155,10 @@ fn generate_reproduces_llama2c_greedy_text() {
     assert_eq!(&text[..common], &expected[..common]);
 }
 
-/// Fails with exit status 1 and exactly one stderr line, `error: ...`, containing `needle`.
+/// Fails with exactly one stderr line, `error: ...`, containing `needle`.
 fn assert_clean_error(args: &[&str], needle: &str) {
-    let output = lemo(args);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success(), "{args:?} should fail");
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(
-        lines.len(),
-        1,
-        "{args:?}: expected one line, got {stderr:?}"
-    );
-    assert!(
-        lines[0].starts_with("error: ") && lines[0].contains(needle),
-        "{args:?}: {stderr:?}"
-    );
-    assert!(!stderr.contains("panicked"), "{stderr}");
+    println!("{args:?}");
+    lemo_test_support::assert_clean_error(&lemo(args), needle);
 }
 
 #[test]

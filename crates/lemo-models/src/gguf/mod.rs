@@ -10,17 +10,20 @@
 mod quant;
 mod reader;
 pub mod tokenizer;
+mod writer;
 
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
+use safetensors::Dtype;
 
 pub use quant::GgmlType;
 pub use reader::{Header, TensorInfo, Value};
+pub use writer::{GgufPrecision, write_llama};
 
 use crate::config::{LlamaConfig, RopeConfig, RopeScaling};
 use crate::llama2c::interleaved_to_rotate_half;
-use crate::weights::WeightSource;
+use crate::weights::{Checkpoint, StoredTensor, WeightSource, sort_tensors};
 use crate::{Error, Result};
 
 /// The architectures whose tensors lemo maps onto its Llama model.
@@ -174,47 +177,65 @@ impl GgufFile {
     }
 }
 
+/// Tensors outside the layers: Hugging Face name, llama.cpp name.
+const GLOBAL_TENSORS: [(&str, &str); 3] = [
+    ("model.embed_tokens.weight", "token_embd.weight"),
+    ("model.norm.weight", "output_norm.weight"),
+    ("lm_head.weight", "output.weight"),
+];
+
+/// Modules of layer `i` (`model.layers.{i}.` / `blk.{i}.`): Hugging Face name, llama.cpp name,
+/// and whether its rows (and bias) are in llama.cpp's interleaved RoPE order within each head.
+const LAYER_MODULES: [(&str, &str, bool); 9] = [
+    ("input_layernorm", "attn_norm", false),
+    ("post_attention_layernorm", "ffn_norm", false),
+    ("self_attn.q_proj", "attn_q", true),
+    ("self_attn.k_proj", "attn_k", true),
+    ("self_attn.v_proj", "attn_v", false),
+    ("self_attn.o_proj", "attn_output", false),
+    ("mlp.gate_proj", "ffn_gate", false),
+    ("mlp.up_proj", "ffn_up", false),
+    ("mlp.down_proj", "ffn_down", false),
+];
+
 /// How a Hugging Face tensor name is stored in a llama-architecture GGUF file.
-struct GgufName {
-    name: String,
+pub(crate) struct GgufName {
+    pub name: String,
     /// `q_proj`/`k_proj` rows (and biases) are in llama.cpp's interleaved RoPE order within
     /// each head.
-    interleaved_heads: bool,
+    pub interleaved_heads: bool,
 }
 
-fn gguf_name(hf_name: &str) -> Option<GgufName> {
-    let plain = |name: String| {
-        Some(GgufName {
-            name,
-            interleaved_heads: false,
-        })
-    };
-    match hf_name {
-        "model.embed_tokens.weight" => return plain("token_embd.weight".into()),
-        "model.norm.weight" => return plain("output_norm.weight".into()),
-        "lm_head.weight" => return plain("output.weight".into()),
-        _ => {}
-    }
-    let rest = hf_name.strip_prefix("model.layers.")?;
-    let (layer, rest) = rest.split_once('.')?;
-    let layer: usize = layer.parse().ok()?;
+/// A layer tensor's name split as `{prefix}{layer}.{module}.{suffix}`.
+fn split_layer_name<'a>(name: &'a str, prefix: &str) -> Option<(usize, &'a str, &'a str)> {
+    let (layer, rest) = name.strip_prefix(prefix)?.split_once('.')?;
     let (module, suffix) = rest.rsplit_once('.')?;
-    let (gguf_module, interleaved_heads) = match module {
-        "input_layernorm" => ("attn_norm", false),
-        "post_attention_layernorm" => ("ffn_norm", false),
-        "self_attn.q_proj" => ("attn_q", true),
-        "self_attn.k_proj" => ("attn_k", true),
-        "self_attn.v_proj" => ("attn_v", false),
-        "self_attn.o_proj" => ("attn_output", false),
-        "mlp.gate_proj" => ("ffn_gate", false),
-        "mlp.up_proj" => ("ffn_up", false),
-        "mlp.down_proj" => ("ffn_down", false),
-        _ => return None,
-    };
+    Some((layer.parse().ok()?, module, suffix))
+}
+
+pub(crate) fn gguf_name(hf_name: &str) -> Option<GgufName> {
+    if let Some(&(_, gguf)) = GLOBAL_TENSORS.iter().find(|(hf, _)| *hf == hf_name) {
+        return Some(GgufName {
+            name: gguf.into(),
+            interleaved_heads: false,
+        });
+    }
+    let (layer, module, suffix) = split_layer_name(hf_name, "model.layers.")?;
+    let &(_, gguf_module, interleaved_heads) = LAYER_MODULES.iter().find(|m| m.0 == module)?;
     Some(GgufName {
         name: format!("blk.{layer}.{gguf_module}.{suffix}"),
         interleaved_heads,
     })
+}
+
+/// The Hugging Face name of a llama.cpp tensor name ([`gguf_name`] backwards).
+fn hf_name(gguf_name: &str) -> Option<String> {
+    if let Some(&(hf, _)) = GLOBAL_TENSORS.iter().find(|(_, gguf)| *gguf == gguf_name) {
+        return Some(hf.into());
+    }
+    let (layer, module, suffix) = split_layer_name(gguf_name, "blk.")?;
+    let &(hf_module, ..) = LAYER_MODULES.iter().find(|m| m.1 == module)?;
+    Some(format!("model.layers.{layer}.{hf_module}.{suffix}"))
 }
 
 /// The weights of a llama-architecture GGUF file under Hugging Face names.
@@ -229,6 +250,32 @@ impl GgufWeights {
             file,
             head_dim: config.head_dim,
         }
+    }
+}
+
+impl Checkpoint for GgufWeights {
+    /// The tensors lemo maps onto its Llama model; quantized ones are listed as f32, the type
+    /// they are dequantized to.
+    fn tensors(&self) -> Vec<StoredTensor> {
+        let mut tensors: Vec<StoredTensor> = self
+            .file
+            .header
+            .tensors
+            .iter()
+            .filter_map(|(name, info)| {
+                Some(StoredTensor {
+                    name: hf_name(name)?,
+                    shape: info.shape(),
+                    dtype: match info.ggml_type {
+                        GgmlType::F16 => Dtype::F16,
+                        GgmlType::BF16 => Dtype::BF16,
+                        _ => Dtype::F32,
+                    },
+                })
+            })
+            .collect();
+        sort_tensors(&mut tensors);
+        tensors
     }
 }
 

@@ -62,6 +62,20 @@ impl GgmlType {
         })
     }
 
+    /// The type's ggml id ([`Self::from_id`] backwards).
+    pub fn id(self) -> u32 {
+        match self {
+            Self::F32 => 0,
+            Self::F16 => 1,
+            Self::Q4_0 => 2,
+            Self::Q4_1 => 3,
+            Self::Q8_0 => 8,
+            Self::Q4_K => 12,
+            Self::Q6_K => 14,
+            Self::BF16 => 30,
+        }
+    }
+
     /// Values per block and bytes per block.
     fn block(self) -> (usize, usize) {
         match self {
@@ -112,6 +126,40 @@ impl GgmlType {
         }
         out
     }
+}
+
+impl GgmlType {
+    /// Encodes row-major `values` (rows a whole number of blocks) as this type, as ggml's
+    /// reference quantizers do; `None` for the types lemo does not write (K-quantizations, Q4).
+    pub fn quantize(self, values: &[f32]) -> Option<Vec<u8>> {
+        Some(match self {
+            Self::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Self::F16 => values
+                .iter()
+                .flat_map(|&v| f16::from_f32(v).to_le_bytes())
+                .collect(),
+            Self::BF16 => values
+                .iter()
+                .flat_map(|&v| bf16::from_f32(v).to_le_bytes())
+                .collect(),
+            Self::Q8_0 => values
+                .chunks_exact(LEGACY_BLOCK)
+                .flat_map(quantize_q8_0)
+                .collect(),
+            Self::Q4_0 | Self::Q4_1 | Self::Q4_K | Self::Q6_K => return None,
+        })
+    }
+}
+
+/// ggml's `quantize_row_q8_0_ref`: `d = max |x| / 127`, `q = round(x / d)` (halves away from
+/// zero), `d` stored as f16.
+fn quantize_q8_0(block: &[f32]) -> Vec<u8> {
+    let max = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let scale = max / 127.0;
+    let inverse = if scale == 0.0 { 0.0 } else { 1.0 / scale };
+    let mut out = f16::from_f32(scale).to_le_bytes().to_vec();
+    out.extend(block.iter().map(|&v| (v * inverse).round() as i8 as u8));
+    out
 }
 
 fn f16_at(bytes: &[u8], at: usize) -> f32 {

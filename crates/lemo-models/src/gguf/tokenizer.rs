@@ -10,8 +10,11 @@ use std::path::Path;
 use serde_json::{Value as Json, json};
 
 use super::{GgufFile, Value};
-use crate::Result;
-use crate::tokenizer::HuggingFaceTokenizer;
+use crate::tokenizer::{
+    HuggingFaceTokenizer, LLAMA2C_BOS_ID, LLAMA2C_BYTE_TOKEN_OFFSET, LLAMA2C_EOS_ID,
+    Llama2cTokenizer,
+};
+use crate::{Error, Result};
 
 /// GPT-2's split of text into words, contractions, numbers, punctuation runs and spaces.
 const GPT2_PATTERN: &str =
@@ -23,40 +26,118 @@ const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p
 const SPM_SPACE: &str = "\u{2581}";
 
 /// llama.cpp's token types (`tokenizer.ggml.token_type`).
+const TOKEN_TYPE_NORMAL: i64 = 1;
+const TOKEN_TYPE_UNKNOWN: i64 = 2;
 const TOKEN_TYPE_CONTROL: i64 = 3;
 const TOKEN_TYPE_USER_DEFINED: i64 = 4;
+const TOKEN_TYPE_BYTE: i64 = 6;
+
+/// Tokenizer metadata (`tokenizer.*` keys of a GGUF file, or built for one), with the path its
+/// errors name.
+pub struct Metadata<'a> {
+    pub values: &'a HashMap<String, Value>,
+    pub path: &'a Path,
+}
+
+impl Metadata<'_> {
+    fn get(&self, key: &str) -> Option<&Value> {
+        self.values.get(key)
+    }
+
+    fn error(&self, message: impl Into<String>) -> Error {
+        Error::format(self.path, message)
+    }
+
+    fn token_id(&self, key: &str) -> Option<u32> {
+        self.get(key)
+            .and_then(Value::as_u64)
+            .and_then(|v| u32::try_from(v).ok())
+    }
+}
+
+/// llama.cpp's tokenizer metadata for a llama2.c vocabulary: SentencePiece-style BPE (`llama`)
+/// over its pieces and scores, `<unk>`, BOS and EOS at ids 0-2 and the byte pieces after them,
+/// BOS added and a space put before the text, as `run.c` encodes.
+pub fn llama2c_metadata(tokenizer: &Llama2cTokenizer) -> HashMap<String, Value> {
+    let byte_ids = LLAMA2C_BYTE_TOKEN_OFFSET..LLAMA2C_BYTE_TOKEN_OFFSET + 256;
+    let (mut tokens, mut scores, mut types) = (Vec::new(), Vec::new(), Vec::new());
+    for (id, (piece, score)) in (0u32..).zip(tokenizer.vocabulary()) {
+        let piece = String::from_utf8_lossy(piece).replace(' ', SPM_SPACE);
+        let kind = match id {
+            0 => TOKEN_TYPE_UNKNOWN,
+            LLAMA2C_BOS_ID | LLAMA2C_EOS_ID => TOKEN_TYPE_CONTROL,
+            _ if byte_ids.contains(&id) => TOKEN_TYPE_BYTE,
+            _ => TOKEN_TYPE_NORMAL,
+        };
+        tokens.push(Value::String(piece));
+        scores.push(Value::F32(score));
+        types.push(Value::I32(kind as i32));
+    }
+    [
+        ("tokenizer.ggml.model", Value::String("llama".into())),
+        ("tokenizer.ggml.tokens", Value::Array(tokens)),
+        ("tokenizer.ggml.scores", Value::Array(scores)),
+        ("tokenizer.ggml.token_type", Value::Array(types)),
+        ("tokenizer.ggml.unknown_token_id", Value::U32(0)),
+        ("tokenizer.ggml.bos_token_id", Value::U32(LLAMA2C_BOS_ID)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(LLAMA2C_EOS_ID)),
+        ("tokenizer.ggml.add_bos_token", Value::Bool(true)),
+        ("tokenizer.ggml.add_eos_token", Value::Bool(false)),
+        ("tokenizer.ggml.add_space_prefix", Value::Bool(true)),
+    ]
+    .into_iter()
+    .map(|(key, value)| (key.to_string(), value))
+    .collect()
+}
 
 /// Reads the tokenizer of the GGUF file at `path`.
 pub fn from_gguf(path: &Path) -> Result<HuggingFaceTokenizer> {
     let file = GgufFile::open(path)?;
-    let model = metadata_str(&file, "tokenizer.ggml.model")?;
-    let tokens: Vec<&str> = string_array(&file, "tokenizer.ggml.tokens")?
-        .ok_or_else(|| file.error("no tokenizer.ggml.tokens in the metadata"))?;
-    let token_types: Vec<i64> = match file.metadata("tokenizer.ggml.token_type") {
+    let meta = Metadata {
+        values: &file.header.metadata,
+        path,
+    };
+    let spec = tokenizer_json(&meta)?;
+    let inner = tokenizers::Tokenizer::from_bytes(spec.to_string().as_bytes())
+        .map_err(|e| meta.error(format!("cannot build the tokenizer from the metadata: {e}")))?;
+    Ok(HuggingFaceTokenizer::from_parts(
+        path,
+        inner,
+        meta.token_id("tokenizer.ggml.bos_token_id"),
+        meta.token_id("tokenizer.ggml.eos_token_id"),
+    ))
+}
+
+/// The Hugging Face `tokenizer.json` that runs the tokenizer `meta` describes.
+pub fn tokenizer_json(meta: &Metadata) -> Result<Json> {
+    let model = metadata_str(meta, "tokenizer.ggml.model")?;
+    let tokens: Vec<&str> = string_array(meta, "tokenizer.ggml.tokens")?
+        .ok_or_else(|| meta.error("no tokenizer.ggml.tokens in the metadata"))?;
+    let token_types: Vec<i64> = match meta.get("tokenizer.ggml.token_type") {
         None => vec![1; tokens.len()],
         Some(value) => value
             .as_array()
             .filter(|types| types.len() == tokens.len())
             .and_then(|types| types.iter().map(integer).collect::<Option<Vec<_>>>())
-            .ok_or_else(|| file.error("tokenizer.ggml.token_type is not one integer per token"))?,
+            .ok_or_else(|| meta.error("tokenizer.ggml.token_type is not one integer per token"))?,
     };
-    let flag = |key: &str| file.metadata(key).and_then(Value::as_bool);
-    let bos_id = file.token_id("tokenizer.ggml.bos_token_id");
-    let eos_id = file.token_id("tokenizer.ggml.eos_token_id");
+    let flag = |key: &str| meta.get(key).and_then(Value::as_bool);
+    let bos_id = meta.token_id("tokenizer.ggml.bos_token_id");
+    let eos_id = meta.token_id("tokenizer.ggml.eos_token_id");
     let (add_bos, add_eos) = (
         flag("tokenizer.ggml.add_bos_token"),
         flag("tokenizer.ggml.add_eos_token").unwrap_or(false),
     );
 
     let (mut spec, add_bos_default) = match model {
-        "gpt2" => gpt2_spec(&file, &tokens)?,
+        "gpt2" => gpt2_spec(meta, &tokens)?,
         "llama" => (
-            sentencepiece_spec(&file, &tokens)?,
+            sentencepiece_spec(meta, &tokens)?,
             // llama.cpp adds BOS for SentencePiece vocabularies unless told otherwise.
             true,
         ),
         other => {
-            return Err(file.error(format!(
+            return Err(meta.error(format!(
                 "tokenizer.ggml.model {other:?} is not supported: lemo reads gpt2 and llama"
             )));
         }
@@ -68,29 +149,25 @@ pub fn from_gguf(path: &Path) -> Result<HuggingFaceTokenizer> {
         framing(add_bos.unwrap_or(add_bos_default), bos_id),
         framing(add_eos, eos_id),
     );
-    let inner = tokenizers::Tokenizer::from_bytes(spec.to_string().as_bytes())
-        .map_err(|e| file.error(format!("cannot build the tokenizer from the metadata: {e}")))?;
-    Ok(HuggingFaceTokenizer::from_parts(
-        path, inner, bos_id, eos_id,
-    ))
+    Ok(spec)
 }
 
-fn metadata_str<'a>(file: &'a GgufFile, key: &str) -> Result<&'a str> {
-    file.metadata(key)
+fn metadata_str<'a>(meta: &'a Metadata, key: &str) -> Result<&'a str> {
+    meta.get(key)
         .and_then(Value::as_str)
-        .ok_or_else(|| file.error(format!("no {key} in the metadata")))
+        .ok_or_else(|| meta.error(format!("no {key} in the metadata")))
 }
 
 /// A metadata array of strings; `None` when the key is absent.
-fn string_array<'a>(file: &'a GgufFile, key: &str) -> Result<Option<Vec<&'a str>>> {
-    let Some(value) = file.metadata(key) else {
+fn string_array<'a>(meta: &'a Metadata, key: &str) -> Result<Option<Vec<&'a str>>> {
+    let Some(value) = meta.get(key) else {
         return Ok(None);
     };
     value
         .as_array()
         .and_then(|values| values.iter().map(Value::as_str).collect::<Option<Vec<_>>>())
         .map(Some)
-        .ok_or_else(|| file.error(format!("{key} is not an array of strings")))
+        .ok_or_else(|| meta.error(format!("{key} is not an array of strings")))
 }
 
 fn integer(value: &Value) -> Option<i64> {
@@ -114,11 +191,11 @@ fn vocab_json(tokens: &[&str]) -> Json {
 
 /// Byte-level BPE; the pre-tokenizer is chosen by name, as llama.cpp chooses its regexes. Also
 /// says whether BOS is added when the metadata does not say (llama.cpp adds it for Llama 3).
-fn gpt2_spec(file: &GgufFile, tokens: &[&str]) -> Result<(Json, bool)> {
-    let merges = string_array(file, "tokenizer.ggml.merges")?
-        .ok_or_else(|| file.error("a gpt2 tokenizer needs tokenizer.ggml.merges"))?;
-    let pre = file
-        .metadata("tokenizer.ggml.pre")
+fn gpt2_spec(meta: &Metadata, tokens: &[&str]) -> Result<(Json, bool)> {
+    let merges = string_array(meta, "tokenizer.ggml.merges")?
+        .ok_or_else(|| meta.error("a gpt2 tokenizer needs tokenizer.ggml.merges"))?;
+    let pre = meta
+        .get("tokenizer.ggml.pre")
         .and_then(Value::as_str)
         .unwrap_or("gpt-2");
     let byte_level = |use_regex: bool| json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": use_regex});
@@ -144,7 +221,7 @@ fn gpt2_spec(file: &GgufFile, tokens: &[&str]) -> Result<(Json, bool)> {
             true,
         ),
         other => {
-            return Err(file.error(format!(
+            return Err(meta.error(format!(
                 "tokenizer.ggml.pre {other:?} is not supported: lemo reads gpt-2, smollm, starcoder, refact and llama-bpe"
             )));
         }
@@ -178,18 +255,18 @@ fn split_then_bytes(split: Json, bytes: Json) -> Json {
 /// `tokenizer.ggml.add_space_prefix` is false), and the adjacent pair whose concatenation is the
 /// highest-scoring token merges first. `tokenizers` ranks merges instead, so every way of
 /// splitting a token into two tokens becomes a merge ranked by the token's score.
-fn sentencepiece_spec(file: &GgufFile, tokens: &[&str]) -> Result<Json> {
-    let scores: Vec<f64> = file
-        .metadata("tokenizer.ggml.scores")
+fn sentencepiece_spec(meta: &Metadata, tokens: &[&str]) -> Result<Json> {
+    let scores: Vec<f64> = meta
+        .get("tokenizer.ggml.scores")
         .and_then(Value::as_array)
         .filter(|scores| scores.len() == tokens.len())
         .and_then(|scores| scores.iter().map(Value::as_f64).collect())
-        .ok_or_else(|| file.error("a llama tokenizer needs one tokenizer.ggml.scores per token"))?;
-    let add_space_prefix = file
-        .metadata("tokenizer.ggml.add_space_prefix")
+        .ok_or_else(|| meta.error("a llama tokenizer needs one tokenizer.ggml.scores per token"))?;
+    let add_space_prefix = meta
+        .get("tokenizer.ggml.add_space_prefix")
         .and_then(Value::as_bool)
         .unwrap_or(true);
-    let unk = file
+    let unk = meta
         .token_id("tokenizer.ggml.unknown_token_id")
         .unwrap_or(0) as usize;
     let id_of: HashMap<&str, usize> = tokens
