@@ -145,7 +145,7 @@ pub fn block_token_rows<B: Backend>(
     tokens_per_block: usize,
 ) -> Tensor<B, 4> {
     assert!(
-        tokens_per_block > 0 && block_size % tokens_per_block == 0,
+        tokens_per_block > 0 && block_size.is_multiple_of(tokens_per_block),
         "{tokens_per_block} tokens per block must divide the block size {block_size}"
     );
     let [batch, seq, hidden] = x.dims();

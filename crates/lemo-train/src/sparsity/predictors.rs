@@ -193,7 +193,7 @@ pub fn train_predictors<B: LemoBackend>(
     );
     let block_size = thresholds.block_size;
     let tokens_per_block = args.tokens_per_block.min(block_size);
-    if tokens_per_block == 0 || block_size % tokens_per_block != 0 {
+    if tokens_per_block == 0 || !block_size.is_multiple_of(tokens_per_block) {
         bail!(
             "--tokens-per-block {} does not divide the block size {block_size}",
             args.tokens_per_block
