@@ -17,6 +17,7 @@ use lemo_kernels::known_value::with_value;
 use lemo_kernels::loss::segment_cross_entropy;
 use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
 
+use lemo_predictor::MlpInputMap;
 use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 
@@ -70,6 +71,10 @@ pub trait Decoder<B: Backend> {
     /// token-block informativeness (from its intermediate activations) when `block_size` is
     /// given.
     fn mlp_pass(&self, index: usize, a: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B>;
+
+    /// The MLP's input side of layer `index` as the predictors' MLP sketch reads it (norm
+    /// folded in, f32); `None` where the MLP block stays dense (post-norm OPT).
+    fn mlp_input_map(&self, index: usize) -> Option<MlpInputMap<B>>;
 
     /// What output projection reads, from `h_L`.
     fn output_norm(&self, h: Tensor<B, 3>) -> Tensor<B, 3>;

@@ -156,6 +156,21 @@ impl<B: ComputeBackend> Linear<B> {
     }
 
     /// The frozen part `x W^T + bias`, outside the graph.
+    /// `[in, out]` in f32 with each input row scaled by `row_scale` (a norm's weight folded
+    /// in), and the bias `[out]` (zeros when there is none); the frozen map, without LoRA.
+    pub fn folded_f32(&self, row_scale: Option<Tensor<B, 1>>) -> (Tensor<B, 2>, Tensor<B, 1>) {
+        let weight = self.weight.val().cast(DType::F32).transpose();
+        let weight = match row_scale {
+            Some(scale) => weight * scale.cast(DType::F32).unsqueeze_dim(1),
+            None => weight,
+        };
+        let bias = match &self.bias {
+            Some(bias) => bias.val().cast(DType::F32),
+            None => Tensor::zeros([self.out_features()], &weight.device()),
+        };
+        (weight, bias)
+    }
+
     pub fn base_untracked<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         self.project(x.detach(), None, false)
     }

@@ -230,8 +230,13 @@ fn predicted_scores_choose_the_kept_rows_and_the_pass_stays_exact() {
     let thresholds = half_kept(&model, 8);
     let layers: Vec<LayerPredictors<B>> = (0..model.num_layers())
         .map(|_| LayerPredictors {
-            attention: Some(BlockPredictor::new(Block::Attention, hidden, 8, &device)),
-            mlp: Some(BlockPredictor::new(Block::Mlp, hidden, 8, &device)),
+            attention: Some(BlockPredictor::untrained(
+                Block::Attention,
+                hidden,
+                8,
+                &device,
+            )),
+            mlp: Some(BlockPredictor::untrained(Block::Mlp, hidden, 8, &device)),
         })
         .collect();
     let predictors = Predictors::new(PredictorsHeader::new(thresholds.clone(), 8), &layers);
@@ -273,4 +278,51 @@ fn predicted_scores_choose_the_kept_rows_and_the_pass_stays_exact() {
         differs_from_exact,
         "the predictors chose the exact rows everywhere"
     );
+}
+
+/// The predictors' MLP sketch reads the MLP through `mlp_input_map` (norm folded into the
+/// projections); over every channel it must give the scores the MLP pass itself computes.
+#[test]
+fn the_mlp_input_map_over_every_channel_gives_the_exact_mlp_scores() {
+    use lemo_models::token_plan::Record;
+    type B = CpuBackend;
+    let device = Default::default();
+    for fixture in ["llama_gqa_tied", "opt_prenorm_proj"] {
+        let model = trainable_model::<Autodiff<B>>(fixture, &["q_proj"], false, &device);
+        let model = burn::module::AutodiffModule::valid(&model);
+        let [vocab, hidden] = model.lm_head_weight().dims();
+        let tokens = random_tokens::<B>(vocab, [1, 64], &device);
+        let thresholds = half_kept(&model, 8);
+        let mut recording = TokenSparsity::recording(
+            &thresholds,
+            Record::ScoresAndTokenRows {
+                tokens_per_block: 8,
+            },
+        );
+        model.hidden_states(tokens, None, &mut recording);
+        let recorded = recording.into_plan().unwrap();
+        for layer in 0..model.num_layers() {
+            let record = recorded.scores[layer].block(Block::Mlp).unwrap();
+            let rows = Tensor::<B, 1>::from_floats(
+                record.token_rows.as_ref().unwrap().as_slice(),
+                &device,
+            )
+            .reshape([1, 8, 8, hidden]);
+            let map = model.mlp_input_map(layer).unwrap();
+            let channels = map.channels();
+            let sketch = map.sketch(&(0..channels).collect::<Vec<_>>());
+            // The sketch weighs every channel 1: its score is `channels` times the mean.
+            let sketched: Vec<f32> = (sketch.forward(rows).exp() / channels as f32)
+                .into_data()
+                .to_vec()
+                .unwrap();
+            for (got, exact) in sketched.iter().zip(&record.scores) {
+                assert!(
+                    (got - exact).abs() <= 1e-3 * exact.abs(),
+                    "{fixture} layer {layer}: {got} vs {exact} ({sketched:?} vs {:?})",
+                    record.scores
+                );
+            }
+        }
+    }
 }

@@ -1,6 +1,6 @@
-//! A model's trained predictors: safetensors (f32, `layers.{l}.{attention|mlp}.{s}.{first|second|
-//! out}.{weight|bias}`, scorer `s` 0 the query and 1 the key predictor of an attention block)
-//! with a JSON header under the metadata key `lemo_predictors` ([`PredictorsHeader`]: the model,
+//! A model's trained predictors: safetensors (f32; attention
+//! `layers.{l}.attention.{query|key}.{first|second|out}.{weight|bias}`, MLP sketch
+//! `layers.{l}.mlp.{gate|up|up_bias|log_weights}`, the gate absent for OPT) with a JSON header under the metadata key `lemo_predictors` ([`PredictorsHeader`]: the model,
 //! the block size, the thresholds they select with, each block's widths and recall).
 //!
 //! [`Predictors`] holds the weights on the host and builds them once per backend and device the
@@ -19,13 +19,14 @@ use lemo_sparsity::calibration::Block;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde::{Deserialize, Serialize};
 
-use crate::predictor::{BlockPredictor, LayerPredictors};
+use crate::predictor::{BlockPredictor, LayerPredictors, QueryKey};
 use crate::scorer::{Dense, Scorer};
+use crate::sketch::MlpSketch;
 
 /// Metadata key of the JSON header.
 const HEADER_KEY: &str = "lemo_predictors";
-/// 2: per-token scores pooled per token block (1 scored block means).
-const FORMAT: u32 = 2;
+/// 3: MLP sketches (2: learned MLP scorers; 1: scored block means).
+const FORMAT: u32 = 3;
 
 /// What a predictors file cannot be used for, in one line.
 #[derive(Debug, thiserror::Error)]
@@ -43,8 +44,9 @@ pub enum PredictorsError {
 /// How well one block's predictor finds the blocks exact scores keep, and its size.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BlockReport {
-    /// Hidden widths of each scorer (attention: query then key).
-    pub widths: Vec<[usize; 2]>,
+    /// Hidden widths: attention, the query scorer's two then the key scorer's two; MLP, the
+    /// sketch's channels.
+    pub widths: Vec<usize>,
     /// Parameters before and after elastic size transformation.
     pub params_before: usize,
     pub params_after: usize,
@@ -78,7 +80,7 @@ pub struct PredictorsHeader {
     pub num_layers: usize,
     pub hidden_size: usize,
     pub block_size: usize,
-    /// The initial hidden width of every scorer.
+    /// The initial hidden width of the query and key scorers.
     pub rank: usize,
     /// The thresholds the predicted scores select with (those they were trained at).
     pub thresholds: Thresholds,
@@ -127,44 +129,68 @@ fn block_name(block: Block) -> &'static str {
     }
 }
 
-/// `(name, dense map)` of every map of every scorer of `layers`.
-fn dense_maps<B: Backend>(layers: &[LayerPredictors<B>]) -> Vec<(String, &Dense<B>)> {
-    let mut maps = Vec::new();
-    for (l, layer) in layers.iter().enumerate() {
-        for block in [Block::Attention, Block::Mlp] {
-            let Some(predictor) = layer.block(block) else {
-                continue;
-            };
-            for (s, scorer) in predictor.scorers.iter().enumerate() {
-                let prefix = format!("layers.{l}.{}.{s}", block_name(block));
-                maps.push((format!("{prefix}.first"), &scorer.first));
-                maps.push((format!("{prefix}.second"), &scorer.second));
-                maps.push((format!("{prefix}.out"), &scorer.out));
+const SCORER_MAPS: [&str; 3] = ["first", "second", "out"];
+
+/// `(name, tensor)` of every tensor of `predictor`, named under `prefix`.
+fn block_tensors<B: Backend>(
+    prefix: &str,
+    predictor: &BlockPredictor<B>,
+) -> Vec<(String, TensorData)> {
+    let mut tensors = Vec::new();
+    let mut add = |name: String, data: TensorData| tensors.push((name, data));
+    match predictor {
+        BlockPredictor::Attention(QueryKey { query, key }) => {
+            for (role, scorer) in [("query", query), ("key", key)] {
+                let maps = [&scorer.first, &scorer.second, &scorer.out];
+                for (map, dense) in SCORER_MAPS.iter().zip(maps) {
+                    add(
+                        format!("{prefix}.{role}.{map}.weight"),
+                        dense.weight.val().into_data(),
+                    );
+                    add(
+                        format!("{prefix}.{role}.{map}.bias"),
+                        dense.bias.val().into_data(),
+                    );
+                }
             }
         }
+        BlockPredictor::Mlp(sketch) => {
+            if let Some(gate) = &sketch.gate {
+                add(format!("{prefix}.gate"), gate.val().into_data());
+            }
+            add(format!("{prefix}.up"), sketch.up.val().into_data());
+            add(
+                format!("{prefix}.up_bias"),
+                sketch.up_bias.val().into_data(),
+            );
+            add(
+                format!("{prefix}.log_weights"),
+                sketch.log_weights.val().into_data(),
+            );
+        }
     }
-    maps
+    tensors
+}
+
+fn block_prefix(layer: usize, block: Block) -> String {
+    format!("layers.{layer}.{}", block_name(block))
 }
 
 impl Predictors {
     /// The predictors `layers` (one per layer of the model) with `header`.
     pub fn new<B: Backend>(header: PredictorsHeader, layers: &[LayerPredictors<B>]) -> Self {
-        let host = |t: Tensor<B, 1>| -> Vec<f32> {
-            t.into_data()
-                .convert::<f32>()
-                .into_vec()
-                .expect("f32 weights")
-        };
         let mut tensors = HashMap::new();
-        for (name, dense) in dense_maps(layers) {
-            let weight = dense.weight.val();
-            let shape = weight.dims().to_vec();
-            tensors.insert(
-                format!("{name}.weight"),
-                (shape, host(weight.flatten(0, 1))),
-            );
-            let bias = dense.bias.val();
-            tensors.insert(format!("{name}.bias"), (bias.dims().to_vec(), host(bias)));
+        for (l, layer) in layers.iter().enumerate() {
+            for block in [Block::Attention, Block::Mlp] {
+                let Some(predictor) = layer.block(block) else {
+                    continue;
+                };
+                for (name, data) in block_tensors(&block_prefix(l, block), predictor) {
+                    let shape = data.shape.to_vec();
+                    let values = data.convert::<f32>().into_vec().expect("f32 weights");
+                    tensors.insert(name, (shape, values));
+                }
+            }
         }
         Self {
             header,
@@ -246,35 +272,30 @@ impl Predictors {
         Ok(predictors)
     }
 
-    /// Every token-eliminating block has its scorers, each a chain of consistent shapes.
+    /// The shape of tensor `name`, or what is missing.
+    fn shape(&self, name: &str) -> Result<Vec<usize>, String> {
+        self.tensors
+            .get(name)
+            .map(|(shape, _)| shape.clone())
+            .ok_or_else(|| format!("missing tensor {name}"))
+    }
+
+    /// Every token-eliminating block has its predictor: scorers, each a chain of consistent
+    /// shapes; a sketch whose maps and weights agree on the channel count.
     fn check_tensors(&self) -> Result<(), String> {
         let hidden = self.header.hidden_size;
         for (l, layer) in self.header.thresholds.layers.iter().enumerate() {
-            for (block, threshold) in [(Block::Attention, layer.attention), (Block::Mlp, layer.mlp)]
-            {
-                if threshold.is_none() {
-                    continue;
-                }
-                let scorers = match block {
-                    Block::Attention => 2,
-                    Block::Mlp => 1,
-                };
-                for s in 0..scorers {
-                    let prefix = format!("layers.{l}.{}.{s}", block_name(block));
+            if layer.attention.is_some() {
+                for role in ["query", "key"] {
                     let mut inputs = hidden;
-                    for (map, last) in [("first", false), ("second", false), ("out", true)] {
-                        let name = format!("{prefix}.{map}");
-                        let shape = |part: &str| {
-                            self.tensors
-                                .get(&format!("{name}.{part}"))
-                                .map(|(shape, _)| shape.clone())
-                                .ok_or_else(|| format!("missing tensor {name}.{part}"))
-                        };
-                        let (weight, bias) = (shape("weight")?, shape("bias")?);
+                    for map in SCORER_MAPS {
+                        let name = format!("{}.{role}.{map}", block_prefix(l, Block::Attention));
+                        let weight = self.shape(&format!("{name}.weight"))?;
+                        let bias = self.shape(&format!("{name}.bias"))?;
                         let consistent = weight.len() == 2
                             && weight[0] == inputs
                             && bias == [weight[1]]
-                            && (!last || weight[1] == 1);
+                            && (map != "out" || weight[1] == 1);
                         if !consistent {
                             return Err(format!(
                                 "{name} has weight {weight:?} and bias {bias:?} after a width of {inputs}"
@@ -282,6 +303,22 @@ impl Predictors {
                         }
                         inputs = weight[1];
                     }
+                }
+            }
+            if layer.mlp.is_some() {
+                let prefix = block_prefix(l, Block::Mlp);
+                let up = self.shape(&format!("{prefix}.up"))?;
+                let channels = up.get(1).copied().unwrap_or(0);
+                let gate = format!("{prefix}.gate");
+                let consistent = up.len() == 2
+                    && up[0] == hidden
+                    && self.shape(&format!("{prefix}.up_bias"))? == [channels]
+                    && self.shape(&format!("{prefix}.log_weights"))? == [channels]
+                    && (!self.tensors.contains_key(&gate) || self.shape(&gate)? == up);
+                if !consistent {
+                    return Err(format!(
+                        "{prefix}: the sketch's maps and weights disagree (up {up:?}, hidden size {hidden})"
+                    ));
                 }
             }
         }
@@ -326,23 +363,29 @@ impl Predictors {
                 Tensor::from_data(tensor(&format!("{name}.bias")), device),
             )
         };
+        let scorer = |prefix: &str| Scorer {
+            first: dense(&format!("{prefix}.first")),
+            second: dense(&format!("{prefix}.second")),
+            out: dense(&format!("{prefix}.out")),
+        };
         let block = |l: usize, block: Block, threshold: Option<f32>| {
             threshold?;
-            let count = match block {
-                Block::Attention => 2,
-                Block::Mlp => 1,
-            };
-            let scorers = (0..count)
-                .map(|s| {
-                    let prefix = format!("layers.{l}.{}.{s}", block_name(block));
-                    Scorer {
-                        first: dense(&format!("{prefix}.first")),
-                        second: dense(&format!("{prefix}.second")),
-                        out: dense(&format!("{prefix}.out")),
-                    }
-                })
-                .collect();
-            Some(BlockPredictor { scorers })
+            let prefix = block_prefix(l, block);
+            let named = |part: &str| format!("{prefix}.{part}");
+            Some(match block {
+                Block::Attention => BlockPredictor::Attention(QueryKey {
+                    query: scorer(&named("query")),
+                    key: scorer(&named("key")),
+                }),
+                Block::Mlp => BlockPredictor::Mlp(MlpSketch::from_tensors(
+                    self.tensors
+                        .contains_key(&named("gate"))
+                        .then(|| Tensor::from_data(tensor(&named("gate")), device)),
+                    Tensor::from_data(tensor(&named("up")), device),
+                    Tensor::from_data(tensor(&named("up_bias")), device),
+                    Tensor::from_data(tensor(&named("log_weights")), device),
+                )),
+            })
         };
         self.header
             .thresholds
@@ -417,8 +460,8 @@ mod tests {
                 mlp: None,
             },
             LayerPredictors {
-                attention: Some(BlockPredictor::new(Block::Attention, 8, 3, device)),
-                mlp: Some(BlockPredictor::new(Block::Mlp, 8, 3, device)),
+                attention: Some(BlockPredictor::untrained(Block::Attention, 8, 3, device)),
+                mlp: Some(BlockPredictor::untrained(Block::Mlp, 8, 3, device)),
             },
         ]
     }

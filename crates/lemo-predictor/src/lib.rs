@@ -6,19 +6,23 @@
 //!   `I(Q_m)` and `I(K_n)`, whose product approximates the block score matrix,
 //!   `I(B_mn) = I(Q_m) I(K_n)`; key block `n`'s token-block score is then its column mean over
 //!   the query blocks that see it, `I(K_n) mean_{m >= n} I(Q_m)`, as for exact scores
-//!   (`lemo_sparsity::informativeness`). Cost `O(s h r / b + (s / b)^2)` instead of `O(s^2 h)`.
-//! - MLP: one predictor gives the token block's score directly.
+//!   (`lemo_sparsity::informativeness`). Cost `O(s h r + (s / b)^2)` instead of `O(s^2 h)`.
+//! - MLP: a sketch of the MLP's own input map ([`sketch::MlpSketch`]): `k` of its `f` channels,
+//!   chosen for how much of the exact scores' variation between blocks they carry, with learned
+//!   weights; the block's score is the weighted mean `|activation|` of those channels.
 //!
-//! Each predictor ([`scorer::Scorer`]) is three low-rank maps with ReLU between them, applied to
-//! each token block's representative embedding (the mean of its RMS-normalized rows). They are
-//! trained offline on the frozen model's exact scores ([`training`]), pruned while their recall
-//! of the exactly kept blocks holds (elastic size transformation), and saved as safetensors with
-//! a JSON header ([`file`]).
+//! The query and key predictors ([`scorer::Scorer`]) are three low-rank maps with ReLU between
+//! them, giving each token's log-score from its RMS-normalized row, pooled per token block
+//! (log of the mean score). Both kinds are trained offline on the frozen model's exact scores
+//! ([`training`]), pruned while their recall of the exactly kept blocks holds (elastic size
+//! transformation), and saved as safetensors with a JSON header ([`file`]).
 
 pub mod file;
 pub mod predictor;
 pub mod scorer;
+pub mod sketch;
 pub mod training;
 
 pub use file::{Predictors, PredictorsError, PredictorsHeader};
-pub use predictor::{BlockPredictor, LayerPredictors};
+pub use predictor::{BlockPredictor, LayerPredictors, QueryKey};
+pub use sketch::{MlpInputMap, MlpSketch};

@@ -1,6 +1,7 @@
 //! A layer's predictors and what they predict: token-block log-scores of its attention block
 //! (`log I(K_n) + log mean_{m >= n} I(Q_m)`, the column mean of the rank-one block matrix
-//! `I(B_mn) = I(Q_m) I(K_n)` over the query blocks that see key block `n`) and of its MLP block.
+//! `I(B_mn) = I(Q_m) I(K_n)` over the query blocks that see key block `n`) and of its MLP block
+//! (a sketch of the MLP's own channels, [`crate::sketch`]).
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
@@ -8,32 +9,45 @@ use burn::tensor::{Tensor, TensorData};
 use lemo_sparsity::calibration::Block;
 
 use crate::scorer::{Scorer, block_token_rows};
+use crate::sketch::MlpSketch;
 
-/// The predictor of one block of a layer: attention `[query, key]`, MLP `[mlp]`.
+/// Initial hidden width of the query and key scorers.
+pub const DEFAULT_RANK: usize = 64;
+/// Initial channels of an MLP sketch (at most the MLP's own).
+pub const DEFAULT_MLP_CHANNELS: usize = 128;
+
+/// The attention block's predictors: token-block log-scores of queries and of keys.
 #[derive(Module, Debug)]
-pub struct BlockPredictor<B: Backend> {
-    pub scorers: Vec<Scorer<B>>,
+pub struct QueryKey<B: Backend> {
+    pub query: Scorer<B>,
+    pub key: Scorer<B>,
+}
+
+/// The predictor of one block of a layer.
+#[derive(Module, Debug)]
+pub enum BlockPredictor<B: Backend> {
+    Attention(QueryKey<B>),
+    Mlp(MlpSketch<B>),
 }
 
 impl<B: Backend> BlockPredictor<B> {
-    /// Fresh predictors of `block` for a model of width `hidden`.
-    pub fn new(block: Block, hidden: usize, rank: usize, device: &B::Device) -> Self {
-        let count = match block {
-            Block::Attention => 2,
-            Block::Mlp => 1,
-        };
-        Self {
-            scorers: (0..count)
-                .map(|_| Scorer::new(hidden, rank, device))
-                .collect(),
+    /// An untrained predictor of `block` for a model of width `hidden`: scorers of width
+    /// `rank`, or a sketch of `rank` random channels (trained MLP sketches start from the
+    /// model's own channels, [`crate::sketch::MlpInputMap::sketch`]).
+    pub fn untrained(block: Block, hidden: usize, rank: usize, device: &B::Device) -> Self {
+        match block {
+            Block::Attention => Self::Attention(QueryKey {
+                query: Scorer::new(hidden, rank, device),
+                key: Scorer::new(hidden, rank, device),
+            }),
+            Block::Mlp => Self::Mlp(MlpSketch::random(hidden, rank, device)),
         }
     }
 
     pub fn block(&self) -> Block {
-        if self.scorers.len() == 2 {
-            Block::Attention
-        } else {
-            Block::Mlp
+        match self {
+            Self::Attention(_) => Block::Attention,
+            Self::Mlp(_) => Block::Mlp,
         }
     }
 
@@ -41,24 +55,37 @@ impl<B: Backend> BlockPredictor<B> {
     /// `[batch, blocks, tokens, hidden]` ([`block_token_rows`]), up to a constant per sequence
     /// (selection is relative to the sequence's mean, so only ratios matter).
     pub fn log_scores(&self, rows: Tensor<B, 4>) -> Tensor<B, 2> {
-        match self.scorers.as_slice() {
-            [query, key] => key.forward(rows.clone()) + suffix_log_mean_exp(query.forward(rows)),
-            [mlp] => mlp.forward(rows),
-            _ => unreachable!("a block predictor has one or two scorers"),
+        match self {
+            Self::Attention(QueryKey { query, key }) => {
+                key.forward(rows.clone()) + suffix_log_mean_exp(query.forward(rows))
+            }
+            Self::Mlp(sketch) => sketch.forward(rows),
         }
     }
 
     /// Token-block scores `[batch, blocks]` (f32, each sequence's largest 1) of the block input
-    /// `x: [batch, seq, hidden]`: three small GEMMs per scorer over the tokens
-    /// (O(seq * hidden * rank)) and the pooling.
+    /// `x: [batch, seq, hidden]`: a few small GEMMs over the tokens (O(seq * hidden * rank))
+    /// and the pooling.
     pub fn token_block_scores(&self, x: Tensor<B, 3>, block_size: usize) -> Tensor<B, 2> {
         let log_scores = self.log_scores(block_token_rows(x, block_size, block_size));
         let largest = log_scores.clone().max_dim(1);
         (log_scores - largest).exp()
     }
 
+    /// Hidden widths: the query scorer's two and the key scorer's two, or the sketch's
+    /// channel count.
+    pub fn widths(&self) -> Vec<usize> {
+        match self {
+            Self::Attention(QueryKey { query, key }) => [query.widths(), key.widths()].concat(),
+            Self::Mlp(sketch) => vec![sketch.width()],
+        }
+    }
+
     pub fn num_params(&self) -> usize {
-        self.scorers.iter().map(Scorer::num_params).sum()
+        match self {
+            Self::Attention(QueryKey { query, key }) => query.num_params() + key.num_params(),
+            Self::Mlp(sketch) => sketch.num_params(),
+        }
     }
 }
 
@@ -116,7 +143,10 @@ mod tests {
     #[test]
     fn attention_scores_are_column_means_of_the_causal_outer_product() {
         let device = Default::default();
-        let predictor = BlockPredictor::<B>::new(Block::Attention, 8, 4, &device);
+        let predictor = BlockPredictor::<B>::untrained(Block::Attention, 8, 4, &device);
+        let BlockPredictor::Attention(scorers) = &predictor else {
+            unreachable!("an attention predictor")
+        };
         let rows = Tensor::<B, 4>::random([2, 5, 3, 8], Distribution::Normal(0.0, 1.0), &device);
         let scores: Vec<f32> = predictor
             .log_scores(rows.clone())
@@ -132,7 +162,7 @@ mod tests {
                 .to_vec()
                 .unwrap()
         };
-        let (query, key) = (exp(&predictor.scorers[0]), exp(&predictor.scorers[1]));
+        let (query, key) = (exp(&scorers.query), exp(&scorers.key));
         for sequence in 0..2 {
             let q = &query[sequence * 5..(sequence + 1) * 5];
             let k = &key[sequence * 5..(sequence + 1) * 5];
@@ -152,7 +182,7 @@ mod tests {
     #[test]
     fn token_block_scores_keep_the_ratios_and_put_the_largest_at_one() {
         let device = Default::default();
-        let predictor = BlockPredictor::<B>::new(Block::Mlp, 8, 4, &device);
+        let predictor = BlockPredictor::<B>::untrained(Block::Mlp, 8, 4, &device);
         let x = Tensor::<B, 3>::random([1, 40, 8], Distribution::Normal(0.0, 1.0), &device);
         let scores: Vec<f32> = predictor
             .token_block_scores(x.clone(), 8)

@@ -38,8 +38,16 @@ impl<B: Backend> Dense<B> {
         let mut rows_shape = x.dims();
         rows_shape[D - 1] = outputs;
         let rows = x.shape().num_elements() / inputs;
-        let y = x.reshape([rows, inputs]).matmul(self.weight.val()) + self.bias.val().unsqueeze();
-        y.reshape(rows_shape)
+        let x = x.reshape([rows, inputs]);
+        let y = if outputs == 1 {
+            // A matrix-vector product as a broadcast product and a row sum: CubeCL's vector
+            // kernels require `inputs` to be a multiple of the plane size, which pruned widths
+            // are not.
+            (x * self.weight.val().reshape([1, inputs])).sum_dim(1)
+        } else {
+            x.matmul(self.weight.val())
+        };
+        (y + self.bias.val().unsqueeze()).reshape(rows_shape)
     }
 
     pub fn num_params(&self) -> usize {

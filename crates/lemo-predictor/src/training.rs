@@ -13,10 +13,10 @@ use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 use lemo_sparsity::KeptRows;
-use lemo_sparsity::calibration::Block;
 
-use crate::predictor::BlockPredictor;
+use crate::predictor::{BlockPredictor, QueryKey};
 use crate::scorer::Scorer;
+use crate::sketch::{MlpInputMap, MlpSketch};
 
 /// Sharpness of the selection term: a margin of 0.25 in log-score is a confident side.
 const SHARPNESS: f64 = 4.0;
@@ -75,7 +75,8 @@ impl BlockSamples {
         )
     }
 
-    fn token_rows<B: Backend>(&self, device: &B::Device) -> Tensor<B, 4> {
+    /// `[sequences, blocks, tokens, hidden]`.
+    pub fn token_rows<B: Backend>(&self, device: &B::Device) -> Tensor<B, 4> {
         let shape = [self.sequences(), self.blocks, self.tokens, self.hidden];
         Tensor::from_data(TensorData::new(self.token_rows.clone(), shape), device)
     }
@@ -190,8 +191,6 @@ pub fn selection_loss<B: Backend>(
 /// Training and elastic size transformation of one block's predictor.
 #[derive(Debug, Clone)]
 pub struct TrainOptions {
-    /// Initial hidden width of every scorer.
-    pub rank: usize,
     /// Full-batch Adam steps over the training sequences.
     pub epochs: usize,
     pub learning_rate: f64,
@@ -207,7 +206,6 @@ pub struct TrainOptions {
 impl Default for TrainOptions {
     fn default() -> Self {
         Self {
-            rank: 64,
             epochs: 400,
             learning_rate: 3e-3,
             prune_every: 50,
@@ -228,11 +226,8 @@ pub struct TrainedBlock<B: Backend> {
     pub final_loss: f64,
 }
 
-/// How often each hidden neuron of each scorer outputs zero on `token_rows`.
-fn zero_frequencies<B: Backend>(
-    predictor: &BlockPredictor<B>,
-    token_rows: Tensor<B, 4>,
-) -> Vec<[Vec<f32>; 2]> {
+/// How often each hidden neuron of `scorer` outputs zero on `token_rows`, per hidden layer.
+fn zero_frequencies<B: Backend>(scorer: &Scorer<B>, token_rows: Tensor<B, 4>) -> [Vec<f32>; 2] {
     let frequency = |activation: Tensor<B, 4>| -> Vec<f32> {
         let [a, b, t, width] = activation.dims();
         activation
@@ -245,55 +240,84 @@ fn zero_frequencies<B: Backend>(
             .into_vec()
             .expect("f32 frequencies")
     };
-    predictor
-        .scorers
-        .iter()
-        .map(|scorer| {
-            let (first, second, _) = scorer.forward_with_activations(token_rows.clone());
-            [frequency(first), frequency(second)]
-        })
-        .collect()
+    let (first, second, _) = scorer.forward_with_activations(token_rows);
+    [frequency(first), frequency(second)]
 }
 
-/// The neurons of a layer that stay when `fraction` of them, the most often zero, go (at least
-/// four stay), in increasing order.
-fn survivors(zero_frequency: &[f32], fraction: f64) -> Vec<usize> {
-    let width = zero_frequency.len();
+/// The `fraction` of a layer's neurons with the largest `uselessness` go (at least four stay);
+/// the survivors in increasing order.
+fn survivors(uselessness: &[f32], fraction: f64) -> Vec<usize> {
+    let width = uselessness.len();
     let remove = ((width as f64 * fraction).floor() as usize).min(width.saturating_sub(4));
     let mut order: Vec<usize> = (0..width).collect();
-    order.sort_by(|&a, &b| {
-        zero_frequency[b]
-            .total_cmp(&zero_frequency[a])
-            .then(a.cmp(&b))
-    });
+    order.sort_by(|&a, &b| uselessness[b].total_cmp(&uselessness[a]).then(a.cmp(&b)));
     let mut keep = order[remove..].to_vec();
     keep.sort_unstable();
     keep
 }
 
+/// One round of elastic size transformation: a scorer loses the neurons most often zero, a
+/// sketch the channels that contribute least to its scores.
 fn prune<B: Backend>(
     predictor: &BlockPredictor<B>,
-    zero_frequencies: &[[Vec<f32>; 2]],
+    token_rows: Tensor<B, 4>,
     fraction: f64,
 ) -> BlockPredictor<B> {
-    let scorers: Vec<Scorer<B>> = predictor
-        .scorers
-        .iter()
-        .zip(zero_frequencies)
-        .map(|(scorer, [first, second])| {
-            scorer.pruned([&survivors(first, fraction), &survivors(second, fraction)])
-        })
-        .collect();
-    BlockPredictor { scorers }
+    let pruned_scorer = |scorer: &Scorer<B>| {
+        let [first, second] = zero_frequencies(scorer, token_rows.clone());
+        scorer.pruned([&survivors(&first, fraction), &survivors(&second, fraction)])
+    };
+    match predictor {
+        BlockPredictor::Attention(QueryKey { query, key }) => BlockPredictor::Attention(QueryKey {
+            query: pruned_scorer(query),
+            key: pruned_scorer(key),
+        }),
+        BlockPredictor::Mlp(sketch) => {
+            let negated: Vec<f32> = sketch
+                .contributions(token_rows)
+                .iter()
+                .map(|c| -c)
+                .collect();
+            BlockPredictor::Mlp(sketch.pruned(&survivors(&negated, fraction)))
+        }
+    }
 }
 
-/// Trains `block`'s predictor on `train` for `options.epochs`, then transforms its size: each
-/// round prunes the neurons most often zero and trains `options.prune_every` more epochs, and is
+/// The MLP predictor training starts from: the sketch of the `channels` channels of `map` that
+/// [`MlpInputMap::select_neurons`] picks on `train`, on the autodiff backend `B`.
+pub fn initial_sketch<B: AutodiffBackend>(
+    map: &MlpInputMap<B::InnerBackend>,
+    train: &BlockSamples,
+    channels: usize,
+    device: &B::Device,
+) -> BlockPredictor<B> {
+    let shape = [train.sequences(), train.blocks];
+    let scores = Tensor::from_data(TensorData::new(train.scores.clone(), shape), device);
+    // Sequences per product, so that `[rows, ffn]` stays near 2^28 values.
+    let rows_per_sequence = (train.blocks * train.tokens).max(1);
+    let chunk = ((1usize << 28) / (rows_per_sequence * map.channels()).max(1)).max(1);
+    let neurons = map.select_neurons(
+        train.token_rows(device),
+        scores,
+        channels.min(map.channels()),
+        chunk,
+    );
+    let sketch = map.sketch(&neurons);
+    BlockPredictor::Mlp(MlpSketch::from_tensors(
+        sketch.gate.map(|g| Tensor::from_inner(g.val())),
+        Tensor::from_inner(sketch.up.val()),
+        Tensor::from_inner(sketch.up_bias.val()),
+        Tensor::from_inner(sketch.log_weights.val()),
+    ))
+}
+
+/// Trains `initial` on `train` for `options.epochs`, then transforms its size: each round prunes
+/// ([`prune`]) and trains `options.prune_every` more epochs, and is
 /// kept while recall on `validation` stays within `options.recall_tolerance` of the unpruned
 /// predictor's (the first round that falls short is undone and ends pruning). `on_epoch` is
 /// called after every epoch (progress).
 pub fn train_block<B: AutodiffBackend>(
-    block: Block,
+    initial: BlockPredictor<B>,
     train: &BlockSamples,
     validation: &BlockSamples,
     selection: Selection,
@@ -327,15 +351,13 @@ pub fn train_block<B: AutodiffBackend>(
         recall::<B::InnerBackend>(&p.valid(), validation, selection, device)
     };
 
-    let fresh = BlockPredictor::<B>::new(block, train.hidden, options.rank, device);
-    let params_before = fresh.num_params();
-    let (mut predictor, mut final_loss) = fit(fresh, options.epochs);
+    let params_before = initial.num_params();
+    let (mut predictor, mut final_loss) = fit(initial, options.epochs);
     let unpruned = validation_recall(&predictor);
     let mut kept = unpruned;
     if options.prune_every > 0 && options.prune_fraction > 0.0 {
         loop {
-            let frequencies = zero_frequencies(&predictor, token_rows.clone());
-            let pruned = prune(&predictor, &frequencies, options.prune_fraction);
+            let pruned = prune(&predictor, token_rows.clone(), options.prune_fraction);
             if pruned.num_params() == predictor.num_params() {
                 break;
             }
@@ -361,41 +383,60 @@ mod tests {
     use super::*;
     use burn::backend::{Autodiff, NdArray};
     use burn::tensor::Distribution;
+    use lemo_sparsity::calibration::Block;
 
     type B = NdArray<f32>;
+    type AB = Autodiff<B>;
 
-    /// Sequences of blocks of 4 tokens whose exact token-block scores are a fixed function of
-    /// the tokens (the log-mean of a linear per-token score; attention: the rank-one block
-    /// matrix of two such scores), so that a predictor can learn them.
-    fn samples(block: Block, sequences: usize, blocks: usize, hidden: usize) -> BlockSamples {
+    const HIDDEN: usize = 12;
+    const MLP_CHANNELS: usize = 48;
+
+    /// Sequences of blocks of 4 tokens and their exact token-block scores: attention, the
+    /// rank-one block matrix of two log-mean-exp pooled linear per-token scores (what the
+    /// scorers can learn); MLP, the mean `|silu(x G) * (x U)|` of a random SwiGLU map (every
+    /// channel), returned with the map.
+    fn samples(block: Block, sequences: usize, blocks: usize) -> (BlockSamples, MlpInputMap<B>) {
         let device = Default::default();
         let tokens = 4;
         let x = Tensor::<B, 4>::random(
-            [sequences, blocks, tokens, hidden],
+            [sequences, blocks, tokens, HIDDEN],
             Distribution::Normal(0.0, 1.0),
             &device,
         );
         let pooled = |weights: Tensor<B, 2>| {
             let per_token = x
                 .clone()
-                .reshape([sequences * blocks * tokens, hidden])
+                .reshape([sequences * blocks * tokens, HIDDEN])
                 .matmul(weights)
                 .reshape([sequences, blocks, tokens]);
             (per_token.exp().mean_dim(2).log()).reshape([sequences, blocks])
         };
-        let u = Tensor::<B, 2>::random([hidden, 1], Distribution::Normal(0.0, 0.5), &device);
-        let w = Tensor::<B, 2>::random([hidden, 1], Distribution::Normal(0.0, 0.5), &device);
-        let key = pooled(u);
-        let log_scores = match block {
-            Block::Mlp => key,
-            Block::Attention => key + crate::predictor::suffix_log_mean_exp(pooled(w)),
+        let normal = Distribution::Normal(0.0, 0.5);
+        // Channel scales spread over two orders of magnitude, as a trained MLP's are.
+        let channel_scales =
+            Tensor::<B, 1>::random([MLP_CHANNELS], Distribution::Normal(0.0, 1.0), &device).exp();
+        let map = MlpInputMap {
+            gate: Some(Tensor::random([HIDDEN, MLP_CHANNELS], normal, &device)),
+            up: Tensor::random([HIDDEN, MLP_CHANNELS], normal, &device)
+                * channel_scales.unsqueeze(),
+            up_bias: Tensor::zeros([MLP_CHANNELS], &device),
         };
-        let mut out = BlockSamples::new(blocks, tokens, hidden);
+        let log_scores = match block {
+            Block::Mlp => map
+                .sketch(&(0..MLP_CHANNELS).collect::<Vec<_>>())
+                .forward(x.clone()),
+            Block::Attention => {
+                let u = Tensor::<B, 2>::random([HIDDEN, 1], normal, &device);
+                let w = Tensor::<B, 2>::random([HIDDEN, 1], normal, &device);
+                pooled(u) + crate::predictor::suffix_log_mean_exp(pooled(w))
+            }
+        };
+        let mut out = BlockSamples::new(blocks, tokens, HIDDEN);
         out.push(
             &x.into_data().to_vec::<f32>().unwrap(),
             &log_scores.exp().into_data().to_vec::<f32>().unwrap(),
         );
-        out
+        (out, map)
     }
 
     #[test]
@@ -404,25 +445,28 @@ mod tests {
         let device = Default::default();
         B::seed(&device, seed);
         for block in [Block::Attention, Block::Mlp] {
-            let data = samples(block, 300, 24, 12);
+            let (data, map) = samples(block, 300, 24);
             let (train, validation) = data.split(200);
             let selection = Selection {
                 threshold: 1.0,
                 min_keep: 0.1,
             };
             let options = TrainOptions {
-                rank: 16,
                 epochs: 300,
                 learning_rate: 1e-2,
                 prune_every: 40,
-                recall_tolerance: 0.01,
+                recall_tolerance: 0.02,
                 seed,
                 ..TrainOptions::default()
             };
-            let untrained = BlockPredictor::<B>::new(block, 12, 16, &device);
+            let untrained = BlockPredictor::<B>::untrained(block, HIDDEN, 16, &device);
             let chance = recall(&untrained, &validation, selection, &device);
-            let trained = train_block::<Autodiff<B>>(
-                block,
+            let initial = match block {
+                Block::Attention => BlockPredictor::untrained(block, HIDDEN, 16, &device),
+                Block::Mlp => initial_sketch::<AB>(&map, &train, 24, &device),
+            };
+            let trained = train_block::<AB>(
+                initial,
                 &train,
                 &validation,
                 selection,
@@ -432,8 +476,8 @@ mod tests {
             );
             let after = trained.validation;
             println!(
-                "{block:?}: untrained {chance:?}, trained {after:?}, loss {}",
-                trained.final_loss
+                "{block:?}: untrained {chance:?}, trained {:?} then pruned {after:?}, loss {}",
+                trained.validation_before, trained.final_loss
             );
             assert!(after.recall >= 0.9, "{block:?}: {after:?}");
             assert!(

@@ -16,7 +16,8 @@ use lemo_models::{CausalLm, LoraConfig, ModelConfig};
 use serde::Serialize;
 
 use crate::device::{BackendJob, PrecisionKind};
-use crate::memory::{self, gib};
+use crate::memory::{self, DeviceWatch, gib};
+use crate::memory_plan::{self, PlanInput};
 use crate::sparsity::{self, SparsitySettings, sparse_keep};
 use crate::train::config::Method;
 use crate::train::optim::{self, AdamW, AdamWSettings, NamedTensors};
@@ -78,6 +79,14 @@ pub struct BenchResult {
     /// `--method lemo`: mean kept fraction of the token-eliminating attention and MLP blocks.
     pub keep_attention: Option<f64>,
     pub keep_mlp: Option<f64>,
+    /// Device-level peak above the idle level (NVML, polled every 10 ms): pool reservations,
+    /// workspaces and the CUDA context included, as `nvidia-smi` counts it. CUDA only.
+    pub device_peak_gib: Option<f64>,
+    /// The memory plan's prediction of the device peak for this run (`train` checks it before
+    /// the first step).
+    pub predicted_peak_gib: f64,
+    /// (predicted - device peak) / device peak.
+    pub predicted_error: Option<f64>,
 }
 
 pub struct BenchJob {
@@ -92,6 +101,8 @@ pub struct BenchJob {
     pub precision: PrecisionKind,
     /// `--method lemo`: thresholds from a file, or kept fractions on the bench's own sequence.
     pub sparsity: SparsitySettings,
+    /// Device-level memory watch, started before the backend creates its CUDA context.
+    pub device_watch: Option<DeviceWatch>,
 }
 
 impl BackendJob for BenchJob {
@@ -113,6 +124,32 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
 /// Step times, peak and after-forward bytes, the model after the steps and the last step's
 /// token plan.
 type Measured<B> = (Vec<f64>, u64, u64, CausalLm<B>, Option<TokenPlan>);
+
+/// What the memory plan needs of a bench run: batch 1, the bench's 1024-token loss segment.
+fn plan_input(
+    job: &BenchJob,
+    config: &ModelConfig,
+    lora: &LoraConfig,
+    seq_len: usize,
+) -> PlanInput {
+    PlanInput {
+        model: config.clone(),
+        seq_len,
+        batch_size: 1,
+        method: job.method,
+        checkpointing: job.checkpointing,
+        precision: job.precision,
+        lora_rank: lora.rank,
+        lora_targets: lora.target_modules.clone(),
+        train_extras: lora.train_embeddings || lora.train_norms,
+        loss_segment: LOSS_SEGMENT,
+        target_keep: job.sparsity.target_keep,
+        dense_layers: job.sparsity.dense_layers.len(),
+    }
+}
+
+/// Tokens whose logits one loss segment materializes.
+const LOSS_SEGMENT: usize = 1024;
 
 fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchResult>> {
     type AB<B> = Autodiff<B>;
@@ -176,6 +213,11 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
             trainable_params: trainable,
             keep_attention: None,
             keep_mlp: None,
+            device_peak_gib: None,
+            predicted_peak_gib: gib(
+                memory_plan::predict(&plan_input(&job, &config, &lora, seq_len)).total as u64,
+            ),
+            predicted_error: None,
         };
         if ran_out {
             result.oom = true;
@@ -199,6 +241,9 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
             None
         };
         B::memory_cleanup(&device);
+        if let Some(watch) = &job.device_watch {
+            watch.take_peak();
+        }
         let outcome = catch_unwind(AssertUnwindSafe(|| -> Result<Measured<AB<B>>> {
             let mut model = model.clone();
             let mut optimizer = AdamW::<B>::new(AdamWSettings::default());
@@ -213,7 +258,7 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                 let (_, _, mem) = forward_backward(
                     &model,
                     batch,
-                    1024,
+                    LOSS_SEGMENT,
                     scale,
                     job.checkpointing,
                     &mut token_sparsity,
@@ -253,6 +298,18 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                 result.step_times_s = times;
                 result.peak_gib = Some(gib(peak));
                 result.after_forward_gib = Some(gib(after_forward));
+                if let Some(watch) = &job.device_watch {
+                    let device_peak = gib(watch.take_peak());
+                    result.device_peak_gib = Some(device_peak);
+                    result.predicted_error =
+                        Some((result.predicted_peak_gib - device_peak) / device_peak);
+                    eprintln!(
+                        "bench: {seq_len} tokens: device peak {device_peak:.1} GiB, memory plan \
+                         {:.1} GiB ({:+.1}%)",
+                        result.predicted_peak_gib,
+                        100.0 * (result.predicted_peak_gib - device_peak) / device_peak
+                    );
+                }
             }
             Ok(Err(error)) => {
                 let message = format!("{error:#}");

@@ -291,6 +291,9 @@ fn run(cli: Cli) -> Result<()> {
                 lora_rank,
                 seed,
                 precision,
+                device_watch: (device == DeviceKind::Cuda)
+                    .then(memory::DeviceWatch::start)
+                    .flatten(),
             };
             let results = device.run(job)?;
             if let Some(path) = out {

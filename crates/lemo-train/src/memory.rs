@@ -107,6 +107,110 @@ pub fn is_out_of_memory(message: &str) -> bool {
     letters.contains("outofmemory") || letters.contains("allocat")
 }
 
+/// The device-level memory in use on GPU 0 as `nvidia-smi` counts it (NVML), polled every 10 ms
+/// on its own thread: what the memory pools reserve, library workspaces and the CUDA context
+/// included, which is what runs out. The idle level is read when the watch starts, before the
+/// process creates its CUDA context, and the peak is reported above it.
+pub struct DeviceWatch {
+    idle: u64,
+    peak: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    poller: Option<std::thread::JoinHandle<()>>,
+}
+
+/// NVML's `nvmlMemory_t`.
+#[repr(C)]
+#[derive(Default)]
+struct NvmlMemory {
+    total: u64,
+    free: u64,
+    used: u64,
+}
+
+/// NVML loaded at run time (the driver ships it; builds need no CUDA toolkit).
+struct Nvml {
+    _library: libloading::Library,
+    device: *mut std::ffi::c_void,
+    memory_info: unsafe extern "C" fn(*mut std::ffi::c_void, *mut NvmlMemory) -> i32,
+}
+
+// SAFETY: NVML handles are thread-safe; the poller is the only user after the watch starts.
+unsafe impl Send for Nvml {}
+
+impl Nvml {
+    fn open() -> Option<Self> {
+        type Init = unsafe extern "C" fn() -> i32;
+        type HandleByIndex = unsafe extern "C" fn(u32, *mut *mut std::ffi::c_void) -> i32;
+        // SAFETY: NVML's documented signatures; every status is checked before use.
+        unsafe {
+            let library = libloading::Library::new("libnvidia-ml.so.1").ok()?;
+            let init: Init = *library.get(b"nvmlInit_v2").ok()?;
+            let handle_by_index: HandleByIndex =
+                *library.get(b"nvmlDeviceGetHandleByIndex_v2").ok()?;
+            let memory_info = *library.get(b"nvmlDeviceGetMemoryInfo").ok()?;
+            let mut device = std::ptr::null_mut();
+            if init() != 0 || handle_by_index(0, &mut device) != 0 {
+                return None;
+            }
+            Some(Self {
+                _library: library,
+                device,
+                memory_info,
+            })
+        }
+    }
+
+    fn used(&self) -> Option<u64> {
+        let mut memory = NvmlMemory::default();
+        // SAFETY: `device` came from NVML and `memory` is the struct it fills.
+        (unsafe { (self.memory_info)(self.device, &mut memory) } == 0).then_some(memory.used)
+    }
+}
+
+impl DeviceWatch {
+    /// Starts polling; `None` where NVML is missing (no NVIDIA driver).
+    pub fn start() -> Option<Self> {
+        use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+        let nvml = Nvml::open()?;
+        let idle = nvml.used()?;
+        let peak = std::sync::Arc::new(AtomicU64::new(idle));
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let poller = {
+            let (peak, stop) = (peak.clone(), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if let Some(used) = nvml.used() {
+                        peak.fetch_max(used, Ordering::Relaxed);
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+            })
+        };
+        Some(Self {
+            idle,
+            peak,
+            stop,
+            poller: Some(poller),
+        })
+    }
+
+    /// The peak above the idle level since the start or the last call, after which the peak
+    /// starts again from the memory in use now (pools keep what they reserved).
+    pub fn take_peak(&self) -> u64 {
+        let peak = self.peak.swap(0, std::sync::atomic::Ordering::Relaxed);
+        peak.saturating_sub(self.idle)
+    }
+}
+
+impl Drop for DeviceWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(poller) = self.poller.take() {
+            let _ = poller.join();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::is_out_of_memory;

@@ -7,7 +7,7 @@ use anyhow::{Result, bail};
 use burn::tensor::backend::Backend;
 use lemo_models::ModelConfig;
 use lemo_models::token_plan::TokenSparsity;
-use lemo_predictor::training::TrainOptions;
+use lemo_predictor::predictor::{DEFAULT_MLP_CHANNELS, DEFAULT_RANK};
 use lemo_predictor::{BlockPredictor, LayerPredictors, Predictors, PredictorsHeader};
 use lemo_sparsity::calibration::Block;
 use lemo_sparsity::{LayerThresholds, Thresholds};
@@ -164,15 +164,20 @@ pub fn bench_elimination<B: Backend>(
     };
     let mut elimination = elimination(&exact, config, || Ok(keep_exactly(config, settings)))?;
     if untrained {
-        let rank = TrainOptions::default().rank;
+        let (rank, channels) = (DEFAULT_RANK, DEFAULT_MLP_CHANNELS);
         let layers: Vec<LayerPredictors<B>> = elimination
             .thresholds
             .layers
             .iter()
             .map(|t| {
                 let block = |threshold: Option<f32>, block| {
-                    threshold
-                        .map(|_| BlockPredictor::new(block, config.hidden_size(), rank, device))
+                    let width = match block {
+                        Block::Attention => rank,
+                        Block::Mlp => channels,
+                    };
+                    threshold.map(|_| {
+                        BlockPredictor::untrained(block, config.hidden_size(), width, device)
+                    })
                 };
                 LayerPredictors {
                     attention: block(t.attention, Block::Attention),
@@ -183,7 +188,7 @@ pub fn bench_elimination<B: Backend>(
         let header = PredictorsHeader::new(elimination.thresholds.clone(), rank);
         let predictors = Predictors::new(header, &layers);
         eprintln!(
-            "bench: untrained predictors of rank {rank} ({} parameters), for timing only",
+            "bench: untrained predictors of rank {rank}, MLP sketches of {channels} channels ({} parameters), for timing only",
             predictors.num_params()
         );
         elimination.predictors = Some(predictors);

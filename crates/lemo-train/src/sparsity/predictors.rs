@@ -11,10 +11,11 @@ use clap::Args;
 use lemo_kernels::LemoBackend;
 use lemo_models::CausalLm;
 use lemo_models::token_plan::{Record, TokenSparsity};
+use lemo_predictor::predictor::{DEFAULT_MLP_CHANNELS, DEFAULT_RANK};
 use lemo_predictor::training::{
-    BlockSamples, Recall, Selection, TrainOptions, recall, train_block,
+    BlockSamples, Recall, Selection, TrainOptions, initial_sketch, recall, train_block,
 };
-use lemo_predictor::{LayerPredictors, Predictors, PredictorsHeader};
+use lemo_predictor::{BlockPredictor, LayerPredictors, Predictors, PredictorsHeader};
 use lemo_sparsity::Thresholds;
 use lemo_sparsity::calibration::Block;
 
@@ -41,9 +42,13 @@ pub struct TrainPredictorsArgs {
     /// size; predictors score every token when used; held-out recall reads every token too).
     #[arg(long, default_value_t = 16)]
     pub tokens_per_block: usize,
-    /// Initial hidden width of every predictor.
-    #[arg(long, default_value_t = TrainOptions::default().rank)]
+    /// Initial hidden width of the attention predictors (query and key scorers).
+    #[arg(long, default_value_t = DEFAULT_RANK)]
     pub rank: usize,
+    /// Initial channels of each MLP predictor: the MLP's own channels it evaluates, chosen on
+    /// the training data (capped at the MLP's width).
+    #[arg(long, default_value_t = DEFAULT_MLP_CHANNELS)]
+    pub mlp_channels: usize,
     /// Full-batch training epochs before elastic size transformation.
     #[arg(long, default_value_t = TrainOptions::default().epochs)]
     pub epochs: usize,
@@ -215,7 +220,6 @@ pub fn train_predictors<B: LemoBackend>(
     );
 
     let options = TrainOptions {
-        rank: args.rank,
         epochs: args.epochs,
         learning_rate: args.predictor_lr,
         prune_every: args.prune_every,
@@ -248,8 +252,19 @@ pub fn train_predictors<B: LemoBackend>(
             };
             let validation_count = (samples.sequences() / 5).max(1);
             let (fit, validation) = samples.split(samples.sequences() - validation_count);
+            let initial = match block {
+                Block::Attention => {
+                    BlockPredictor::untrained(block, thresholds.hidden_size, args.rank, &device)
+                }
+                Block::Mlp => {
+                    let Some(map) = model.mlp_input_map(layer) else {
+                        bail!("layer {layer}'s MLP block runs dense: it has no predictor")
+                    };
+                    initial_sketch::<Autodiff<B>>(&map, &fit, args.mlp_channels, &device)
+                }
+            };
             let result = train_block::<Autodiff<B>>(
-                block,
+                initial,
                 &fit,
                 &validation,
                 selection,
@@ -263,12 +278,7 @@ pub fn train_predictors<B: LemoBackend>(
             let measured = recall(&result.predictor, held_out, selection, &device);
             held_out_recalls.push(measured);
             *header.layers[layer].block_mut(block) = Some(lemo_predictor::file::BlockReport {
-                widths: result
-                    .predictor
-                    .scorers
-                    .iter()
-                    .map(|s| s.widths())
-                    .collect(),
+                widths: result.predictor.widths(),
                 params_before: result.params_before,
                 params_after: result.predictor.num_params(),
                 recall: measured.recall,
