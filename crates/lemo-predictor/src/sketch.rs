@@ -4,10 +4,11 @@
 //! intermediate channels, `a = silu(x G) * (x U)` (Llama, Mistral) or `relu(x U + b)` (OPT), `x`
 //! the normalized block input. The sketch keeps `k << f` of those channels (their columns of
 //! `G` and `U`, with the norm's weight folded in), chosen on training data for how much of the
-//! variation of the exact scores between blocks they carry, and learns one non-negative weight
+//! variation of the exact scores between blocks they carry, and fits one non-negative weight
 //! per channel: `score(block) = mean_t sum_j exp(w_j) |a_tj|`. Cost `O(s h k)`, `2k / 3f` of the
-//! MLP's forward pass over every token; its projections stay frozen (a few thousand training
-//! blocks would overfit `2 h k` free values), the `k` weights are trained.
+//! MLP's forward pass over every token. Its projections stay frozen (a few thousand training
+//! blocks would overfit `2 h k` free values); the score is linear in the `k` weights, which are
+//! solved by non-negative least squares ([`MlpSketch::fitted`]).
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::{relu, silu};
@@ -85,20 +86,12 @@ impl<B: Backend> MlpInputMap<B> {
     ) -> Vec<usize> {
         let [sequences, blocks, _, _] = token_rows.dims();
         let full = self.sketch(&(0..self.channels()).collect::<Vec<_>>());
-        let mut covariance = Tensor::<B, 1>::zeros([self.channels()], &self.up.device());
-        for start in (0..sequences).step_by(chunk.max(1)) {
-            let count = chunk.max(1).min(sequences - start);
-            let rows = token_rows.clone().narrow(0, start, count);
-            // [count, blocks, ffn]: each channel's mean |a| per block.
-            let block_means = full
-                .channel_activations(rows)
-                .mean_dim(2)
-                .squeeze_dim::<3>(2);
-            let target = scores.clone().narrow(0, start, count);
-            let target = (target.clone() - target.mean_dim(1)).reshape([count, blocks, 1]);
-            let centered = block_means.clone() - block_means.mean_dim(1);
-            covariance = covariance + (centered * target).sum_dim(1).sum_dim(0).flatten(0, 2);
-        }
+        let block_means = full
+            .block_channel_means(token_rows, chunk)
+            .reshape([sequences, blocks, self.channels()]);
+        let target = (scores.clone() - scores.mean_dim(1)).reshape([sequences, blocks, 1]);
+        let centered = block_means.clone() - block_means.mean_dim(1);
+        let covariance = (centered * target).sum_dim(1).sum_dim(0).flatten::<1>(0, 2);
         let order: Vec<f32> = covariance
             .into_data()
             .convert::<f32>()
@@ -106,6 +99,69 @@ impl<B: Backend> MlpInputMap<B> {
             .expect("f32 covariances");
         largest(&order, k)
     }
+}
+
+/// `argmin |M w - t|^2 + ridge |w - prior|^2` over `w >= floor`, from the normal equations
+/// (`gram = M^T M`, `moment = M^T t`): channels whose weight comes out below the floor are held
+/// at it and the rest solved again, until none is.
+fn non_negative_ridge(
+    gram: &[f64],
+    moment: &[f64],
+    prior: &[f64],
+    ridge: f64,
+    floor: f64,
+) -> Vec<f64> {
+    let k = moment.len();
+    let mut held = vec![false; k];
+    loop {
+        let free: Vec<usize> = (0..k).filter(|&i| !held[i]).collect();
+        let n = free.len();
+        let mut system = vec![0.0f64; n * n];
+        let mut right = vec![0.0f64; n];
+        for (a, &i) in free.iter().enumerate() {
+            right[a] = moment[i] + ridge * prior[i]
+                - (0..k).filter(|&j| held[j]).map(|j| gram[i * k + j] * floor).sum::<f64>();
+            for (c, &j) in free.iter().enumerate() {
+                system[a * n + c] = gram[i * k + j] + if i == j { ridge } else { 0.0 };
+            }
+        }
+        let solution = cholesky_solve(&mut system, right);
+        let mut weights = vec![floor; k];
+        let mut newly_held = false;
+        for (a, &i) in free.iter().enumerate() {
+            if solution[a] < floor {
+                held[i] = true;
+                newly_held = true;
+            } else {
+                weights[i] = solution[a];
+            }
+        }
+        if !newly_held {
+            return weights;
+        }
+    }
+}
+
+/// Solves `A x = b` for a symmetric positive definite `A` (`n x n`, overwritten by its Cholesky
+/// factor).
+fn cholesky_solve(a: &mut [f64], mut b: Vec<f64>) -> Vec<f64> {
+    let n = b.len();
+    for j in 0..n {
+        let diagonal = a[j * n + j] - (0..j).map(|p| a[j * n + p] * a[j * n + p]).sum::<f64>();
+        let diagonal = diagonal.max(1e-300).sqrt();
+        a[j * n + j] = diagonal;
+        for i in j + 1..n {
+            let sum = (0..j).map(|p| a[i * n + p] * a[j * n + p]).sum::<f64>();
+            a[i * n + j] = (a[i * n + j] - sum) / diagonal;
+        }
+    }
+    for i in 0..n {
+        b[i] = (b[i] - (0..i).map(|p| a[i * n + p] * b[p]).sum::<f64>()) / a[i * n + i];
+    }
+    for i in (0..n).rev() {
+        b[i] = (b[i] - (i + 1..n).map(|p| a[p * n + i] * b[p]).sum::<f64>()) / a[i * n + i];
+    }
+    b
 }
 
 /// Indices of the `k` largest values, in increasing index order.
@@ -168,6 +224,78 @@ impl<B: Backend> MlpSketch<B> {
             }
         };
         activations.abs().reshape([batch, blocks, tokens, k])
+    }
+
+    /// Each channel's mean `|a|` over each block's tokens, `[batch * blocks, k]`, computed
+    /// `chunk` sequences of `token_rows: [batch, blocks, tokens, hidden]` at a time.
+    pub fn block_channel_means(&self, token_rows: Tensor<B, 4>, chunk: usize) -> Tensor<B, 2> {
+        let [sequences, blocks, _, _] = token_rows.dims();
+        let chunk = chunk.max(1);
+        let parts: Vec<Tensor<B, 2>> = (0..sequences)
+            .step_by(chunk)
+            .map(|start| {
+                let rows = token_rows.clone().narrow(0, start, chunk.min(sequences - start));
+                let count = rows.dims()[0];
+                self.channel_activations(rows)
+                    .mean_dim(2)
+                    .reshape([count * blocks, self.width()])
+            })
+            .collect();
+        Tensor::cat(parts, 0)
+    }
+
+    /// The sketch with the channel weights that best reproduce the exact `scores`
+    /// (`[sequences * blocks]`, of the blocks of `token_rows`) by least squares, the score
+    /// being linear in the weights: non-negative (active set), with a small ridge toward the
+    /// present weights, the target rescaled to the present scores' mean (only ratios matter).
+    /// A closed form on the host, `O(blocks k^2 + k^3)`: no epochs, and no drift toward the
+    /// training rows' noise that gradient steps on the selection loss show.
+    pub fn fitted(&self, token_rows: Tensor<B, 4>, scores: &[f32], chunk: usize) -> Self {
+        let k = self.width();
+        let means: Vec<f64> = self
+            .block_channel_means(token_rows, chunk)
+            .into_data()
+            .convert::<f64>()
+            .into_vec()
+            .expect("f64 means");
+        let present: Vec<f64> = self
+            .log_weights
+            .val()
+            .exp()
+            .into_data()
+            .convert::<f64>()
+            .into_vec()
+            .expect("f64 weights");
+        let blocks = scores.len();
+        assert_eq!(means.len(), blocks * k, "one score per block");
+        let row = |b: usize| &means[b * k..(b + 1) * k];
+        let predicted_mean = (0..blocks)
+            .map(|b| row(b).iter().zip(&present).map(|(m, w)| m * w).sum::<f64>())
+            .sum::<f64>()
+            / blocks as f64;
+        let score_mean = scores.iter().map(|&v| v as f64).sum::<f64>() / blocks as f64;
+        let scale = predicted_mean / score_mean.max(1e-30);
+        let mut gram = vec![0.0f64; k * k];
+        let mut moment = vec![0.0f64; k];
+        for b in 0..blocks {
+            let (m, target) = (row(b), scores[b] as f64 * scale);
+            for i in 0..k {
+                moment[i] += m[i] * target;
+                for j in 0..k {
+                    gram[i * k + j] += m[i] * m[j];
+                }
+            }
+        }
+        let ridge = 1e-4 * (0..k).map(|i| gram[i * k + i]).sum::<f64>() / k as f64;
+        let floor = 1e-6 * present.iter().sum::<f64>() / k as f64;
+        let weights = non_negative_ridge(&gram, &moment, &present, ridge, floor);
+        let log_weights: Vec<f32> = weights.iter().map(|w| w.ln() as f32).collect();
+        Self::from_tensors(
+            self.gate.as_ref().map(|g| g.val()),
+            self.up.val(),
+            self.up_bias.val(),
+            Tensor::from_data(TensorData::new(log_weights, [k]), &self.up.device()),
+        )
     }
 
     /// Token-block log-scores `[batch, blocks]` of token rows `[batch, blocks, tokens, hidden]`.
@@ -313,6 +441,31 @@ mod tests {
         assert_eq!(chosen.len(), 2);
         assert!(chosen.contains(&3), "{chosen:?}");
         assert_eq!(largest(&[0.5, 2.0, -1.0, 3.0], 2), vec![1, 3]);
+    }
+
+    #[test]
+    fn fitting_recovers_the_weights_that_made_the_scores() {
+        let device = Default::default();
+        let sketch = map(true, 6, 5).sketch(&[0, 1, 2, 3, 4]);
+        let rows = Tensor::<B, 4>::random([4, 8, 3, 6], Distribution::Normal(0.0, 1.0), &device);
+        // Scores made by known weights, one of them zero (held at the floor by the fit).
+        let truth = [2.0f32, 0.5, 0.0, 1.0, 3.0];
+        let means: Vec<f32> = sketch
+            .block_channel_means(rows.clone(), 3)
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let scores: Vec<f32> = means
+            .chunks(5)
+            .map(|m| m.iter().zip(&truth).map(|(m, w)| m * w).sum())
+            .collect();
+        let fitted = sketch.fitted(rows, &scores, 3);
+        let weights: Vec<f32> = fitted.log_weights.val().exp().into_data().to_vec().unwrap();
+        // The target is rescaled to the present sketch's mean: compare ratios to weight 0.
+        for (w, t) in weights.iter().zip(&truth) {
+            let (got, expected) = (w / weights[0], t / truth[0]);
+            assert!((got - expected).abs() < 1e-2, "{weights:?} vs {truth:?}");
+        }
     }
 
     #[test]

@@ -311,9 +311,10 @@ pub fn initial_sketch<B: AutodiffBackend>(
     ))
 }
 
-/// Trains `initial` on `train` for `options.epochs`, then transforms its size: each round prunes
-/// ([`prune`]) and trains `options.prune_every` more epochs, and is
-/// kept while recall on `validation` stays within `options.recall_tolerance` of the unpruned
+/// Trains `initial` on `train` (scorers: `options.epochs` Adam steps on the selection loss; an
+/// MLP sketch: its weights solved by least squares, [`MlpSketch::fitted`]), then transforms its
+/// size: each round prunes ([`prune`]) and trains `options.prune_every` more epochs (or solves
+/// again), and is kept while recall on `validation` stays within `options.recall_tolerance` of the unpruned
 /// predictor's (the first round that falls short is undone and ends pruning). `on_epoch` is
 /// called after every epoch (progress).
 pub fn train_block<B: AutodiffBackend>(
@@ -328,16 +329,26 @@ pub fn train_block<B: AutodiffBackend>(
     B::seed(device, options.seed);
     let token_rows = train.token_rows::<B>(device);
     let (exact, labels) = train.targets::<B>(selection.threshold, device);
+    let loss_of = |predictor: &BlockPredictor<B>| {
+        selection_loss(
+            predictor.log_scores(token_rows.clone()),
+            exact.clone(),
+            labels.clone(),
+            selection.threshold,
+        )
+    };
     let mut fit = |mut predictor: BlockPredictor<B>, epochs: usize| {
+        if let BlockPredictor::Mlp(sketch) = &predictor {
+            // Linear in its weights: solved, not trained.
+            let fitted = BlockPredictor::Mlp(sketch.fitted(token_rows.clone(), &train.scores, 64));
+            let loss = loss_of(&fitted).into_scalar().elem::<f64>();
+            (0..epochs).for_each(|_| on_epoch());
+            return (fitted, loss);
+        }
         let mut final_loss = f64::NAN;
         let mut optimizer = AdamConfig::new().init::<B, BlockPredictor<B>>();
         for epoch in 1..=epochs {
-            let loss = selection_loss(
-                predictor.log_scores(token_rows.clone()),
-                exact.clone(),
-                labels.clone(),
-                selection.threshold,
-            );
+            let loss = loss_of(&predictor);
             if epoch == epochs {
                 final_loss = loss.clone().into_scalar().elem::<f64>();
             }
