@@ -245,13 +245,14 @@ impl<B: Backend> MlpSketch<B> {
     }
 
     /// The sketch with the channel weights that best reproduce the exact `scores`
-    /// (`[sequences * blocks]`, of the blocks of `token_rows`) by least squares, the score
-    /// being linear in the weights: non-negative (active set), with a small ridge toward the
+    /// (`[sequences * blocks]`, of the blocks of `token_rows`) relative to each sequence's mean,
+    /// by least squares, the score being linear in the weights: non-negative (active set), with a small ridge toward the
     /// present weights, the target rescaled to the present scores' mean (only ratios matter).
     /// A closed form on the host, `O(blocks k^2 + k^3)`: no epochs, and no drift toward the
     /// training rows' noise that gradient steps on the selection loss show.
     pub fn fitted(&self, token_rows: Tensor<B, 4>, scores: &[f32], chunk: usize) -> Self {
         let k = self.width();
+        let per_sequence = token_rows.dims()[1];
         let means: Vec<f64> = self
             .block_channel_means(token_rows, chunk)
             .into_data()
@@ -277,8 +278,16 @@ impl<B: Backend> MlpSketch<B> {
         let scale = predicted_mean / score_mean.max(1e-30);
         let mut gram = vec![0.0f64; k * k];
         let mut moment = vec![0.0f64; k];
+        // Selection compares a block with its sequence's mean: each sequence's equations are
+        // divided by its mean exact score, so that no sequence weighs by its overall scale.
+        let sequence_means: Vec<f64> = scores
+            .chunks(per_sequence)
+            .map(|s| s.iter().map(|&v| v as f64).sum::<f64>() / s.len() as f64)
+            .collect();
         for b in 0..blocks {
-            let (m, target) = (row(b), scores[b] as f64 * scale);
+            let weight = 1.0 / (sequence_means[b / per_sequence] * scale).max(1e-30);
+            let target = scores[b] as f64 * scale * weight;
+            let m: Vec<f64> = row(b).iter().map(|v| v * weight).collect();
             for i in 0..k {
                 moment[i] += m[i] * target;
                 for j in 0..k {
