@@ -283,9 +283,6 @@ impl TrainConfig {
             bail!("--lr and --lora-rank must be positive");
         }
         self.save_interval()?;
-        if self.gpus == 0 {
-            bail!("--gpus must be at least 1");
-        }
         self.collective_timeout()?;
         Ok(())
     }

@@ -120,7 +120,7 @@ impl Coordinator {
                 tokens_per_s,
                 mem_gib: gib(peak),
                 kept,
-                ranks: (setup.ranks() > 1).then(|| RankReport {
+                ranks: (setup.ranks() > 1).then_some(RankReport {
                     mem_gib: per_rank,
                     allreduce_share,
                 }),
@@ -147,7 +147,7 @@ impl Coordinator {
     ) -> Result<()> {
         let config = &setup.config;
         let done = self.steps_done;
-        let due = (config.checkpoint_every > 0 && done % config.checkpoint_every == 0)
+        let due = (config.checkpoint_every > 0 && done.is_multiple_of(config.checkpoint_every))
             || self
                 .save_interval
                 .is_some_and(|every| self.last_save.elapsed() >= every);

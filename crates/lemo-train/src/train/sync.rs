@@ -35,7 +35,7 @@ pub fn sum_grads<B: Backend>(
     Ok(layout
         .iter()
         .map(|(name, len)| {
-            let part = bucket.clone().slice([offset..offset + len]);
+            let part = bucket.clone().narrow(0, offset, *len);
             offset += len;
             (name.clone(), part)
         })

@@ -129,7 +129,7 @@ pub fn train_rank<B: LemoBackend>(
         }
         let is_last = done == config.steps;
         if !setup.val_sequences.is_empty()
-            && ((config.val_every > 0 && done % config.val_every == 0) || is_last)
+            && ((config.val_every > 0 && done.is_multiple_of(config.val_every)) || is_last)
         {
             let mut eval_model = replica.model.valid();
             eval_model.set_shifted_group(None);
