@@ -15,7 +15,7 @@ pub mod nccl;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 
@@ -123,7 +123,7 @@ pub fn run_ranks<T: Send>(
     #[cfg(not(feature = "cuda"))]
     let Engine::InProcess = engine;
     let body = &body;
-    let results: Vec<Result<T>> = std::thread::scope(|scope| {
+    let results: Vec<std::thread::Result<Result<T>>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..ranks)
             .map(|rank| {
                 let mut communicator = Communicator {
@@ -148,16 +148,14 @@ pub fn run_ranks<T: Send>(
                     .expect("spawning a rank thread")
             })
             .collect();
-        handles
-            .into_iter()
-            .enumerate()
-            .map(|(rank, handle)| {
-                handle
-                    .join()
-                    .unwrap_or_else(|_| bail!("rank {rank} failed (see the message above)"))
-            })
-            .collect()
+        handles.into_iter().map(|handle| handle.join()).collect()
     });
+    // A rank that panicked has had its message printed (by the panic hook); the run ends as a
+    // panic of one device would, without a second message.
+    let results: Vec<Result<T>> = match results.into_iter().collect() {
+        Ok(results) => results,
+        Err(panic) => std::panic::resume_unwind(panic),
+    };
     let mut outputs = Vec::with_capacity(ranks);
     let mut consequence = None;
     for (rank, result) in results.into_iter().enumerate() {
@@ -179,6 +177,7 @@ pub fn run_ranks<T: Send>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use anyhow::bail;
     use burn::backend::NdArray;
 
     #[test]
