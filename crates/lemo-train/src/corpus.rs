@@ -4,9 +4,8 @@
 //! by `seed + e`, so the sequence of any step is known without state (which is what makes
 //! `--resume` continue with the same data order).
 
-use std::cell::RefCell;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result, bail};
 use burn_dataset::transform::ShuffledDataset;
@@ -37,7 +36,8 @@ pub struct Corpus {
     /// Tokens in all packed sequences.
     pub tokens: usize,
     seed: u64,
-    epoch: RefCell<Option<(usize, EpochOrder)>>,
+    /// The order of the epoch served last (ranks on threads of one process share it).
+    epoch: Mutex<Option<(usize, EpochOrder)>>,
 }
 
 /// 64-bit FNV-1a: a stable hash for cache keys.
@@ -248,7 +248,7 @@ impl Corpus {
             val: InMemDataset::new(val),
             documents: documents.len(),
             seed: options.seed,
-            epoch: RefCell::new(None),
+            epoch: Mutex::new(None),
         })
     }
 
@@ -260,7 +260,7 @@ impl Corpus {
     pub fn train_sequence(&self, index: usize) -> Vec<u32> {
         let n = self.train.len();
         let (epoch, within) = (index / n, index % n);
-        let mut cached = self.epoch.borrow_mut();
+        let mut cached = self.epoch.lock().unwrap_or_else(|e| e.into_inner());
         if cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
             let shuffled =
                 ShuffledDataset::new(self.train.clone(), self.seed.wrapping_add(epoch as u64));

@@ -4,6 +4,7 @@ mod bench;
 mod corpus;
 mod data;
 mod device;
+mod distributed;
 mod eval;
 mod generate;
 mod longbench;

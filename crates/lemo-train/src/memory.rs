@@ -1,11 +1,12 @@
 //! Memory accounting: device memory in use where the backend can say (CubeCL's memory pools on
 //! CUDA and wgpu), else the process's resident set (the CPU backend keeps tensors in host memory).
+//! The probe is the calling thread's: each rank of a data-parallel run reads its own device.
 //!
 //! CubeCL reports the bytes in use by the calling thread's stream and keeps no peak, so the peak
 //! here is the maximum over the samples taken (after the forward pass, after the backward pass,
 //! after the optimizer step); on the CPU the kernel's own high-water mark (`VmHWM`) is exact.
 
-use std::sync::Mutex;
+use std::cell::RefCell;
 
 /// One reading, in bytes.
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
@@ -18,30 +19,31 @@ pub struct MemorySample {
     pub os_peak: u64,
 }
 
-type Probe = Box<dyn Fn() -> MemorySample + Send>;
+type Probe = Box<dyn Fn() -> MemorySample>;
 
-static PROBE: Mutex<Option<Probe>> = Mutex::new(None);
-
-/// Installs the probe for the backend the job runs on.
-pub fn set_probe(probe: Probe) {
-    *PROBE.lock().expect("memory probe lock") = Some(probe);
+thread_local! {
+    static PROBE: RefCell<Option<Probe>> = const { RefCell::new(None) };
 }
 
-/// Reads the installed probe, or the process's resident set when none is installed.
+/// Installs the calling thread's probe for the device it runs on.
+pub fn set_probe(probe: Probe) {
+    PROBE.with(|p| *p.borrow_mut() = Some(probe));
+}
+
+/// Reads the calling thread's probe, or the process's resident set when none is installed.
 pub fn sample() -> MemorySample {
-    match PROBE.lock().expect("memory probe lock").as_ref() {
+    PROBE.with(|p| match p.borrow().as_ref() {
         Some(probe) => probe(),
         None => process_memory(),
-    }
+    })
 }
 
 /// What this sampling point's memory is called in reports: device bytes or host RSS.
 pub fn source() -> &'static str {
-    if PROBE.lock().expect("memory probe lock").is_some() {
-        "device"
-    } else {
-        "host-rss"
-    }
+    PROBE.with(|p| match p.borrow().is_some() {
+        true => "device",
+        false => "host-rss",
+    })
 }
 
 /// Resident set size and its high-water mark from `/proc/self/status` (Linux); zeros elsewhere.
@@ -75,6 +77,18 @@ pub fn cubecl_probe<R: cubecl::Runtime>(device: R::Device) -> Probe {
             os_peak: 0,
         },
         Err(_) => MemorySample::default(),
+    })
+}
+
+/// A probe over any backend's device memory (see `lemo_kernels::memory`).
+pub fn backend_probe<B: lemo_kernels::ComputeBackend>(device: B::Device) -> Probe {
+    Box::new(move || {
+        let stats = lemo_kernels::memory::memory_stats::<B>(&device);
+        MemorySample {
+            in_use: stats.bytes_in_use,
+            reserved: stats.bytes_reserved,
+            os_peak: 0,
+        }
     })
 }
 

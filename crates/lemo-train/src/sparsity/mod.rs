@@ -30,7 +30,7 @@ mod elimination;
 mod inspect;
 mod predictors;
 
-pub use elimination::{ScoreSource, bench_elimination, elimination, token_sparsity};
+pub use elimination::{Elimination, ScoreSource, bench_elimination, elimination, token_sparsity};
 pub use inspect::{InspectArgs, run_calibrate, run_profile, run_train_predictors};
 pub use predictors::TrainPredictorsArgs;
 

@@ -18,11 +18,18 @@ pub struct TrainerState {
     pub seq_len: usize,
     /// Training sequences in the packed corpus: a resume must see the same data.
     pub train_sequences: usize,
+    /// Data-parallel ranks: a resume must have as many (one in checkpoints from before ranks).
+    #[serde(default = "one_rank")]
+    pub ranks: usize,
     pub tokens_seen: u64,
     pub elapsed_s: f64,
     /// The run that wrote the checkpoint (absent in checkpoints from before it was recorded).
     #[serde(default)]
     pub run_id: Option<String>,
+}
+
+fn one_rank() -> usize {
+    1
 }
 
 pub fn write_tensors(path: &Path, tensors: &[(String, Vec<f32>)]) -> Result<()> {
@@ -233,6 +240,7 @@ mod tests {
                 seed: 1,
                 seq_len: 16,
                 train_sequences: 4,
+                ranks: 1,
                 tokens_seen: 48,
                 elapsed_s: 1.0,
                 run_id: Some("run".into()),

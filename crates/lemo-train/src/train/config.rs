@@ -113,6 +113,10 @@ pub struct TrainConfig {
     /// Tokenized-data cache; "none" turns caching off.
     pub cache_dir: Option<PathBuf>,
     pub device: DeviceKind,
+    /// Data-parallel ranks: one per CUDA device, or simulated ranks sharing the CPU/wgpu device.
+    pub gpus: usize,
+    /// How long a rank waits for the others in a collective ("10m"; "off": no limit).
+    pub collective_timeout: String,
     /// Unset: bf16 on cuda, f32 elsewhere.
     pub precision: Option<PrecisionKind>,
     pub preset: Option<Preset>,
@@ -174,6 +178,8 @@ impl Default for TrainConfig {
             append_eos: None,
             cache_dir: None,
             device: DeviceKind::Auto,
+            gpus: 1,
+            collective_timeout: "10m".to_string(),
             precision: None,
             preset: None,
             stop_after: None,
@@ -277,7 +283,14 @@ impl TrainConfig {
             bail!("--lr and --lora-rank must be positive");
         }
         self.save_interval()?;
+        self.collective_timeout()?;
         Ok(())
+    }
+
+    /// `collective_timeout` as a duration; `None` when off.
+    pub fn collective_timeout(&self) -> Result<Option<std::time::Duration>> {
+        parse_duration(&self.collective_timeout)
+            .with_context(|| format!("--collective-timeout {:?}", self.collective_timeout))
     }
 
     /// `save_every` as a duration; `None` when wall-time checkpoints are off.
@@ -472,6 +485,17 @@ pub struct TrainArgs {
     /// auto (CUDA when an NVIDIA driver is present, else the CPU), cuda, wgpu or cpu.
     #[arg(long, value_enum)]
     pub device: Option<DeviceKind>,
+    /// Data-parallel training on N GPUs of this machine (CUDA devices 0..N, one thread each,
+    /// gradients summed by NCCL). Each GPU holds a whole replica and runs --batch-size x
+    /// --grad-accum sequences per step, so memory per GPU is that of one GPU and the global
+    /// batch is N x batch x grad-accum: N times the tokens per step at about the step time of
+    /// one GPU. On cpu and wgpu, N simulated ranks share the device (for testing) [default: 1].
+    #[arg(long, visible_alias = "ranks")]
+    pub gpus: Option<usize>,
+    /// How long a rank waits for the others (a rank that died or hangs) before the run ends
+    /// with an error: 10m, 90s, 1h, or off [default: 10m].
+    #[arg(long)]
+    pub collective_timeout: Option<String>,
     /// bf16 (model and activations; LoRA, gradients and optimizer f32) or f32
     /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
     #[arg(long, value_enum)]
@@ -600,6 +624,11 @@ impl TrainArgs {
                 self.device
                     .map(|d| d.to_possible_value().expect("named").get_name().to_string()),
             ),
+        );
+        put("gpus", int("gpus", self.gpus)?);
+        put(
+            "collective_timeout",
+            self.collective_timeout.clone().map(toml::Value::String),
         );
         put(
             "precision",

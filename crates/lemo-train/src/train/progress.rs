@@ -13,9 +13,18 @@ pub struct StepReport {
     pub loss: f64,
     pub lr: f64,
     pub tokens_per_s: f64,
+    /// The largest peak over the ranks.
     pub mem_gib: f64,
     /// Kept fractions (attention, MLP) of `--method lemo`.
     pub kept: Option<(f64, f64)>,
+    /// With several ranks: each rank's peak memory, and the share of the step spent summing
+    /// gradients (waiting for the slowest rank included).
+    pub ranks: Option<RankReport>,
+}
+
+pub struct RankReport {
+    pub mem_gib: Vec<f64>,
+    pub allreduce_share: f64,
 }
 
 pub struct Progress {
@@ -89,14 +98,25 @@ impl Progress {
         let kept = report
             .kept
             .map_or(String::new(), |(a, m)| format!(" | kept {a:.2}/{m:.2}"));
+        let mem = match &report.ranks {
+            Some(ranks) => {
+                let per_rank: Vec<String> =
+                    ranks.mem_gib.iter().map(|m| format!("{m:.2}")).collect();
+                format!(
+                    "mem {} GiB by rank | all-reduce {:.1}%",
+                    per_rank.join("/"),
+                    100.0 * ranks.allreduce_share
+                )
+            }
+            None => format!("mem {:.2} GiB", report.mem_gib),
+        };
         format!(
-            "step {done}/{} | loss {:.4}{val} | lr {:.2e} | {:.0} tok/s | mem {:.2} GiB{kept} | \
+            "step {done}/{} | loss {:.4}{val} | lr {:.2e} | {:.0} tok/s | {mem}{kept} | \
              elapsed {} | ETA {}",
             self.steps,
             report.loss,
             report.lr,
             report.tokens_per_s,
-            report.mem_gib,
             clock(elapsed),
             clock(eta)
         )
@@ -151,6 +171,7 @@ mod tests {
                 tokens_per_s: 123456.0,
                 mem_gib: 139.9,
                 kept,
+                ranks: None,
             };
             let message = terminal_message(&report, Some(12.3456));
             // bar, position, message and the widest ETA indicatif prints below an hour ("59m").

@@ -62,12 +62,13 @@ where
     )
 }
 
-/// Mean next-token loss of `sequences` (evaluation mode: dense attention, no graph).
-pub fn validation_loss<B: LemoBackend>(
+/// Summed next-token loss of `sequences` and the number of predictions (evaluation mode: dense
+/// attention, no graph).
+pub fn validation_sums<B: LemoBackend>(
     model: &CausalLm<B>,
     sequences: &[Vec<u32>],
     segment: usize,
-) -> f64 {
+) -> (f64, usize) {
     let device = model.lm_head_weight().device();
     let (mut sum, mut count) = (0.0, 0usize);
     for sequence in sequences {
@@ -76,7 +77,7 @@ pub fn validation_loss<B: LemoBackend>(
         sum += loss.into_scalar().elem::<f64>();
         count += n;
     }
-    sum / count.max(1) as f64
+    (sum, count)
 }
 
 pub fn int_tokens<B: Backend>(sequences: &[Vec<u32>], device: &B::Device) -> Tensor<B, 2, Int> {

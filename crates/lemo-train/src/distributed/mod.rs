@@ -1,0 +1,206 @@
+//! Data-parallel ranks of one process and the collectives between them.
+//!
+//! Each rank runs on a thread of its own with its own device. Gradients are summed as one flat
+//! f32 bucket per step: through NCCL between CUDA devices ([`Engine::Nccl`]), or in process
+//! memory between simulated ranks that share one device ([`Engine::InProcess`], which is how
+//! the multi-rank path is tested on the CPU). The few host values a step agrees on (loss sums,
+//! kept fractions, memory, a stop request) are summed in process memory. A rank that fails
+//! stops the group: the others end with an error, and every wait has a deadline (the collective
+//! timeout), so no rank waits forever.
+
+pub mod local;
+#[cfg(feature = "cuda")]
+pub mod nccl;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Result;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+
+use local::LocalGroup;
+
+/// A collective ended because another rank stopped or did not answer in time: a consequence,
+/// not the cause, of a failed run.
+#[derive(Debug)]
+pub struct PeerFailure(pub String);
+
+impl std::fmt::Display for PeerFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PeerFailure {}
+
+/// What sums the gradient buckets.
+pub enum Engine {
+    /// Ranks share one device; buckets are summed in process memory.
+    InProcess,
+    /// One CUDA device per rank (rank r on device r); buckets are summed by NCCL.
+    #[cfg(feature = "cuda")]
+    Nccl(nccl::UniqueId),
+}
+
+/// One rank's end of the group.
+pub struct Communicator {
+    rank: usize,
+    group: Arc<LocalGroup>,
+    #[cfg(feature = "cuda")]
+    nccl: Option<(nccl::UniqueId, Option<nccl::NcclComm>)>,
+}
+
+impl Communicator {
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn ranks(&self) -> usize {
+        self.group.ranks()
+    }
+
+    /// Sums `values` over the ranks, in place.
+    pub fn sum_host(&mut self, values: &mut [f64]) -> Result<()> {
+        if self.ranks() > 1 {
+            let sum = self.group.sum(self.rank, values.to_vec())?;
+            values.copy_from_slice(&sum);
+        }
+        Ok(())
+    }
+
+    /// Sums a flat f32 bucket over the ranks; every rank gets the sum.
+    pub fn sum_tensor<B: Backend>(&mut self, bucket: Tensor<B, 1>) -> Result<Tensor<B, 1>> {
+        if self.ranks() == 1 {
+            return Ok(bucket);
+        }
+        #[cfg(feature = "cuda")]
+        if let Some((id, comm)) = &mut self.nccl {
+            // The communicator is made at the first sum, once every rank is known to be up (a
+            // blocking NCCL initialization would wait forever for a rank that failed to load).
+            let comm = match comm {
+                Some(comm) => comm,
+                None => comm.insert(nccl::NcclComm::new(self.rank, self.group.ranks(), id)?),
+            };
+            return comm.sum(bucket, &self.group);
+        }
+        let device = bucket.device();
+        let values = bucket
+            .into_data()
+            .convert::<f64>()
+            .into_vec::<f64>()
+            .map_err(|e| anyhow::anyhow!("gradient bucket: {e:?}"))?;
+        let len = values.len();
+        let sum = self.group.sum(self.rank, values)?;
+        let sum: Vec<f32> = sum.iter().map(|&v| v as f32).collect();
+        Ok(Tensor::from_data(TensorData::new(sum, [len]), &device))
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.group.stop(self.rank, "it panicked".into());
+        }
+    }
+}
+
+/// Runs `body` once per rank, each on a thread of its own, and returns the ranks' outputs in
+/// rank order. When ranks fail, the error is the first one that is not a consequence of another
+/// rank's failure.
+pub fn run_ranks<T: Send>(
+    ranks: usize,
+    timeout: Duration,
+    engine: Engine,
+    body: impl Fn(&mut Communicator) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let group = LocalGroup::new(ranks, timeout);
+    #[cfg(feature = "cuda")]
+    let nccl_id = match engine {
+        Engine::Nccl(id) => Some(id),
+        Engine::InProcess => None,
+    };
+    #[cfg(not(feature = "cuda"))]
+    let Engine::InProcess = engine;
+    let body = &body;
+    let results: Vec<std::thread::Result<Result<T>>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|rank| {
+                let mut communicator = Communicator {
+                    rank,
+                    group: group.clone(),
+                    #[cfg(feature = "cuda")]
+                    nccl: nccl_id.map(|id| (id, None)),
+                };
+                std::thread::Builder::new()
+                    .name(format!("rank-{rank}"))
+                    // The main thread's size: deep autodiff graphs recurse.
+                    .stack_size(64 << 20)
+                    .spawn_scoped(scope, move || {
+                        let result = body(&mut communicator);
+                        if let Err(error) = &result {
+                            let why = format!("{error:#}");
+                            let first = why.lines().next().unwrap_or("").to_string();
+                            communicator.group.stop(rank, first);
+                        }
+                        result
+                    })
+                    .expect("spawning a rank thread")
+            })
+            .collect();
+        handles.into_iter().map(|handle| handle.join()).collect()
+    });
+    // A rank that panicked has had its message printed (by the panic hook); the run ends as a
+    // panic of one device would, without a second message.
+    let results: Vec<Result<T>> = match results.into_iter().collect() {
+        Ok(results) => results,
+        Err(panic) => std::panic::resume_unwind(panic),
+    };
+    let mut outputs = Vec::with_capacity(ranks);
+    let mut consequence = None;
+    for (rank, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(output) => outputs.push(output),
+            Err(error) if error.downcast_ref::<PeerFailure>().is_some() => {
+                consequence.get_or_insert(error);
+            }
+            Err(error) if ranks > 1 => return Err(error.context(format!("rank {rank}"))),
+            Err(error) => return Err(error),
+        }
+    }
+    match consequence {
+        Some(error) => Err(error),
+        None => Ok(outputs),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use anyhow::bail;
+    use burn::backend::NdArray;
+
+    #[test]
+    fn simulated_ranks_sum_buckets_and_name_the_rank_that_failed() {
+        type B = NdArray<f32>;
+        let sums = run_ranks(2, Duration::from_secs(30), Engine::InProcess, |comm| {
+            let rank = comm.rank() as f32;
+            let bucket = Tensor::<B, 1>::from_floats([rank, 1.0 + rank], &Default::default());
+            let sum = comm.sum_tensor(bucket)?;
+            let mut host = [rank as f64];
+            comm.sum_host(&mut host)?;
+            Ok((sum.into_data().into_vec::<f32>().unwrap(), host[0]))
+        })
+        .unwrap();
+        assert_eq!(sums, vec![(vec![1.0, 3.0], 1.0); 2]);
+
+        let error = run_ranks(2, Duration::from_secs(30), Engine::InProcess, |comm| {
+            if comm.rank() == 1 {
+                bail!("out of memory");
+            }
+            comm.sum_host(&mut [1.0])
+        })
+        .unwrap_err();
+        assert_eq!(format!("{error:#}"), "rank 1: out of memory");
+    }
+}

@@ -1,0 +1,242 @@
+//! NCCL all-reduce of a cubecl CUDA buffer, through cudarc's bindings (NCCL is loaded at run
+//! time as `libnccl.so`).
+//!
+//! cubecl's own communicator (Burn's `distributed` feature) shares its unique id through a
+//! process-global map and initializes and waits without a deadline; here the unique id is a
+//! value that can travel to other processes, and a sum that does not finish in time aborts
+//! the communicator instead of hanging. The sum runs after the step's backward pass is done:
+//! the device is synchronized, the bucket is reduced in place on a stream of our own, and the
+//! host polls its completion event against the deadline and the group's liveness (so cubecl's
+//! later kernels see the finished sum).
+
+use std::ffi::c_void;
+use std::mem::MaybeUninit;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn_cubecl::tensor::CubeTensor;
+use cubecl::Runtime;
+use cubecl::cuda::{CudaDevice, CudaRuntime};
+use cudarc::driver::result as driver;
+use cudarc::driver::sys as driver_sys;
+use cudarc::nccl::result as nccl;
+use cudarc::nccl::sys as nccl_sys;
+
+use super::PeerFailure;
+use super::local::LocalGroup;
+
+/// The id every rank of a communicator initializes with (made by one rank, shared with all).
+#[derive(Clone, Copy)]
+pub struct UniqueId(nccl_sys::ncclUniqueId);
+
+impl UniqueId {
+    /// A fresh id. Turns NVLink multicast (NVLS) off unless `NCCL_NVLS_ENABLE` says otherwise:
+    /// on shared hosts it can put every GPU of the machine out of service.
+    pub fn new() -> Result<Self> {
+        if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+            // SAFETY: called before the rank threads start and before NCCL reads its settings.
+            unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
+        }
+        // SAFETY: only probes whether the library can be loaded.
+        if !unsafe { nccl_sys::is_culib_present() } {
+            bail!(
+                "several GPUs need NCCL, and libnccl.so was not found: put the folder holding it on LD_LIBRARY_PATH (pip's nvidia-nccl ships libnccl.so.2; link it as libnccl.so)"
+            );
+        }
+        let id = nccl::get_uniqueid().map_err(|e| anyhow::anyhow!("ncclGetUniqueId: {e:?}"))?;
+        Ok(Self(id))
+    }
+}
+
+/// A rank's NCCL communicator on its device, with the context, stream and event its sums use.
+pub struct NcclComm {
+    device: CudaDevice,
+    handles: Handles,
+}
+
+// SAFETY: the handles are used by the rank that owns them, one call at a time, under cubecl's
+// lock of their device.
+unsafe impl Send for NcclComm {}
+
+/// Raw handles crossing into cubecl's exclusive section and back.
+#[derive(Clone, Copy)]
+struct Handles {
+    context: driver_sys::CUcontext,
+    comm: nccl_sys::ncclComm_t,
+    stream: driver_sys::CUstream,
+    done: driver_sys::CUevent,
+}
+// SAFETY: see `NcclComm`.
+unsafe impl Send for Handles {}
+
+/// Makes the primary context of CUDA device `index` (the one cubecl uses) current and returns
+/// it; it stays retained for the life of the process.
+fn primary_context(index: usize) -> Result<driver_sys::CUcontext, String> {
+    // SAFETY: plain driver calls on a device index the driver reported.
+    unsafe {
+        let device = driver::device::get(index as i32).map_err(|e| e.to_string())?;
+        let context = driver::primary_ctx::retain(device).map_err(|e| e.to_string())?;
+        driver::ctx::set_current(context).map_err(|e| e.to_string())?;
+        Ok(context)
+    }
+}
+
+impl NcclComm {
+    /// Rank `rank` of `ranks` on CUDA device `rank`; returns once every rank has joined.
+    pub fn new(rank: usize, ranks: usize, id: &UniqueId) -> Result<Self> {
+        let device = CudaDevice::new(rank);
+        let client = CudaRuntime::client(&device);
+        let id = id.0;
+        let handles = client
+            .exclusive(move || -> Result<Handles, String> {
+                let context = primary_context(rank)?;
+                let stream = driver::stream::create(driver::stream::StreamKind::NonBlocking)
+                    .map_err(|e| e.to_string())?;
+                let done =
+                    driver::event::create(driver_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                        .map_err(|e| e.to_string())?;
+                let mut comm = MaybeUninit::uninit();
+                // SAFETY: every rank calls this with the same id and its own rank.
+                unsafe { nccl::comm_init_rank(comm.as_mut_ptr(), ranks as i32, id, rank as i32) }
+                    .map_err(|e| format!("ncclCommInitRank: {:?}", e.0))?;
+                // SAFETY: initialized by the successful call above.
+                Ok(Handles {
+                    context,
+                    comm: unsafe { comm.assume_init() },
+                    stream,
+                    done,
+                })
+            })
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?
+            .map_err(|e| anyhow::anyhow!("NCCL on CUDA device {rank}: {e}"))?;
+        Ok(Self { device, handles })
+    }
+
+    /// Sums `bucket` (f32, on this rank's device) over the ranks, in place.
+    pub fn sum<B: Backend>(
+        &mut self,
+        bucket: Tensor<B, 1>,
+        group: &LocalGroup,
+    ) -> Result<Tensor<B, 1>> {
+        // Every kernel that writes the bucket is submitted and finished before NCCL reads it.
+        B::sync(&bucket.device()).map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let TensorPrimitive::Float(primitive) = bucket.into_primitive() else {
+            bail!("NCCL sums float buckets only");
+        };
+        let tensor = downcast::<_, CubeTensor<CudaRuntime>>(primitive)
+            .context("NCCL needs the CUDA backend")?;
+        if tensor.dtype != DType::F32 {
+            bail!("NCCL sums f32 buckets, not {:?}", tensor.dtype);
+        }
+        let count = tensor.meta.shape().iter().product::<usize>();
+        let client = tensor.client.clone();
+        let resource = client
+            .get_resource(tensor.handle.clone())
+            .map_err(|e| anyhow::anyhow!("the bucket's buffer: {e:?}"))?;
+        let pointer = resource.resource().ptr;
+        let handles = self.handles;
+        let index = self.device.index;
+        let deadline = Instant::now() + group.timeout();
+        let outcome = client
+            .exclusive(move || -> Result<(), String> {
+                // Moved whole: the handles are Send together, not field by field.
+                let handles = handles;
+                let Handles {
+                    context,
+                    comm,
+                    stream,
+                    done,
+                } = handles;
+                // SAFETY: the pointer is the live bucket (kept alive by `resource`) of `count`
+                // f32 values; the communicator, stream and event belong to this device.
+                unsafe {
+                    driver::ctx::set_current(context).map_err(|e| e.to_string())?;
+                    nccl::all_reduce(
+                        pointer as *const c_void,
+                        pointer as *mut c_void,
+                        count,
+                        nccl_sys::ncclDataType_t::ncclFloat32,
+                        nccl_sys::ncclRedOp_t::ncclSum,
+                        comm,
+                        stream as nccl_sys::cudaStream_t,
+                    )
+                    .map_err(|e| format!("ncclAllReduce: {:?}", e.0))?;
+                    driver::event::record(done, stream).map_err(|e| e.to_string())?;
+                    wait(comm, done, deadline, group)
+                }
+            })
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        drop(resource);
+        if let Err(why) = outcome {
+            // SAFETY: the communicator is not used again after an abort.
+            unsafe {
+                let _ = nccl::comm_abort(self.handles.comm);
+            }
+            self.handles.comm = std::ptr::null_mut();
+            return Err(PeerFailure(format!("all-reduce on CUDA device {index}: {why}")).into());
+        }
+        Ok(Tensor::from_primitive(TensorPrimitive::Float(
+            downcast::<_, B::FloatTensorPrimitive>(tensor).expect("the type it came from"),
+        )))
+    }
+}
+
+/// Polls `done` until it fires, the deadline passes, another rank stops, or NCCL reports an
+/// error of its own.
+///
+/// # Safety
+/// `comm` and `done` are live handles of the current context.
+unsafe fn wait(
+    comm: nccl_sys::ncclComm_t,
+    done: driver_sys::CUevent,
+    deadline: Instant,
+    group: &LocalGroup,
+) -> Result<(), String> {
+    loop {
+        // SAFETY: see the function's contract.
+        match unsafe { driver_sys::cuEventQuery(done) } {
+            driver_sys::CUresult::CUDA_SUCCESS => return Ok(()),
+            driver_sys::CUresult::CUDA_ERROR_NOT_READY => {}
+            error => return Err(format!("{error:?}")),
+        }
+        let mut state = nccl_sys::ncclResult_t::ncclSuccess;
+        // SAFETY: see the function's contract.
+        unsafe { nccl_sys::ncclCommGetAsyncError(comm, &mut state) };
+        if !matches!(
+            state,
+            nccl_sys::ncclResult_t::ncclSuccess | nccl_sys::ncclResult_t::ncclInProgress
+        ) {
+            return Err(format!("NCCL reported {state:?}"));
+        }
+        if let Some((rank, why)) = group.stopped() {
+            return Err(format!("rank {rank} stopped ({why})"));
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "not finished within {} s (--collective-timeout): a rank stopped answering",
+                group.timeout().as_secs()
+            ));
+        }
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+fn downcast<A: 'static, T: 'static>(value: A) -> Option<T> {
+    (Box::new(value) as Box<dyn std::any::Any>)
+        .downcast::<T>()
+        .ok()
+        .map(|boxed| *boxed)
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        if !self.handles.comm.is_null() {
+            // SAFETY: no sum is in flight once the owner drops the communicator.
+            unsafe {
+                let _ = nccl::comm_destroy(self.handles.comm);
+            }
+        }
+    }
+}

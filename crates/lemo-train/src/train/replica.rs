@@ -1,0 +1,230 @@
+//! One rank's model replica on its device: the model with its adapters, the token elimination
+//! of `--method lemo`, and the optimizer. Every rank applies the same update to the same
+//! averaged gradients, so the replicas stay identical without sending parameters around.
+
+use std::path::Path;
+
+use anyhow::Result;
+use burn::backend::Autodiff;
+use burn::module::AutodiffModule;
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use lemo_kernels::LemoBackend;
+use lemo_models::CausalLm;
+use lemo_sparsity::calibration::Block;
+
+use super::checkpoint::{CheckpointFiles, TrainerState};
+use super::config::Method;
+use super::optim::{self, AdamW, AdamWSettings, NamedTensors};
+use super::setup::{Setup, s2_group};
+use super::shard::Shard;
+use super::step::{forward_backward, int_tokens};
+use crate::memory::PeakTracker;
+use crate::modelio::{TRAINING_INFO_FILE, interpolated_rope};
+use crate::sparsity::{self, Elimination, THRESHOLDS_FILE, sparse_keep};
+
+type AB<B> = Autodiff<B>;
+
+/// What one rank's micro-batches of a step measured.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LocalStep {
+    /// Unscaled loss summed over the rank's predictions.
+    pub loss_sum: f64,
+    pub predictions: usize,
+    /// Kept fractions of `--method lemo`, averaged over the micro-batches.
+    pub keep_attention: f64,
+    pub keep_mlp: f64,
+    /// Memory in use after the forward pass (the largest over the micro-batches).
+    pub after_forward: u64,
+}
+
+pub struct Replica<B: LemoBackend> {
+    pub device: B::Device,
+    pub model: CausalLm<AB<B>>,
+    pub optimizer: AdamW<B>,
+    pub elimination: Option<Elimination>,
+}
+
+impl<B: LemoBackend> Replica<B> {
+    /// Loads the model onto `device` with fresh adapters (or the resumed checkpoint's).
+    /// `rank` 0 writes the run's shared files (the thresholds).
+    pub fn load(setup: &Setup, device: B::Device, rank: usize) -> Result<Self> {
+        let config = &setup.config;
+        AB::<B>::seed(&device, config.seed);
+        let (mut model, _) =
+            CausalLm::<AB<B>>::from_path(&setup.model_path, &device, setup.precision.policy())?;
+        if let Some(target) = config.target_context
+            && let Some((rope, _)) = interpolated_rope(&setup.model_config, target)?
+        {
+            model = model.with_rope(&rope)?;
+        }
+        model = model
+            .with_new_lora(&setup.lora, config.seed)?
+            .set_extra_trainable(&setup.lora)?;
+        if config.method == Method::Longlora {
+            model.set_shifted_group(Some(s2_group(config, setup.seq_len)));
+        }
+        let elimination = elimination(setup, &model, rank)?;
+        let mut optimizer = AdamW::<B>::new(AdamWSettings {
+            beta1: config.beta1,
+            beta2: config.beta2,
+            eps: config.eps,
+            weight_decay: config.weight_decay,
+        });
+        if let Some(files) = &setup.resumed {
+            let values: NamedTensors<B> = files
+                .trainable
+                .iter()
+                .map(|(name, v)| {
+                    let data = TensorData::new(v.clone(), [v.len()]);
+                    (name.clone(), Tensor::<B, 1>::from_data(data, &device))
+                })
+                .collect();
+            model = optim::set_trainable(model, values)?;
+            optimizer.load_state(files.optimizer_step, files.optimizer.clone(), &device)?;
+        }
+        Ok(Self {
+            device,
+            model,
+            optimizer,
+            elimination,
+        })
+    }
+
+    /// Sizes of the trainable parameters by module path: the layout of the gradient bucket.
+    pub fn layout(&self) -> Vec<(String, usize)> {
+        optim::trainable_values::<AB<B>, _>(&self.model)
+            .into_iter()
+            .map(|(name, value)| (name, value.dims()[0]))
+            .collect()
+    }
+
+    /// Forward and backward passes of this rank's micro-batches of `step`. The gradients are
+    /// scaled so that their sum over the ranks is the gradient of the mean loss of the global
+    /// batch.
+    pub fn accumulate(
+        &self,
+        setup: &Setup,
+        shard: &Shard,
+        step: usize,
+        peak: &mut PeakTracker,
+    ) -> (NamedTensors<B>, LocalStep) {
+        let config = &setup.config;
+        let mut grads = NamedTensors::<B>::new();
+        let mut local = LocalStep::default();
+        let predictions_per_micro = config.batch_size * (setup.seq_len - 1);
+        let scale = 1.0 / (predictions_per_micro * config.grad_accum * shard.ranks) as f64;
+        for micro in 0..config.grad_accum {
+            let batch: Vec<Vec<u32>> = shard
+                .sequences(step, micro)
+                .map(|i| setup.corpus.train_sequence(i))
+                .collect();
+            let tokens = int_tokens::<AB<B>>(&batch, &self.device);
+            let mut token_sparsity = sparsity::token_sparsity(self.elimination.as_ref());
+            let (loss, n, mem) = forward_backward(
+                &self.model,
+                tokens,
+                config.loss_segment,
+                scale,
+                config.checkpointing,
+                &mut token_sparsity,
+                &mut grads,
+            );
+            if let Some(plan) = token_sparsity.into_plan() {
+                local.keep_attention +=
+                    sparse_keep(&plan, Block::Attention) / config.grad_accum as f64;
+                local.keep_mlp += sparse_keep(&plan, Block::Mlp) / config.grad_accum as f64;
+            }
+            local.loss_sum += loss;
+            local.predictions += n;
+            local.after_forward = local.after_forward.max(mem);
+            peak.peak = peak.peak.max(mem);
+            peak.record();
+        }
+        (grads, local)
+    }
+
+    /// One AdamW update with `grads` at learning rate `lr`.
+    pub fn update(&mut self, grads: &NamedTensors<B>, lr: f64) -> Result<()> {
+        let params = optim::trainable_values::<AB<B>, _>(&self.model);
+        let updated = self.optimizer.step(params, grads, lr);
+        self.model = optim::set_trainable(self.model.clone(), updated)?;
+        Ok(())
+    }
+
+    /// The PEFT adapter, the thresholds it was trained with and the training record, in `dir`.
+    pub fn write_adapter(&self, setup: &Setup, dir: &Path) -> Result<()> {
+        let inner = self.model.valid();
+        inner.save_adapter(dir, &setup.lora, &setup.model_path.display().to_string())?;
+        if let Some(elimination) = &self.elimination {
+            sparsity::write_thresholds(&dir.join(THRESHOLDS_FILE), &elimination.thresholds)?;
+        }
+        lemo_models::adapter::write_atomically(
+            &dir.join(TRAINING_INFO_FILE),
+            serde_json::to_string_pretty(&setup.info)?.as_bytes(),
+        )?;
+        Ok(())
+    }
+
+    /// What a checkpoint holds of the model and optimizer after `state.step` steps.
+    pub fn checkpoint_files(&self, state: TrainerState) -> CheckpointFiles {
+        CheckpointFiles {
+            state,
+            trainable: optim::trainable_values::<AB<B>, _>(&self.model)
+                .into_iter()
+                .map(|(k, t)| (k, t.into_data().convert::<f32>().into_vec().expect("f32")))
+                .collect(),
+            optimizer: self.optimizer.state_tensors(),
+            optimizer_step: self.optimizer.step,
+        }
+    }
+}
+
+/// Token elimination of `--method lemo`: the run's thresholds, from --thresholds, from its
+/// predictors, from the run folder when resuming, or calibrated on the first training sequences
+/// with the fresh adapter (every rank calibrates on the same sequences and so gets the same
+/// thresholds; rank 0 writes them); scores from the predictors unless --scores exact.
+fn elimination<B: LemoBackend>(
+    setup: &Setup,
+    model: &CausalLm<AB<B>>,
+    rank: usize,
+) -> Result<Option<Elimination>> {
+    let config = &setup.config;
+    if config.method != Method::Lemo {
+        return Ok(None);
+    }
+    model.check_token_elimination(setup.seq_len)?;
+    let settings = config.sparsity();
+    let saved = config.out.join(THRESHOLDS_FILE);
+    let elimination = sparsity::elimination(&settings, &setup.model_config, || {
+        if setup.resumed.is_some() && saved.exists() {
+            return sparsity::read_thresholds(&saved, &setup.model_config);
+        }
+        let count = settings.calibration_sequences.min(setup.corpus.train_len());
+        let sequences: Vec<Vec<u32>> = (0..count).map(|i| setup.corpus.train_sequence(i)).collect();
+        if rank == 0 {
+            eprintln!(
+                "lemo: calibrating per-layer thresholds on {count} training sequences toward a kept fraction of {}",
+                settings.target_keep
+            );
+        }
+        sparsity::calibrate(
+            &model.valid(),
+            &setup.model_config,
+            &setup.model_path.display().to_string(),
+            &sequences,
+            &settings,
+        )
+    })?;
+    if rank == 0 {
+        sparsity::write_thresholds(&saved, &elimination.thresholds)?;
+    }
+    Ok(Some(elimination))
+}
+
+/// Device memory probe: unused where `B` keeps no pools (the CPU backend, whose tensors live in
+/// host memory, is measured by the process's resident set instead).
+pub fn has_device_memory<B: LemoBackend>(device: &B::Device) -> bool {
+    let stats = lemo_kernels::memory::memory_stats::<B>(device);
+    stats.bytes_reserved > 0 || stats.device_total.is_some()
+}

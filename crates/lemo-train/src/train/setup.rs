@@ -1,0 +1,283 @@
+//! What a run settles once, on the host, before any rank loads its replica: the configuration,
+//! the memory plan, the packed data, the LoRA and RoPE settings, the run folder's identity and
+//! the checkpoint it resumes from (checked against this run's data, settings and rank count).
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use burn_dataset::Dataset;
+use lemo_models::model::ModelFormat;
+use lemo_models::{LoraConfig, ModelConfig};
+use serde_json::json;
+
+use super::checkpoint::{self, CheckpointFiles};
+use super::config::{Method, TrainConfig};
+use super::run_dir;
+use super::{TrainJob, plan_input, special_ids};
+use crate::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
+use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer};
+use crate::device::PrecisionKind;
+use crate::memory_plan;
+use crate::modelio::{TrainingInfo, interpolated_rope};
+
+/// The run as every rank sees it.
+pub struct Setup {
+    pub config: TrainConfig,
+    pub precision: PrecisionKind,
+    pub model_path: PathBuf,
+    pub model_config: ModelConfig,
+    pub seq_len: usize,
+    pub lora: LoraConfig,
+    pub corpus: Corpus,
+    pub val_sequences: Vec<Vec<u32>>,
+    pub run_id: Option<String>,
+    /// The checkpoint the run continues from.
+    pub resumed: Option<CheckpointFiles>,
+    /// Recorded beside every adapter the run writes.
+    pub info: TrainingInfo,
+}
+
+impl Setup {
+    pub fn ranks(&self) -> usize {
+        self.config.gpus
+    }
+
+    /// Steps already done (by the checkpoint resumed from).
+    pub fn start_step(&self) -> usize {
+        self.resumed.as_ref().map_or(0, |r| r.state.step)
+    }
+}
+
+/// Settles what the run trains on: the model path, tokenizer and data (making the preset's).
+fn prepare_inputs(config: &mut TrainConfig) -> Result<()> {
+    if config.preset.is_some() && config.model.is_none() {
+        let base = config.out.join("base-model");
+        if !base.join("model.safetensors").exists() {
+            crate::preset::write_tiny_model(&base, config.seed)?;
+        }
+        config.model = Some(base.clone());
+        config.tokenizer.get_or_insert(base.join("tokenizer.json"));
+    }
+    if config.preset.is_some() && config.data.is_none() {
+        let data = config.out.join("data").join("stories.jsonl");
+        if !data.exists() {
+            crate::preset::write_stories(&data, 1500, config.seed)?;
+        }
+        config.data = Some(data);
+    }
+    Ok(())
+}
+
+pub fn prepare(job: TrainJob) -> Result<Setup> {
+    let mut config = job.config;
+    prepare_inputs(&mut config)?;
+    config.validate()?;
+    let out = config.out.clone();
+    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    let model_path = config.model.clone().expect("validated");
+    // A resume with another rank count is refused before anything is read or planned.
+    let resumed = match &job.resume {
+        Some(dir) => Some((dir, load_resumed(dir, &config)?)),
+        None => None,
+    };
+
+    let precision = job.precision;
+    let model_config = crate::modelio::read_config(&model_path)?;
+    let trained_context = model_config.max_position_embeddings();
+    let seq_len = config
+        .seq_len
+        .or(config.target_context)
+        .unwrap_or(trained_context);
+    crate::modelio::check_seq_len(&model_config, seq_len, config.target_context)?;
+    if !job.skip_memory_plan {
+        let plan = plan_input(&config, model_config.clone(), seq_len, precision);
+        memory_plan::check(&plan, memory_plan::free_memory(job.device))?;
+    }
+    if let Some(limit) = model_config.max_sequence_length().filter(|&l| seq_len > l) {
+        bail!("--seq-len {seq_len} is longer than this model supports ({limit} positions)");
+    }
+    let mut rope_scaling = None;
+    if let Some(target) = config.target_context
+        && let Some((_, factor)) = interpolated_rope(&model_config, target)?
+    {
+        rope_scaling = Some(json!({"rope_type": "linear", "factor": factor}));
+        eprintln!(
+            "rope: linear position interpolation {trained_context} -> {target} tokens (factor {factor})"
+        );
+    }
+    let lora = LoraConfig {
+        rank: config.lora_rank,
+        alpha: config.lora_alpha,
+        dropout: config.lora_dropout,
+        target_modules: config.lora_targets.clone(),
+        train_embeddings: config.train_embeddings(),
+        train_norms: config.train_norms(),
+    };
+    if config.method == Method::Longlora {
+        eprintln!(
+            "longlora: S2 attention with groups of {} tokens while training, dense at evaluation",
+            s2_group(&config, seq_len)
+        );
+    }
+    let corpus = read_corpus(&config, &model_path, &model_config, seq_len)?;
+    let val_sequences = {
+        let n = if config.val_sequences == 0 {
+            corpus.val.len()
+        } else {
+            config.val_sequences.min(corpus.val.len())
+        };
+        (0..n)
+            .map(|i| corpus.val.get(i).expect("in range"))
+            .collect()
+    };
+
+    let run_id = run_dir::identity(&out, job.start)?.map(|r| r.id);
+    let resumed = match resumed {
+        Some((dir, files)) => {
+            check_resumed(dir, &files.state, &config, seq_len, &corpus, &run_id)?;
+            Some(files)
+        }
+        None => None,
+    };
+    let mut saved_config = config.clone();
+    saved_config.stop_after = None;
+    lemo_models::adapter::write_atomically(
+        &out.join("config.toml"),
+        saved_config.to_toml().as_bytes(),
+    )?;
+    let info = TrainingInfo {
+        method: config.method.name().to_string(),
+        base_model: model_path.display().to_string(),
+        trained_context,
+        target_context: config.target_context,
+        rope_scaling,
+        seq_len,
+        steps: config.steps,
+    };
+    Ok(Setup {
+        config,
+        precision,
+        model_path,
+        model_config,
+        seq_len,
+        lora,
+        corpus,
+        val_sequences,
+        run_id,
+        resumed,
+        info,
+    })
+}
+
+/// longlora's S2 attention group size.
+pub fn s2_group(config: &TrainConfig, seq_len: usize) -> usize {
+    config.s2_group_size.unwrap_or(seq_len / 4).max(2)
+}
+
+/// The training data, read (tokenized once, then cached) and packed into sequences.
+fn read_corpus(
+    config: &TrainConfig,
+    model_path: &std::path::Path,
+    model_config: &ModelConfig,
+    seq_len: usize,
+) -> Result<Corpus> {
+    let data_path = config.data.as_ref().expect("validated");
+    let tokenizer_path = config
+        .tokenizer
+        .clone()
+        .or_else(|| find_tokenizer(model_path));
+    let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
+    let cache_dir = match &config.cache_dir {
+        Some(p) if p.as_os_str() == "none" => None,
+        Some(p) => Some(p.clone()),
+        None => default_cache_dir(),
+    };
+    let started_reading = Instant::now();
+    let documents = read_documents_cached(
+        data_path,
+        TokenWidth::from_bytes(config.token_width)?,
+        &mut tokenizer,
+        tokenizer_path.as_deref(),
+        cache_dir.as_deref(),
+    )?;
+    let vocab = model_config.vocab_size();
+    if let Some(bad) = documents.iter().flatten().find(|&&id| id as usize >= vocab) {
+        bail!("token id {bad} is outside the model's vocabulary of {vocab} (wrong tokenizer?)");
+    }
+    let is_llama2c = matches!(ModelFormat::detect(model_path)?, ModelFormat::Llama2c);
+    let (bos, eos) = special_ids(model_config, &mut tokenizer);
+    let append_eos = config.append_eos.unwrap_or(!is_llama2c);
+    let pack = PackOptions {
+        seq_len,
+        bos,
+        eos: eos.filter(|_| append_eos),
+        val_fraction: config.val_fraction,
+        seed: config.seed,
+    };
+    let corpus = Corpus::new(&documents, &pack)?;
+    eprintln!(
+        "data: {} documents, {} sequences of {seq_len} tokens ({} tokens; {} training, {} validation) in {:.1}s",
+        corpus.documents,
+        corpus.train_len() + corpus.val.len(),
+        corpus.tokens,
+        corpus.train_len(),
+        corpus.val.len(),
+        started_reading.elapsed().as_secs_f64()
+    );
+    Ok(corpus)
+}
+
+/// The checkpoint in `dir`, written with as many ranks as this run has.
+fn load_resumed(dir: &std::path::Path, config: &TrainConfig) -> Result<CheckpointFiles> {
+    let files = checkpoint::load(dir)?;
+    let ranks = files.state.ranks;
+    if ranks != config.gpus {
+        bail!(
+            "--resume {}: the checkpoint was trained on {ranks} rank(s) and this run has {} (--gpus): the global batch (ranks x batch x grad-accum) and so the steps differ; resume with --gpus {ranks}",
+            dir.display(),
+            config.gpus,
+        );
+    }
+    Ok(files)
+}
+
+/// Checks the resumed checkpoint's state against this run: the same run, data and settings.
+fn check_resumed(
+    dir: &std::path::Path,
+    state: &checkpoint::TrainerState,
+    config: &TrainConfig,
+    seq_len: usize,
+    corpus: &Corpus,
+    run_id: &Option<String>,
+) -> Result<()> {
+    if let (Some(written_by), Some(id)) = (&state.run_id, run_id)
+        && written_by != id
+    {
+        bail!(
+            "--resume {}: the checkpoint was written by another run than the one in {}",
+            dir.display(),
+            config.out.display()
+        );
+    }
+    if state.seq_len != seq_len
+        || state.train_sequences != corpus.train_len()
+        || state.seed != config.seed
+    {
+        bail!(
+            "--resume {}: the checkpoint was trained with seq_len {}, {} training sequences, seed {}; this run has {seq_len}, {}, {}: same data and settings are needed to continue",
+            dir.display(),
+            state.seq_len,
+            state.train_sequences,
+            state.seed,
+            corpus.train_len(),
+            config.seed
+        );
+    }
+    eprintln!(
+        "resume: continuing from step {} ({})",
+        state.step,
+        dir.display()
+    );
+    Ok(())
+}

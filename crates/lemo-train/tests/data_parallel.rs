@@ -1,0 +1,160 @@
+//! Data-parallel training with simulated ranks on the CPU (`--gpus 2 --device cpu`: two ranks
+//! share the device and sum their gradients in process memory): two ranks of batch 1 log the
+//! losses and train the adapter of one rank of batch 2, a resumed two-rank run continues
+//! exactly, and resuming with another rank count is a one-line error that leaves the run intact.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn lemo() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_lemo-train"))
+}
+
+/// `train --preset tiny` for 6 steps of 2 micro-batches into `out`, checkpoints every 2 steps.
+fn train(out: &Path, extra: &[&str]) -> Output {
+    lemo()
+        .args([
+            "train",
+            "--preset",
+            "tiny",
+            "--steps",
+            "6",
+            "--grad-accum",
+            "2",
+        ])
+        .args(["--checkpoint-every", "2", "--val-every", "3"])
+        .args(["--cache-dir", "none", "--out"])
+        .arg(out)
+        .args(extra)
+        .output()
+        .expect("lemo-train runs")
+}
+
+fn succeed(output: Output) -> Output {
+    assert!(
+        output.status.success(),
+        "train failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// `(kind, step, loss)` of every record of `metrics.jsonl`.
+fn losses(out: &Path) -> Vec<(String, u64, f64)> {
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).expect("metrics.jsonl");
+    text.lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("JSON line"))
+        .map(|v| {
+            let loss = v.get("loss").or(v.get("val_loss")).unwrap();
+            (
+                v["kind"].as_str().unwrap().to_string(),
+                v["step"].as_u64().unwrap(),
+                loss.as_f64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn adapter(out: &Path) -> BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(out.join("adapter/adapter_model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, values)
+        })
+        .collect()
+}
+
+#[test]
+fn two_ranks_of_batch_one_train_as_one_rank_of_batch_two() {
+    let dir = tempfile::tempdir().unwrap();
+    let one = dir.path().join("one");
+    let two = dir.path().join("two");
+    succeed(train(&one, &["--batch-size", "2"]));
+    let output = succeed(train(&two, &["--batch-size", "1", "--gpus", "2"]));
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("x 2 rank(s)"), "{stderr}");
+
+    let (a, b) = (losses(&one), losses(&two));
+    assert_eq!(a.len(), b.len(), "{a:?}\n{b:?}");
+    assert_eq!(a.iter().filter(|r| r.0 == "val").count(), 2);
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!((&x.0, x.1), (&y.0, y.1));
+        assert!(
+            (x.2 - y.2).abs() <= 1e-5 * x.2.abs(),
+            "one rank {a:?}\ntwo ranks {b:?}"
+        );
+    }
+    let (a, b) = (adapter(&one), adapter(&two));
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (name, x) in &a {
+        let y = &b[name];
+        let scale = x.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-12);
+        let error = x.iter().zip(y).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        assert!(
+            error <= 1e-4 * scale,
+            "{name}: relative error {}",
+            error / scale
+        );
+    }
+
+    let metrics = std::fs::read_to_string(two.join("metrics.jsonl")).unwrap();
+    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    assert_eq!(first["ranks"], 2);
+    assert_eq!(first["mem_peak_gib_by_rank"].as_array().unwrap().len(), 2);
+    assert!(first["allreduce_share"].as_f64().unwrap() >= 0.0);
+}
+
+#[test]
+fn two_ranks_resume_exactly_and_refuse_another_rank_count() {
+    let dir = tempfile::tempdir().unwrap();
+    let full = dir.path().join("full");
+    let cut = dir.path().join("cut");
+    succeed(train(&full, &["--batch-size", "1", "--gpus", "2"]));
+    succeed(train(
+        &cut,
+        &["--batch-size", "1", "--gpus", "2", "--stop-after", "3"],
+    ));
+    let checkpoints = std::fs::read_dir(cut.join("checkpoints")).unwrap().count();
+
+    let output = lemo()
+        .args(["train", "--gpus", "1", "--resume"])
+        .arg(&cut)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.starts_with("error: ")
+            && stderr.contains("2 rank(s)")
+            && stderr.contains("--gpus 2"),
+        "{stderr}"
+    );
+    assert_eq!(
+        std::fs::read_dir(cut.join("checkpoints")).unwrap().count(),
+        checkpoints,
+        "a refused resume leaves the checkpoints as they were"
+    );
+
+    succeed(
+        lemo()
+            .args(["train", "--resume"])
+            .arg(&cut)
+            .output()
+            .unwrap(),
+    );
+    assert_eq!(losses(&cut), losses(&full));
+
+    let output = train(&dir.path().join("none"), &["--gpus", "0"]);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert_eq!(stderr, "error: --gpus must be at least 1\n");
+}
