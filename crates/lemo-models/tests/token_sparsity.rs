@@ -290,7 +290,7 @@ fn the_mlp_input_map_over_every_channel_gives_the_exact_mlp_scores() {
     for fixture in ["llama_gqa_tied", "opt_prenorm_proj"] {
         let model = trainable_model::<Autodiff<B>>(fixture, &["q_proj"], false, &device);
         let model = burn::module::AutodiffModule::valid(&model);
-        let [vocab, hidden] = model.lm_head_weight().dims();
+        let [vocab, _] = model.lm_head_weight().dims();
         let tokens = random_tokens::<B>(vocab, [1, 64], &device);
         let thresholds = half_kept(&model, 8);
         let mut recording = TokenSparsity::recording(
@@ -303,12 +303,14 @@ fn the_mlp_input_map_over_every_channel_gives_the_exact_mlp_scores() {
         let recorded = recording.into_plan().unwrap();
         for layer in 0..model.num_layers() {
             let record = recorded.scores[layer].block(Block::Mlp).unwrap();
-            let rows = Tensor::<B, 1>::from_floats(
-                record.token_rows.as_ref().unwrap().as_slice(),
-                &device,
-            )
-            .reshape([1, 8, 8, hidden]);
+            // The MLP's width, not the output projection's (OPT may project out).
             let map = model.mlp_input_map(layer).unwrap();
+            let hidden = map.hidden();
+            let token_rows = record.token_rows.as_ref().unwrap();
+            let blocks = record.scores.len();
+            let tokens = token_rows.len() / (blocks * hidden);
+            let rows = Tensor::<B, 1>::from_floats(token_rows.as_slice(), &device)
+                .reshape([1, blocks, tokens, hidden]);
             let channels = map.channels();
             let sketch = map.sketch(&(0..channels).collect::<Vec<_>>());
             // The sketch weighs every channel 1: its score is `channels` times the mean.

@@ -86,9 +86,11 @@ impl<B: Backend> MlpInputMap<B> {
     ) -> Vec<usize> {
         let [sequences, blocks, _, _] = token_rows.dims();
         let full = self.sketch(&(0..self.channels()).collect::<Vec<_>>());
-        let block_means = full
-            .block_channel_means(token_rows, chunk)
-            .reshape([sequences, blocks, self.channels()]);
+        let block_means = full.block_channel_means(token_rows, chunk).reshape([
+            sequences,
+            blocks,
+            self.channels(),
+        ]);
         let target = (scores.clone() - scores.mean_dim(1)).reshape([sequences, blocks, 1]);
         let centered = block_means.clone() - block_means.mean_dim(1);
         let covariance = (centered * target).sum_dim(1).sum_dim(0).flatten::<1>(0, 2);
@@ -120,7 +122,10 @@ fn non_negative_ridge(
         let mut right = vec![0.0f64; n];
         for (a, &i) in free.iter().enumerate() {
             right[a] = moment[i] + ridge * prior[i]
-                - (0..k).filter(|&j| held[j]).map(|j| gram[i * k + j] * floor).sum::<f64>();
+                - (0..k)
+                    .filter(|&j| held[j])
+                    .map(|j| gram[i * k + j] * floor)
+                    .sum::<f64>();
             for (c, &j) in free.iter().enumerate() {
                 system[a * n + c] = gram[i * k + j] + if i == j { ridge } else { 0.0 };
             }
@@ -234,7 +239,9 @@ impl<B: Backend> MlpSketch<B> {
         let parts: Vec<Tensor<B, 2>> = (0..sequences)
             .step_by(chunk)
             .map(|start| {
-                let rows = token_rows.clone().narrow(0, start, chunk.min(sequences - start));
+                let rows = token_rows
+                    .clone()
+                    .narrow(0, start, chunk.min(sequences - start));
                 let count = rows.dims()[0];
                 self.channel_activations(rows)
                     .mean_dim(2)
