@@ -24,6 +24,8 @@ pub struct QueryKey<B: Backend> {
 }
 
 /// The predictor of one block of a layer.
+// One per block of a layer, never moved in a hot loop: the variants' size difference is moot.
+#[allow(clippy::large_enum_variant)]
 #[derive(Module, Debug)]
 pub enum BlockPredictor<B: Backend> {
     Attention(QueryKey<B>),
