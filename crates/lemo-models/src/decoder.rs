@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{IndexingUpdateOp, Int, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::known_value::with_value;
 use lemo_kernels::loss::segment_cross_entropy;
@@ -22,6 +22,7 @@ use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 
 use crate::cache::{KvCache, LayerCache};
+use crate::dropped_rows::DroppedRowsJacobian;
 use crate::token_plan::TokenSparsity;
 
 pub trait Decoder<B: Backend> {
@@ -105,8 +106,38 @@ impl<B: LemoBackend> SparseBlock<B> {
     /// block's output on the kept rows, added into those rows: the gradient reaches the block
     /// through its kept rows only.
     pub fn residual(&self, x: Tensor<B, 3>, graph: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.residual_with(x, graph, None)
+    }
+
+    /// [`Self::residual`] whose backward pass also reaches the dropped rows through `dropped`,
+    /// a stand-in for the block's input Jacobian there.
+    pub fn residual_with(
+        &self,
+        x: Tensor<B, 3>,
+        graph: Tensor<B, 3>,
+        dropped: Option<DroppedRowsJacobian<B>>,
+    ) -> Tensor<B, 3> {
         let value = x.clone().detach() + self.pass.output.clone();
-        with_value(scatter_add_rows(x, self.rows.clone(), graph), value)
+        let graph = match dropped {
+            Some(dropped) => {
+                scatter_add_rows(x.clone(), self.rows.clone(), graph) + dropped.graph(x)
+            }
+            None => scatter_add_rows(x, self.rows.clone(), graph),
+        };
+        with_value(graph, value)
+    }
+
+    /// `[batch, seq, 1]`: 1 on the rows the block drops, 0 on those it keeps (f32).
+    pub fn dropped_mask(&self, seq: usize) -> Tensor<B, 3> {
+        let [batch, kept] = self.rows.dims();
+        let device = self.rows.device();
+        let kept_mask = Tensor::<B, 2>::zeros([batch, seq], &device).scatter(
+            1,
+            self.rows.clone(),
+            Tensor::ones([batch, kept], &device),
+            IndexingUpdateOp::Add,
+        );
+        kept_mask.neg().add_scalar(1.0).unsqueeze_dim(2)
     }
 
     /// The kept rows of the pass's `index`-th product, `[batch, kept, width]`.

@@ -12,7 +12,7 @@
 use std::ops::Range;
 
 use burn::module::{Module, Param};
-use burn::tensor::{DType, Int, Tensor, backend::Backend};
+use burn::tensor::{DType, Int, Tensor, activation, backend::Backend};
 use lemo_kernels::attention::{attention, attention_with_lse, attention_with_value};
 use lemo_kernels::fused::swiglu;
 use lemo_kernels::{AttentionOptions, LemoBackend};
@@ -23,6 +23,7 @@ use crate::Result;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::LlamaConfig;
 use crate::decoder::{BlockPass, Decoder, SparseBlock};
+use crate::dropped_rows::DroppedRowsJacobian;
 use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::RmsNorm;
@@ -154,6 +155,40 @@ impl<B: LemoBackend> LlamaMlp<B> {
             .forward_with_base(swiglu(gate, up), product(2))
     }
 
+    /// The stand-in for this MLP's input Jacobian on the rows `sparse` drops (see
+    /// [`DroppedRowsJacobian`]): SwiGLU's slopes are `silu'(gate) * up` through `gate` and
+    /// `silu(gate)` through `up`.
+    fn dropped_rows_jacobian(
+        &self,
+        norm: &RmsNorm<B>,
+        a: Tensor<B, 3>,
+        sparse: &SparseBlock<B>,
+    ) -> Option<DroppedRowsJacobian<B>> {
+        let slopes = |sample: Tensor<B, 1, Int>| {
+            let rows = |i: usize| {
+                let product: Tensor<B, 3> = sparse.pass.products[i].clone();
+                product.select(1, sample.clone()).cast(DType::F32)
+            };
+            let (gate, up) = (rows(0), rows(1));
+            let sigmoid = activation::sigmoid(gate.clone());
+            let silu = gate.clone() * sigmoid.clone();
+            let silu_slope =
+                sigmoid.clone() * (gate * sigmoid.neg().add_scalar(1.0)).add_scalar(1.0);
+            vec![
+                (silu_slope * up, self.gate_proj.weight.val()),
+                (silu, self.up_proj.weight.val()),
+            ]
+        };
+        DroppedRowsJacobian::mlp(
+            sparse,
+            norm.inverse_scale(a),
+            Some(norm.weight.val()),
+            slopes,
+            self.down_proj.weight.val(),
+            false,
+        )
+    }
+
     /// The block on every row of `x` outside the graph, with the token-block informativeness
     /// of `silu(gate) * up` when `block_size` is given. Products: the frozen parts of `gate`,
     /// `up` and `down`.
@@ -220,7 +255,8 @@ impl<B: LemoBackend> LlamaLayer<B> {
             Some(sparse) => {
                 let x = norm.forward_rows(a.clone(), sparse.rows.clone());
                 let out = self.mlp.forward(x, Some(&sparse));
-                sparse.residual(a, out)
+                let dropped = self.mlp.dropped_rows_jacobian(norm, a.clone(), &sparse);
+                sparse.residual_with(a, out, dropped)
             }
         }
     }

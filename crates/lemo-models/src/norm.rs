@@ -30,6 +30,13 @@ impl<B: ComputeBackend> RmsNorm<B> {
         rms_norm(x, weight, self.eps as f32)
     }
 
+    /// `1 / sqrt(mean(x^2) + eps)` of each row of `x: [batch, seq, hidden]`, `[batch, seq, 1]`
+    /// f32, outside the graph.
+    pub fn inverse_scale(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let x = x.detach().cast(DType::F32);
+        x.square().mean_dim(2).add_scalar(self.eps).sqrt().recip()
+    }
+
     /// The norm of the rows `rows: [batch, kept]` of `x: [batch, seq, hidden]`, read from `x`
     /// by the norm itself (no compacted copy of `x`).
     pub fn forward_rows(&self, x: Tensor<B, 3>, rows: Tensor<B, 2, Int>) -> Tensor<B, 3> {
@@ -55,6 +62,19 @@ impl<B: Backend> LayerNorm<B> {
             bias: bias.map(frozen),
             eps,
         }
+    }
+
+    /// `1 / sqrt(var(x) + eps)` of each row of `x: [batch, seq, hidden]`, `[batch, seq, 1]` f32,
+    /// outside the graph.
+    pub fn inverse_scale(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        let x = x.detach().cast(DType::F32);
+        let centered = x.clone() - x.mean_dim(2);
+        centered
+            .square()
+            .mean_dim(2)
+            .add_scalar(self.eps)
+            .sqrt()
+            .recip()
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {

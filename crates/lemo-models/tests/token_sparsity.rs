@@ -1,6 +1,6 @@
 //! Token elimination (`--method lemo`) in the models: exact when every token is kept; a sparse
-//! block computes the dense values but back-propagates through its kept rows only; kept sets are
-//! per sequence of a batch.
+//! block computes the dense values but back-propagates through its kept rows only (the MLP's
+//! dropped rows through a linear stand-in); kept sets are per sequence of a batch.
 
 mod common;
 
@@ -121,18 +121,16 @@ fn a_sparse_layer_computes_the_dense_values_and_back_propagates_through_its_kept
     let difference: f32 = (sparse.clone() - dense).abs().max().into_scalar().elem();
     assert!(difference <= 1e-5 * scale, "values differ by {difference}");
 
-    // A loss on rows 8..24 reaches h through the residual stream alone, and no adapter.
+    // A loss on rows 8..24 reaches no adapter, and no other row of h: the attention block
+    // passes those rows through the residual, the MLP block through the residual and its
+    // row-wise stand-in for the dropped rows' Jacobian.
     let gradients = sparse.clone().slice([0..1, 8..24]).sum().backward();
     let grad_h = h.grad(&gradients).expect("h is a leaf of the graph");
-    let expected = Tensor::<CpuBackend, 3>::zeros(grad_h.dims(), &device).slice_assign(
-        [0..1, 8..24],
-        Tensor::ones([1, 16, grad_h.dims()[2]], &device),
-    );
-    let error: f32 = (grad_h - expected).abs().max().into_scalar().elem();
-    assert_eq!(
-        error, 0.0,
-        "a dropped row's gradient went through the block"
-    );
+    let outside: f32 = (grad_h.clone().slice([0..1, 0..8]).abs().max()
+        + grad_h.slice([0..1, 24..40]).abs().max())
+    .into_scalar()
+    .elem();
+    assert_eq!(outside, 0.0, "a dropped row's gradient reached another row");
     let mut sums = GradientSums::default();
     sums.add(&model, &gradients);
     assert!(
@@ -150,6 +148,131 @@ fn a_sparse_layer_computes_the_dense_values_and_back_propagates_through_its_kept
         !sums.is_zero(),
         "a kept row's loss did not reach the adapters"
     );
+}
+
+type Ad = Autodiff<CpuBackend>;
+
+/// `x W^T + bias` of a model's projection, written out.
+fn project(x: Tensor<Ad, 3>, linear: &lemo_models::lora::Linear<Ad>) -> Tensor<Ad, 3> {
+    let y = x.matmul(linear.weight.val().transpose().unsqueeze());
+    match &linear.bias {
+        Some(bias) => y + bias.val().unsqueeze::<3>(),
+        None => y,
+    }
+}
+
+/// With one row dropped, the mean activation slopes over the dropped rows are that row's own, so
+/// the MLP block's stand-in there must equal the block's Jacobian with the norm's scale held
+/// (`held_scale_block`, the block written out with its norm's `1/rms` or `1/std` outside the
+/// graph); the kept rows' gradients must equal the dense block's.
+fn check_lone_dropped_row<D: lemo_models::decoder::Decoder<Ad>>(
+    decoder: &D,
+    hidden: usize,
+    held_scale_block: impl Fn(Tensor<Ad, 3>) -> Tensor<Ad, 3>,
+) {
+    use lemo_models::decoder::SparseBlock;
+    let device = Default::default();
+    let (seq, dropped) = (40, 21);
+    let a = Tensor::<Ad, 3>::random([1, seq, hidden], Distribution::Normal(0.0, 1.0), &device);
+    let upstream =
+        Tensor::<Ad, 3>::random([1, seq, hidden], Distribution::Normal(0.0, 1.0), &device);
+    let kept: Vec<i64> = (0..seq as i64).filter(|&r| r != dropped as i64).collect();
+    let rows = Tensor::<Ad, 1, Int>::from_data(kept.as_slice(), &device).reshape([1, seq - 1]);
+    let gradient_of = |block: &dyn Fn(Tensor<Ad, 3>) -> Tensor<Ad, 3>| {
+        let input = a.clone().require_grad();
+        let gradients = (block(input.clone()) * upstream.clone()).sum().backward();
+        input.grad(&gradients).expect("the block reads its input")
+    };
+    let sparse_gradient = gradient_of(&|input| {
+        let pass = decoder.mlp_pass(0, input.clone(), None);
+        let sparse = SparseBlock {
+            rows: rows.clone(),
+            pass,
+        };
+        decoder.mlp_block(0, input, Some(sparse))
+    });
+    let dense_gradient = gradient_of(&|input| decoder.mlp_block(0, input, None));
+    let held_gradient = gradient_of(&held_scale_block);
+
+    let max = |t: Tensor<CpuBackend, 3>| -> f32 { t.abs().max().into_scalar().elem() };
+    let rows_of =
+        |t: &Tensor<CpuBackend, 3>, range: std::ops::Range<usize>| t.clone().slice([0..1, range]);
+    let kept_error = [0..dropped, dropped + 1..seq]
+        .map(
+            |range| max(rows_of(&sparse_gradient, range.clone()) - rows_of(&dense_gradient, range)),
+        )
+        .into_iter()
+        .fold(0.0, f32::max);
+    let scale = max(dense_gradient.clone());
+    assert!(
+        kept_error <= 1e-5 * scale,
+        "kept rows' gradients differ by {kept_error}"
+    );
+    let lone = dropped..dropped + 1;
+    let through_mlp =
+        max(rows_of(&held_gradient, lone.clone()) - rows_of(&upstream.inner(), lone.clone()));
+    assert!(
+        through_mlp > 1e-2 * scale,
+        "the MLP's Jacobian is too small to test ({through_mlp})"
+    );
+    let stand_in_error =
+        max(rows_of(&sparse_gradient, lone.clone()) - rows_of(&held_gradient, lone));
+    assert!(
+        stand_in_error <= 1e-4 * through_mlp,
+        "the dropped row's gradient differs from the held-scale Jacobian by {stand_in_error} (of {through_mlp})"
+    );
+}
+
+#[test]
+fn the_mlp_stand_in_on_a_lone_dropped_row_is_its_jacobian_with_the_norm_scale_held() {
+    use burn::tensor::activation::{relu, silu};
+    let device = Default::default();
+    let model = trainable_model::<Ad>("llama_gqa_tied", &LLAMA_PROJECTIONS, false, &device);
+    let CausalLm::Llama(llama) = &model else {
+        unreachable!()
+    };
+    let layer = &llama.layers[0];
+    let (norm, mlp) = (&layer.post_attention_layernorm, &layer.mlp);
+    check_lone_dropped_row(llama, norm.weight.dims()[0], |a| {
+        let scale = a
+            .clone()
+            .detach()
+            .square()
+            .mean_dim(2)
+            .add_scalar(norm.eps)
+            .sqrt()
+            .recip();
+        let x = a.clone() * scale * norm.weight.val().unsqueeze::<3>();
+        let activations = silu(project(x.clone(), &mlp.gate_proj)) * project(x, &mlp.up_proj);
+        a + project(activations, &mlp.down_proj)
+    });
+
+    let model = trainable_model::<Ad>("opt_prenorm_proj", &LLAMA_PROJECTIONS, false, &device);
+    let CausalLm::Opt(opt) = &model else {
+        unreachable!()
+    };
+    let layer = &opt.layers[0];
+    let norm = &layer.final_layer_norm;
+    let hidden = layer.fc2.weight.dims()[0];
+    check_lone_dropped_row(opt, hidden, |a| {
+        let centered = a.clone() - a.clone().mean_dim(2);
+        let scale = centered
+            .clone()
+            .detach()
+            .square()
+            .mean_dim(2)
+            .add_scalar(norm.eps)
+            .sqrt()
+            .recip();
+        let mut x = centered * scale;
+        if let Some(weight) = &norm.weight {
+            x = x * weight.val().unsqueeze::<3>();
+        }
+        if let Some(bias) = &norm.bias {
+            x = x + bias.val().unsqueeze::<3>();
+        }
+        a + project(relu(project(x, &layer.fc1)), &layer.fc2)
+    });
 }
 
 #[test]
