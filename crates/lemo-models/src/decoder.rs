@@ -22,7 +22,7 @@ use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 
 use crate::cache::{KvCache, LayerCache};
-use crate::dropped_rows::DroppedRowsJacobian;
+use crate::dropped_rows::{DroppedRows, DroppedRowsJacobian};
 use crate::token_plan::TokenSparsity;
 
 pub trait Decoder<B: Backend> {
@@ -95,10 +95,12 @@ pub struct BlockPass<B: Backend> {
     pub products: Vec<Tensor<B, 3>>,
 }
 
-/// A token-sparse block: its kept rows `[batch, kept]` and its pass over every row.
+/// A token-sparse block: its kept rows `[batch, kept]`, its pass over every row, and what its
+/// backward pass does on the other rows.
 pub struct SparseBlock<B: Backend> {
     pub rows: Tensor<B, 2, Int>,
     pub pass: BlockPass<B>,
+    pub dropped_rows: DroppedRows,
 }
 
 impl<B: LemoBackend> SparseBlock<B> {
@@ -157,9 +159,11 @@ pub fn layer<B: Backend, D: Decoder<B>>(
     sparsity: &mut TokenSparsity,
 ) -> Tensor<B, 3> {
     let device = h.device();
+    let dropped_rows = sparsity.dropped_rows();
     let sparse_block = |(kept, pass): (KeptRows, BlockPass<B>)| SparseBlock {
         rows: kept.to_tensor::<B>(&device),
         pass,
+        dropped_rows,
     };
     let input = h.clone().detach();
     let sparse = sparsity

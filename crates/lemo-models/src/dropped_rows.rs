@@ -29,6 +29,16 @@ use crate::decoder::SparseBlock;
 /// estimates the one over all of them well, at a small part of the cost.
 const SLOPE_SAMPLE_ROWS: usize = 256;
 
+/// What the backward pass of a token-sparse MLP block does on the rows it drops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DroppedRows {
+    /// Goes through [`DroppedRowsJacobian`] and the residual.
+    #[default]
+    StandIn,
+    /// Goes through the residual alone: cheaper, further from the dense gradient.
+    Residual,
+}
+
 /// The stand-in for a block's input Jacobian on its dropped rows.
 pub struct DroppedRowsJacobian<B: LemoBackend> {
     /// `[hidden, hidden]`, as a projection weight (`y = x map^T`).
@@ -38,7 +48,8 @@ pub struct DroppedRowsJacobian<B: LemoBackend> {
 }
 
 impl<B: LemoBackend> DroppedRowsJacobian<B> {
-    /// The stand-in of an MLP block, or `None` when the block drops nothing.
+    /// The stand-in of an MLP block, or `None` when the block drops nothing or its dropped rows
+    /// go through the residual alone.
     ///
     /// - `block_input`: `[batch, seq, hidden]`, what the norm reads;
     /// - `inverse_scale`: the norm's `1 / rms` or `1 / std` of each row, `[batch, seq, 1]`;
@@ -61,7 +72,7 @@ impl<B: LemoBackend> DroppedRowsJacobian<B> {
     {
         let [batch, seq, _] = inverse_scale.dims();
         let [_, kept] = sparse.rows.dims();
-        if kept >= seq {
+        if kept >= seq || sparse.dropped_rows == DroppedRows::Residual {
             return None;
         }
         let device = inverse_scale.device();

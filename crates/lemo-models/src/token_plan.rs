@@ -14,6 +14,7 @@ use lemo_sparsity::calibration::Block;
 use lemo_sparsity::{KeptRows, Thresholds};
 
 use crate::decoder::BlockPass;
+use crate::dropped_rows::DroppedRows;
 
 /// The kept rows of one layer's two blocks; `None` is a dense block.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -81,6 +82,8 @@ pub enum Record {
 #[derive(Debug, Clone, Default)]
 pub struct TokenPlan {
     pub layers: Vec<LayerPlan>,
+    /// What the MLP blocks' backward pass does on their dropped rows.
+    pub dropped_rows: DroppedRows,
     /// Filled when the pass was asked to record scores (profiling, calibration).
     pub scores: Vec<LayerScores>,
 }
@@ -158,6 +161,24 @@ impl<'a> TokenSparsity<'a> {
             predictors: Some(predictors),
             plan: TokenPlan::default(),
             record: Record::Nothing,
+        }
+    }
+
+    /// This selection with the MLP blocks' dropped rows treated as `dropped_rows` (recorded in
+    /// the plan, so a replay treats them the same).
+    pub fn with_dropped_rows(mut self, dropped_rows: DroppedRows) -> Self {
+        if let TokenSparsity::Select { plan, .. } = &mut self {
+            plan.dropped_rows = dropped_rows;
+        }
+        self
+    }
+
+    /// What the MLP blocks' backward pass does on their dropped rows.
+    pub fn dropped_rows(&self) -> DroppedRows {
+        match self {
+            TokenSparsity::Select { plan, .. } => plan.dropped_rows,
+            TokenSparsity::Replay(plan) => plan.dropped_rows,
+            TokenSparsity::Dense => DroppedRows::default(),
         }
     }
 

@@ -188,6 +188,7 @@ fn check_lone_dropped_row<D: lemo_models::decoder::Decoder<Ad>>(
         let sparse = SparseBlock {
             rows: rows.clone(),
             pass,
+            dropped_rows: Default::default(),
         };
         decoder.mlp_block(0, input, Some(sparse))
     });
@@ -311,7 +312,7 @@ fn each_sequence_of_a_batch_keeps_its_own_rows() {
                     }
                 })
                 .collect(),
-            scores: Vec::new(),
+            ..TokenPlan::default()
         };
         let alone = model.hidden_states(
             tokens.clone().narrow(0, sequence, 1),

@@ -30,7 +30,9 @@ mod elimination;
 mod inspect;
 mod predictors;
 
-pub use elimination::{Elimination, ScoreSource, bench_elimination, elimination, token_sparsity};
+pub use elimination::{
+    Elimination, MlpDroppedRows, ScoreSource, bench_elimination, elimination, token_sparsity,
+};
 pub use inspect::{InspectArgs, run_calibrate, run_profile, run_train_predictors};
 pub use predictors::TrainPredictorsArgs;
 
@@ -68,6 +70,8 @@ pub struct SparsitySettings {
     pub predictors: Option<PathBuf>,
     /// Unset: predicted when `predictors` is given, else exact.
     pub scores: Option<ScoreSource>,
+    /// What the MLP blocks' backward pass does on their dropped rows.
+    pub mlp_dropped_rows: MlpDroppedRows,
 }
 
 impl Default for SparsitySettings {
@@ -82,6 +86,7 @@ impl Default for SparsitySettings {
             calibration_rounds: 0,
             predictors: None,
             scores: None,
+            mlp_dropped_rows: MlpDroppedRows::StandIn,
         }
     }
 }
@@ -141,6 +146,11 @@ pub struct SparsityArgs {
     /// Token-block scores: exact, or predicted [default: predicted with --predictors, else exact].
     #[arg(long, value_enum)]
     pub scores: Option<ScoreSource>,
+    /// The backward pass of an MLP block on the rows it drops: through a linear stand-in for
+    /// its Jacobian (closer to the dense gradient, ~10% of a step), or the residual alone
+    /// [default: stand-in].
+    #[arg(long, value_enum)]
+    pub mlp_dropped_rows: Option<MlpDroppedRows>,
 }
 
 impl SparsityArgs {
@@ -172,6 +182,9 @@ impl SparsityArgs {
         }
         if let Some(v) = self.scores {
             settings.scores = Some(v);
+        }
+        if let Some(v) = self.mlp_dropped_rows {
+            settings.mlp_dropped_rows = v;
         }
         settings
     }

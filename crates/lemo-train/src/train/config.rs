@@ -10,7 +10,7 @@ use lemo_models::lora::LLAMA_PROJECTIONS;
 use serde::{Deserialize, Serialize};
 
 use crate::device::{DeviceKind, PrecisionKind};
-use crate::sparsity::{ScoreSource, SparsityArgs, SparsitySettings};
+use crate::sparsity::{MlpDroppedRows, ScoreSource, SparsityArgs, SparsitySettings};
 use crate::train::optim::Schedule;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
@@ -97,6 +97,8 @@ pub struct TrainConfig {
     pub predictors: Option<PathBuf>,
     /// lemo: exact or predicted scores; unset: predicted with `predictors`.
     pub scores: Option<ScoreSource>,
+    /// lemo: the MLP blocks' backward pass on their dropped rows ("stand-in" or "residual").
+    pub mlp_dropped_rows: MlpDroppedRows,
     /// Rows of the vocabulary projection per segment of the segment-based loss.
     pub loss_segment: usize,
     pub seed: u64,
@@ -167,6 +169,7 @@ impl Default for TrainConfig {
             calibration_rounds: lemo.calibration_rounds,
             predictors: lemo.predictors,
             scores: lemo.scores,
+            mlp_dropped_rows: lemo.mlp_dropped_rows,
             loss_segment: 1024,
             seed: 42,
             val_fraction: 0.02,
@@ -257,6 +260,7 @@ impl TrainConfig {
             calibration_rounds: self.calibration_rounds,
             predictors: self.predictors.clone(),
             scores: self.scores,
+            mlp_dropped_rows: self.mlp_dropped_rows,
         }
     }
 
@@ -595,6 +599,13 @@ impl TrainArgs {
             "scores",
             enum_value(
                 lemo.scores
+                    .map(|s| s.to_possible_value().expect("named").get_name().to_string()),
+            ),
+        );
+        put(
+            "mlp_dropped_rows",
+            enum_value(
+                lemo.mlp_dropped_rows
                     .map(|s| s.to_possible_value().expect("named").get_name().to_string()),
             ),
         );
