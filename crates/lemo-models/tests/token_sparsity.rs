@@ -161,6 +161,16 @@ fn project(x: Tensor<Ad, 3>, linear: &lemo_models::lora::Linear<Ad>) -> Tensor<A
     }
 }
 
+/// `1 / sqrt(mean(x^2) + eps)` of each row, outside the graph.
+fn held_inverse_rms(x: Tensor<Ad, 3>, eps: f64) -> Tensor<Ad, 3> {
+    x.detach()
+        .square()
+        .mean_dim(2)
+        .add_scalar(eps)
+        .sqrt()
+        .recip()
+}
+
 /// With one row dropped, the mean activation slopes over the dropped rows are that row's own, so
 /// the MLP block's stand-in there must equal the block's Jacobian with the norm's scale held
 /// (`held_scale_block`, the block written out with its norm's `1/rms` or `1/std` outside the
@@ -235,15 +245,8 @@ fn the_mlp_stand_in_on_a_lone_dropped_row_is_its_jacobian_with_the_norm_scale_he
     let layer = &llama.layers[0];
     let (norm, mlp) = (&layer.post_attention_layernorm, &layer.mlp);
     check_lone_dropped_row(llama, norm.weight.dims()[0], |a| {
-        let scale = a
-            .clone()
-            .detach()
-            .square()
-            .mean_dim(2)
-            .add_scalar(norm.eps)
-            .sqrt()
-            .recip();
-        let x = a.clone() * scale * norm.weight.val().unsqueeze::<3>();
+        let x =
+            a.clone() * held_inverse_rms(a.clone(), norm.eps) * norm.weight.val().unsqueeze::<3>();
         let activations = silu(project(x.clone(), &mlp.gate_proj)) * project(x, &mlp.up_proj);
         a + project(activations, &mlp.down_proj)
     });
@@ -257,15 +260,7 @@ fn the_mlp_stand_in_on_a_lone_dropped_row_is_its_jacobian_with_the_norm_scale_he
     let hidden = layer.fc2.weight.dims()[0];
     check_lone_dropped_row(opt, hidden, |a| {
         let centered = a.clone() - a.clone().mean_dim(2);
-        let scale = centered
-            .clone()
-            .detach()
-            .square()
-            .mean_dim(2)
-            .add_scalar(norm.eps)
-            .sqrt()
-            .recip();
-        let mut x = centered * scale;
+        let mut x = centered.clone() * held_inverse_rms(centered, norm.eps);
         if let Some(weight) = &norm.weight {
             x = x * weight.val().unsqueeze::<3>();
         }
