@@ -51,7 +51,6 @@ impl<B: LemoBackend> DroppedRowsJacobian<B> {
     /// The stand-in of an MLP block, or `None` when the block drops nothing or its dropped rows
     /// go through the residual alone.
     ///
-    /// - `block_input`: `[batch, seq, hidden]`, what the norm reads;
     /// - `inverse_scale`: the norm's `1 / rms` or `1 / std` of each row, `[batch, seq, 1]`;
     /// - `norm_weight`: `[hidden]` (`None`: no weight);
     /// - `slopes`: at the given rows of the sequence (`[rows]`), the activation slope of each
