@@ -13,7 +13,10 @@
 #
 # env: LEMO (binary, default target/release/lemo-train), PYTHON (default python3), GPUS
 #      (default 2), SEQ_LENS (default "8192 16384"), STEPS (default 8), WARMUP (default 3),
-#      METHOD (default lora), COMMIT, RESULTS, LOGS (a folder to copy each run's log into).
+#      METHOD (default lora), COMMIT, RESULTS, LOGS (a folder to copy each run's log into),
+#      WORK (a folder kept between calls: the random model is written once; default a new one),
+#      SKIP_EQUIVALENCE=1 (when an earlier call over the same WORK ran it). Runs already measured
+#      in WORK are kept, so a second call with more SEQ_LENS adds to the first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LEMO=${LEMO:-target/release/lemo-train}
@@ -25,7 +28,8 @@ WARMUP=${WARMUP:-3}
 METHOD=${METHOD:-lora}
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 RESULTS=${RESULTS:-bench/results/h200-data-parallel.json}
-WORK=$(mktemp -d)
+WORK=${WORK:-$(mktemp -d)}
+mkdir -p "$WORK"
 export NCCL_NVLS_ENABLE=0
 
 # NCCL from pip's wheel (or wherever the system has it), under the name it is loaded by.
@@ -39,6 +43,7 @@ echo "NCCL: $NCCL_SO" >&2
 RANKS=$(printf '1\n%s\n' "$GPUS" | sort -un)
 COMMANDS=()
 for ranks in $RANKS; do
+  [ "${SKIP_EQUIVALENCE:-0}" = 1 ] && break
   batch=$(( GPUS / ranks ))
   cmd="$LEMO train --preset tiny --device cuda --precision f32 --steps 6 --val-every 3 --checkpoint-every 0 --gpus $ranks --batch-size $batch --cache-dir none --out $WORK/tiny-$ranks"
   COMMANDS+=("$cmd")
@@ -51,35 +56,13 @@ for ranks in $RANKS; do
 done
 
 # Random weights in the Hugging Face layout, and one long document of random token ids.
-"$PYTHON" - "$WORK/model" "$WORK/data.jsonl" <<'PY'
-import json, os, sys, torch
-from safetensors.torch import save_file
-out, data = sys.argv[1:3]
-cfg = json.load(open("bench/configs/llama-2-7b.json"))
-os.makedirs(out, exist_ok=True)
-json.dump(cfg, open(os.path.join(out, "config.json"), "w"))
-h, f, layers, vocab = (cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
-g = torch.Generator(device="cuda").manual_seed(0)
-def w(*shape):
-    return (torch.randn(*shape, device="cuda", generator=g) * 0.02).to(torch.bfloat16).cpu()
-ones = lambda: torch.ones(h, dtype=torch.bfloat16)
-t = {"model.embed_tokens.weight": w(vocab, h), "model.norm.weight": ones(), "lm_head.weight": w(vocab, h)}
-for i in range(layers):
-    p = f"model.layers.{i}."
-    for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        t[p + f"self_attn.{n}.weight"] = w(h, h)
-    t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"] = w(f, h), w(f, h)
-    t[p + "mlp.down_proj.weight"] = w(h, f)
-    t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"] = ones(), ones()
-save_file(t, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-ids = torch.randint(3, vocab, (1 << 20,), generator=torch.Generator().manual_seed(1)).tolist()
-open(data, "w").write(json.dumps({"input_ids": ids}) + "\n")
-PY
+[ -f "$WORK/model/model.safetensors" ] || "$PYTHON" bench/random_llama.py bench/configs/llama-2-7b.json "$WORK/model" "$WORK/data.jsonl"
 
 for len in $SEQ_LENS; do
   for gpus in $RANKS; do
     run="$WORK/run-$len-$gpus"
-    cmd="$LEMO train --model $WORK/model --data $WORK/data.jsonl --method $METHOD --seq-len $len --steps $STEPS --gpus $gpus --device cuda --precision bf16 --lora-rank 8 --lr 1e-4 --warmup-steps 0 --val-fraction 0 --checkpoint-every 0 --save-every 0 --cache-dir none --skip-memory-plan --out $run"
+    [ -f "$run/metrics.jsonl" ] && continue  # measured by an earlier call over the same WORK
+    cmd="$LEMO train --model $WORK/model --data $WORK/data.jsonl --method $METHOD --seq-len $len --target-context $len --steps $STEPS --gpus $gpus --device cuda --precision bf16 --lora-rank 8 --lr 1e-4 --warmup-steps 0 --val-fraction 0 --checkpoint-every 0 --save-every 0 --cache-dir none --skip-memory-plan --out $run"
     COMMANDS+=("$cmd")
     echo "+ $cmd" >&2
     nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -lms 20 > "$run.smi" 2>/dev/null &
@@ -90,12 +73,12 @@ for len in $SEQ_LENS; do
     [ $status -eq 0 ] || echo "train --gpus $gpus at $len failed (status $status)" >&2
   done
 done
-printf '%s\n' "${COMMANDS[@]}" > "$WORK/commands.txt"
+printf '%s\n' "${COMMANDS[@]}" >> "$WORK/commands.txt"
 [ -n "${LOGS:-}" ] && cp "$WORK"/tiny-*.log "$WORK"/run-*.log "$LOGS"/
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
-"$PYTHON" - "$WORK" "$RESULTS" "$COMMIT" "$GPU" "$GPUS" "$WARMUP" "$SEQ_LENS" <<'PY'
+"$PYTHON" - "$WORK" "$RESULTS" "$COMMIT" "$GPU" "$GPUS" "$WARMUP" "$SEQ_LENS" "$METHOD" <<'PY'
 import datetime, json, os, statistics, sys
-work, out, commit, gpu, gpus, warmup, lens = sys.argv[1:8]
+work, out, commit, gpu, gpus, warmup, lens, method = sys.argv[1:9]
 gpus, warmup = int(gpus), int(warmup)
 def case(length, ranks):
     run = os.path.join(work, f"run-{length}-{ranks}")
@@ -116,12 +99,16 @@ def case(length, ranks):
         "lemo_peak_gib_by_rank": steps[-1]["mem_peak_gib_by_rank"],
         "device_peak_gib_by_gpu": [round((peak[i] - idle[i]) / 1024, 2) for i in range(ranks)],
         "losses": [s["loss"] for s in steps],
+        # --method lemo: the kept fractions, averaged over the ranks.
+        "keep_attention_median": steps[0].get("keep_attention") is not None and statistics.median(s["keep_attention"] for s in timed) or None,
+        "keep_mlp_median": steps[0].get("keep_mlp") is not None and statistics.median(s["keep_mlp"] for s in timed) or None,
     }
 def losses(run):
     return [(r["kind"], r["step"], r.get("loss", r.get("val_loss")))
             for r in map(json.loads, open(os.path.join(work, run, "metrics.jsonl")))]
-one, many = losses("tiny-1"), losses(f"tiny-{gpus}")
-equivalence = gpus > 1 and {
+ran = gpus > 1 and os.path.exists(os.path.join(work, f"tiny-{gpus}", "metrics.jsonl"))
+one, many = (losses("tiny-1"), losses(f"tiny-{gpus}")) if ran else (None, None)
+equivalence = ran and {
     "what": f"tiny preset, f32, 6 steps: 1 GPU x batch {gpus} against {gpus} GPUs x batch 1",
     "one_gpu": one, f"{gpus}_gpus": many,
     "max_relative_difference": max(abs(a[2] - b[2]) / abs(a[2]) for a, b in zip(one, many)),
@@ -138,7 +125,7 @@ for length in lens.split():
         row["peak_ratio_device"] = max(many["device_peak_gib_by_gpu"]) / max(one["device_peak_gib_by_gpu"])
     rows.append(row)
 result = {
-    "what": "train --gpus N data-parallel scaling, Llama-2-7B shape (random weights), bf16, LoRA r=8 q/k/v/o, batch 1 per GPU",
+    "what": f"train --gpus N data-parallel scaling, Llama-2-7B shape (random weights), bf16, method {method}, LoRA r=8 q/k/v/o, batch 1 per GPU",
     "gpu": gpu, "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
     "commands": open(os.path.join(work, "commands.txt")).read().splitlines(),
     "equivalence": equivalence,

@@ -594,7 +594,19 @@ fn print_train_summary(summary: &train::TrainSummary) {
 
 fn main() -> ExitCode {
     // Errors from deep inside a backend surface as panics; show them as one line like any other.
+    // Only the first is shown: on several GPUs the panics that follow (the other ranks, a device
+    // left broken by the first) are its consequences, and the first names the cause.
+    static REPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
     std::panic::set_hook(Box::new(|info| {
+        if REPORTED.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        // A rank's thread is named `rank-N`: say which GPU failed.
+        let rank = std::thread::current()
+            .name()
+            .and_then(|name| name.strip_prefix("rank-"))
+            .map(|rank| format!("rank {rank}: "))
+            .unwrap_or_default();
         let message = info
             .payload()
             .downcast_ref::<String>()
@@ -604,10 +616,10 @@ fn main() -> ExitCode {
         let first_line = message.lines().next().unwrap_or("");
         if memory::is_out_of_memory(message) {
             eprintln!(
-                "error: the device ran out of memory ({first_line}): try a shorter --seq-len (training: --checkpointing or a smaller --batch-size)"
+                "error: {rank}the device ran out of memory ({first_line}): try a shorter --seq-len (training: --checkpointing or a smaller --batch-size)"
             );
         } else {
-            eprintln!("error: internal failure: {first_line}");
+            eprintln!("error: {rank}internal failure: {first_line}");
         }
     }));
     match run(Cli::parse()) {

@@ -132,8 +132,13 @@ pub fn run_ranks<T: Send>(
                     #[cfg(feature = "cuda")]
                     nccl: nccl_id.map(|id| (id, None)),
                 };
+                // `rank-N` when there are several: the panic hook names the rank that failed.
+                let name = match ranks {
+                    1 => "train".to_string(),
+                    _ => format!("rank-{rank}"),
+                };
                 std::thread::Builder::new()
-                    .name(format!("rank-{rank}"))
+                    .name(name)
                     // The main thread's size: deep autodiff graphs recurse.
                     .stack_size(64 << 20)
                     .spawn_scoped(scope, move || {
