@@ -120,12 +120,10 @@ impl<B: LemoBackend> SparseBlock<B> {
         dropped: Option<DroppedRowsJacobian<B>>,
     ) -> Tensor<B, 3> {
         let value = x.clone().detach() + self.pass.output.clone();
-        let graph = match dropped {
-            Some(dropped) => {
-                scatter_add_rows(x.clone(), self.rows.clone(), graph) + dropped.graph(x)
-            }
-            None => scatter_add_rows(x, self.rows.clone(), graph),
-        };
+        let mut graph = scatter_add_rows(x.clone(), self.rows.clone(), graph);
+        if let Some(dropped) = dropped {
+            graph = graph + dropped.graph(x);
+        }
         with_value(graph, value)
     }
 

@@ -51,7 +51,8 @@ impl<B: LemoBackend> DroppedRowsJacobian<B> {
     /// The stand-in of an MLP block, or `None` when the block drops nothing or its dropped rows
     /// go through the residual alone.
     ///
-    /// - `inverse_scale`: the norm's `1 / rms` or `1 / std` of each row, `[batch, seq, 1]`;
+    /// - `inverse_scale`: the norm's `1 / rms` or `1 / std` of each row, `[batch, seq, 1]`
+    ///   (called only when there is a stand-in to build);
     /// - `norm_weight`: `[hidden]` (`None`: no weight);
     /// - `slopes`: at the given rows of the sequence (`[rows]`), the activation slope of each
     ///   input projection `[batch, rows, ffn]` (from the pass's products), paired with that
@@ -60,7 +61,7 @@ impl<B: LemoBackend> DroppedRowsJacobian<B> {
     /// - `centered`: the norm subtracts the row mean (LayerNorm), so does the stand-in's gradient.
     pub fn mlp<S>(
         sparse: &SparseBlock<B>,
-        inverse_scale: Tensor<B, 3>,
+        inverse_scale: impl FnOnce() -> Tensor<B, 3>,
         norm_weight: Option<Tensor<B, 1>>,
         slopes: S,
         output_weight: Tensor<B, 2>,
@@ -69,12 +70,12 @@ impl<B: LemoBackend> DroppedRowsJacobian<B> {
     where
         S: FnOnce(Tensor<B, 1, Int>) -> Vec<(Tensor<B, 3>, Tensor<B, 2>)>,
     {
-        let [batch, seq, _] = inverse_scale.dims();
+        let [_, seq, _] = sparse.pass.output.dims();
         let [_, kept] = sparse.rows.dims();
         if kept >= seq || sparse.dropped_rows == DroppedRows::Residual {
             return None;
         }
-        let device = inverse_scale.device();
+        let device = output_weight.device();
         let dropped = sparse.dropped_mask(seq);
         let sample_rows = SLOPE_SAMPLE_ROWS.min(seq);
         let sample: Vec<i64> = (0..sample_rows)
@@ -108,10 +109,9 @@ impl<B: LemoBackend> DroppedRowsJacobian<B> {
         if centered {
             map = map.clone() - map.mean_dim(1);
         }
-        debug_assert_eq!(dropped.dims(), [batch, seq, 1]);
         Some(Self {
             map,
-            row_scale: (inverse_scale.cast(DType::F32) * dropped).cast(dtype),
+            row_scale: (inverse_scale().cast(DType::F32) * dropped).cast(dtype),
         })
     }
 

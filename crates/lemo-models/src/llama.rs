@@ -12,9 +12,9 @@
 use std::ops::Range;
 
 use burn::module::{Module, Param};
-use burn::tensor::{DType, Int, Tensor, activation, backend::Backend};
+use burn::tensor::{DType, Int, Tensor, backend::Backend};
 use lemo_kernels::attention::{attention, attention_with_lse, attention_with_value};
-use lemo_kernels::fused::swiglu;
+use lemo_kernels::fused::{swiglu, swiglu_slopes};
 use lemo_kernels::{AttentionOptions, LemoBackend};
 use lemo_predictor::MlpInputMap;
 use lemo_sparsity::informativeness;
@@ -167,21 +167,17 @@ impl<B: LemoBackend> LlamaMlp<B> {
         let slopes = |sample: Tensor<B, 1, Int>| {
             let rows = |i: usize| {
                 let product: Tensor<B, 3> = sparse.pass.products[i].clone();
-                product.select(1, sample.clone()).cast(DType::F32)
+                product.select(1, sample.clone())
             };
-            let (gate, up) = (rows(0), rows(1));
-            let sigmoid = activation::sigmoid(gate.clone());
-            let silu = gate.clone() * sigmoid.clone();
-            let silu_slope =
-                sigmoid.clone() * (gate * sigmoid.neg().add_scalar(1.0)).add_scalar(1.0);
+            let (through_gate, through_up) = swiglu_slopes(rows(0), rows(1));
             vec![
-                (silu_slope * up, self.gate_proj.weight.val()),
-                (silu, self.up_proj.weight.val()),
+                (through_gate, self.gate_proj.weight.val()),
+                (through_up, self.up_proj.weight.val()),
             ]
         };
         DroppedRowsJacobian::mlp(
             sparse,
-            norm.inverse_scale(a),
+            || norm.inverse_scale(a),
             Some(norm.weight.val()),
             slopes,
             self.down_proj.weight.val(),

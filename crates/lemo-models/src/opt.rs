@@ -174,7 +174,7 @@ impl<B: LemoBackend> OptLayer<B> {
         };
         DroppedRowsJacobian::mlp(
             sparse,
-            norm.inverse_scale(a),
+            || norm.inverse_scale(a),
             norm.weight.as_ref().map(|w| w.val()),
             slopes,
             self.fc2.weight.val(),
