@@ -4,8 +4,8 @@
 # when it cannot run). Then the scaling of `train --gpus N`: a Llama-2-7B-shape model (random
 # weights, bf16), LoRA r=8 on q/k/v/o, batch 1 per GPU, random token ids, trained on 1 GPU and
 # on N GPUs at each length. Per case: tokens/s (median over the steps after WARMUP, from
-# metrics.jsonl), each GPU's peak (lemo's own per-rank figure and the device-level peak that
-# nvidia-smi polling at 20 ms saw), the all-reduce share of the step; per length: the speed-up
+# metrics.jsonl), each GPU's peak (lemo's own per-rank figures, live and device-level, and the
+# peak that nvidia-smi polling at 20 ms saw), the all-reduce share of the step; per length: the speed-up
 # and the memory ratio. Writes RESULTS (default bench/results/h200-data-parallel.json) with the
 # commands.
 #
@@ -97,6 +97,7 @@ def case(length, ranks):
         "step_time_s_median": statistics.median(s["step_time_s"] for s in timed),
         "allreduce_share_median": statistics.median(s["allreduce_share"] for s in timed),
         "lemo_peak_gib_by_rank": steps[-1]["mem_peak_gib_by_rank"],
+        "lemo_device_peak_gib_by_rank": steps[-1].get("mem_device_peak_gib_by_rank"),
         "device_peak_gib_by_gpu": [round((peak[i] - idle[i]) / 1024, 2) for i in range(ranks)],
         "losses": [s["loss"] for s in steps],
         # --method lemo: the kept fractions, averaged over the ranks.

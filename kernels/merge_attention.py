@@ -1,15 +1,36 @@
 #!/usr/bin/env python3
 """Merge attention_bench's reports and attention_sdpa.py's into kernels/results/h200.json: per
-kernel, variant and shape, our TFLOP/s, SDPA's, their ratio, the target, the commit and the
-command. Entries of other kernels already in the file (the compute kernels) are kept."""
+kernel, variant and shape (query and key/value heads), our TFLOP/s, SDPA's per backend (flash,
+cuDNN, efficient and the default, with the backend the default picked), our ratio to the default
+and to the fastest backend, the targets, the commit and the command. Entries of other kernels
+already in the file (the compute kernels) are kept. Reports without `kv_heads` or `backend`
+(older runs) count as multi-head attention (kv_heads = heads), SDPA timed on the flash backend."""
 
 import argparse
 import json
 import os
 
+# The fastest backend is the best of these; the default is reported on its own.
+BACKENDS = ("flash", "cudnn", "efficient")
+# Targets of the dense-mode issue, forward and backward, at 4K, 16K and 64K: at least the
+# default's TFLOP/s and at least 0.9x the fastest backend's.
+TARGETS = {"vs_default": 1.0, "vs_fastest": 0.9}
+TARGET_SEQS = (4096, 16384, 65536)
+
 
 def key(entry):
-    return (entry["kernel"], entry["batch"], entry["heads"], entry["seq"], entry["head_dim"])
+    return (
+        entry["kernel"],
+        entry["batch"],
+        entry["heads"],
+        entry.get("kv_heads", entry["heads"]),
+        entry["seq"],
+        entry["head_dim"],
+    )
+
+
+def ratio(ours, theirs):
+    return ours["tflops"] / theirs["tflops"] if theirs else None
 
 
 def main():
@@ -34,26 +55,50 @@ def main():
         ours["timings"] += report["timings"]
     with open(args.reference) as f:
         reference = json.load(f)
-    theirs = {key(entry): entry for entry in reference["timings"]}
-    # Targets from the flash-attention issue: forward >= 0.6x, backward >= 0.5x of SDPA.
-    targets = {"attention_forward": 0.6, "attention_backward": 0.5}
+    # Per shape: backend -> SDPA's entry.
+    theirs = {}
+    for entry in reference["timings"]:
+        theirs.setdefault(key(entry), {})[entry.get("backend", "flash")] = entry
 
     results = []
     for entry in ours["timings"]:
-        match = theirs.get(key(entry))
-        ratio = entry["tflops"] / match["tflops"] if match else None
+        sdpa = theirs.get(key(entry), {})
+        timed = {b: e for b, e in sdpa.items() if e.get("supported", True)}
+        fastest = max(
+            (b for b in BACKENDS if b in timed), key=lambda b: timed[b]["tflops"], default=None
+        )
+        vs_default = ratio(entry, timed.get("default"))
+        vs_fastest = ratio(entry, timed.get(fastest))
+        on_target = entry["seq"] in TARGET_SEQS
+        meets = None
+        if on_target and vs_default is not None and vs_fastest is not None:
+            meets = vs_default >= TARGETS["vs_default"] and vs_fastest >= TARGETS["vs_fastest"]
         results.append(
             {
                 "kernel": entry["kernel"],
                 "variant": entry.get("variant"),
-                "shape": {k: entry[k] for k in ("batch", "heads", "seq", "head_dim")},
+                "shape": {
+                    "batch": entry["batch"],
+                    "heads": entry["heads"],
+                    "kv_heads": entry.get("kv_heads", entry["heads"]),
+                    "seq": entry["seq"],
+                    "head_dim": entry["head_dim"],
+                },
                 "dtype": entry["dtype"],
                 "causal": entry["causal"],
                 "ours": {k: entry[k] for k in ("median_ms", "tflops", "device_bytes_in_use")},
-                "reference": {k: match[k] for k in ("median_ms", "tflops")} if match else None,
-                "ratio": ratio,
-                "target_ratio": targets.get(entry["kernel"]),
-                "meets_target": ratio is not None and ratio >= targets.get(entry["kernel"], 0),
+                "sdpa": {
+                    b: {k: e[k] for k in ("median_ms", "tflops")}
+                    if b in timed
+                    else {"unsupported": e.get("error")}
+                    for b, e in sdpa.items()
+                },
+                "sdpa_default_picked": sdpa.get("default", {}).get("picked"),
+                "sdpa_fastest": fastest,
+                "ratio_vs_default": vs_default,
+                "ratio_vs_fastest": vs_fastest,
+                "target_ratio": TARGETS if on_target else None,
+                "meets_target": meets,
                 "commit": args.commit,
                 "command": args.command,
             }
@@ -70,11 +115,25 @@ def main():
     merged["attention_parity"] = ours["parity"]
     with open(args.out, "w") as f:
         json.dump(merged, f, indent=2)
+
+    def number(value, digits):
+        return "-" if value is None else f"{value:.{digits}f}"
+
     for r in results:
+        backends = " ".join(
+            f"{b} {'unsupported' if 'unsupported' in s else number(s['tflops'], 1)}"
+            for b, s in r["sdpa"].items()
+        )
+        picked = r["sdpa_default_picked"]
+        picked = f" (default picked {picked})" if picked else ""
+        flag = {True: "ok", False: "MISS", None: ""}[r["meets_target"]]
         print(
-            f"{r['kernel']:>20} {r['variant'] or '':>11} S={r['shape']['seq']:>6}: ours {r['ours']['tflops']:7.1f} "
-            f"TFLOP/s, sdpa {r['reference']['tflops'] if r['reference'] else float('nan'):7.1f}, "
-            f"ratio {r['ratio'] if r['ratio'] is not None else float('nan'):.3f}"
+            f"{r['kernel']:>18} {r['variant'] or '':>11} kv={r['shape']['kv_heads']:>2} "
+            f"S={r['shape']['seq']:>6}: ours {r['ours']['tflops']:6.1f} TFLOP/s; "
+            f"sdpa {backends or 'not timed'}"
+            f"{picked}; "
+            f"x default {number(r['ratio_vs_default'], 3)}, "
+            f"x fastest ({r['sdpa_fastest'] or '-'}) {number(r['ratio_vs_fastest'], 3)} {flag}"
         )
 
 

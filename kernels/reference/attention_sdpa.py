@@ -1,9 +1,13 @@
 #!/usr/bin/env python3
 """PyTorch reference for lemo-kernels' attention benchmark.
 
-1. Timing: causal bf16 `scaled_dot_product_attention` (flash backend) on `[1, heads, S, head_dim]`
-   for each S, forward and backward, CUDA-event timed (warm-up, median), FLOPs counted like
-   the Rust harness (forward 4*B*H*S^2*D/2, backward 2.5x that).
+1. Timing: causal bf16 `scaled_dot_product_attention` on q `[1, heads, S, head_dim]` and k/v
+   `[1, kv_heads, S, head_dim]` (`enable_gqa=True` where kv_heads < heads) for each S and each
+   kv_heads, forward and backward, under each backend: flash, cuDNN, efficient (each forced with
+   `sdpa_kernel`) and the default (no context; the backend PyTorch's selector picks for that call
+   is recorded as `picked`). A backend that refuses a shape is recorded as unsupported with its
+   reason. CUDA-event timed (warm-up, median), FLOPs counted like the Rust harness (forward
+   4*B*H*S^2*D/2 with H the query heads, backward 2.5x that).
 2. Parity (--parity-dir): small bf16 cases (GQA, sliding window, lengths that are not a multiple
    of any tile). Writes the bf16 inputs, the float32 reference output and gradients (materialized
    masked attention on float32 copies of the same bf16 inputs) and SDPA's own bf16 error
@@ -13,9 +17,12 @@
 """
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import statistics
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -139,48 +146,136 @@ def median_ms(run, iterations):
     return statistics.median(times)
 
 
-def throughput(seqs, heads, head_dim, iterations):
+BACKENDS = ("flash", "cudnn", "efficient", "default")
+# SDPBackend member names as the timing entries name them.
+BACKEND_NAMES = {
+    "FLASH_ATTENTION": "flash",
+    "CUDNN_ATTENTION": "cudnn",
+    "EFFICIENT_ATTENTION": "efficient",
+    "MATH": "math",
+}
+
+
+def backend_context(backend):
+    """`sdpa_kernel` forcing `backend`; the default runs outside any context."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    results = []
-    for seq in seqs:
-        shape = (1, heads, seq, head_dim)
-        q, k, v = (
-            torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            for _ in range(3)
-        )
-        grad_out = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
-        forward_flops = 4 * heads * head_dim * seq**2 / 2
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            forward = median_ms(
-                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), iterations
-            )
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if backend == "default":
+        return contextlib.nullcontext()
+    forced = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    return sdpa_kernel(forced[backend])
+
+
+def default_choice(q, k, v, gqa):
+    """The backend PyTorch's selector picks for this call outside any `sdpa_kernel` context (the
+    choice the default dispatches on), or None where this build does not tell."""
+    from torch.nn.attention import SDPBackend
+
+    names = {int(value): name for name, value in SDPBackend.__members__.items()}
+    try:
+        choice = int(torch._fused_sdp_choice(q, k, v, None, 0.0, True, **gqa))
+    except Exception:
+        return None
+    name = names.get(choice)
+    return BACKEND_NAMES.get(name, name.lower() if name else None)
+
+
+def refusal(error, caught):
+    """One line: the error, then the reasons PyTorch gave as warnings for skipping a backend (the
+    error itself only says that no kernel was available)."""
+    reasons = []
+    for warning in caught:
+        text = re.sub(r"\(Triggered internally at [^)]*\)\.?", "", str(warning.message))
+        text = " ".join(text.split())
+        # Headers ("... not used because:") and disabled backends say nothing about the shape.
+        if text and not text.endswith(":") and "runtime disabled" not in text:
+            reasons.append(text)
+    lines = str(error).strip().splitlines()
+    line = f"{type(error).__name__}: {lines[0] if lines else ''}"
+    return f"{line} ({'; '.join(dict.fromkeys(reasons))})" if reasons else line
+
+
+def time_backend(backend, q, k, v, grad_out, gqa, iterations):
+    """Median forward and backward ms of SDPA under `backend`, per kernel name, each `(ms, None)`
+    or, where the backend raises, `(None, reason)`; a refused forward refuses the backward too."""
+
+    def attend():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+
+    times = {}
+    with backend_context(backend), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            times["attention_forward"] = (median_ms(attend, iterations), None)
+            out = attend()
+        except Exception as error:
+            reason = refusal(error, caught)
+            return {"attention_forward": (None, reason), "attention_backward": (None, reason)}
+        try:
             backward = median_ms(
                 lambda: torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True),
                 iterations,
             )
-        for kernel, ms, flops in (
-            ("attention_forward", forward, forward_flops),
-            ("attention_backward", backward, 2.5 * forward_flops),
-        ):
-            tflops = flops / (ms * 1e-3) / 1e12
-            print(f"sdpa {kernel} S={seq}: {ms:.3f} ms, {tflops:.1f} TFLOP/s")
-            results.append(
-                {
-                    "kernel": kernel,
-                    "batch": 1,
-                    "heads": heads,
-                    "seq": seq,
-                    "head_dim": head_dim,
-                    "dtype": "bf16",
-                    "causal": True,
-                    "median_ms": ms,
-                    "tflops": tflops,
-                }
+            times["attention_backward"] = (backward, None)
+        except Exception as error:
+            times["attention_backward"] = (None, refusal(error, caught))
+    return times
+
+
+def throughput(seqs, heads, kv_heads_list, head_dim, iterations):
+    results = []
+    for seq in seqs:
+        for kv_heads in kv_heads_list:
+            # The flag only where the heads differ: the MHA shape stays a plain multi-head call.
+            gqa = {"enable_gqa": True} if kv_heads != heads else {}
+            q, k, v = (
+                torch.randn(
+                    (1, h, seq, head_dim),
+                    device="cuda",
+                    dtype=torch.bfloat16,
+                    requires_grad=True,
+                )
+                for h in (heads, kv_heads, kv_heads)
             )
-        del q, k, v, grad_out, out
-        torch.cuda.empty_cache()
+            grad_out = torch.randn((1, heads, seq, head_dim), device="cuda", dtype=torch.bfloat16)
+            forward_flops = 4 * heads * head_dim * seq**2 / 2
+            flops = {"attention_forward": forward_flops, "attention_backward": 2.5 * forward_flops}
+            picked = default_choice(q, k, v, gqa)
+            for backend in BACKENDS:
+                times = time_backend(backend, q, k, v, grad_out, gqa, iterations)
+                for kernel, (ms, error) in times.items():
+                    tflops = flops[kernel] / (ms * 1e-3) / 1e12 if ms is not None else None
+                    label = f"sdpa {backend:>9} {kernel} S={seq} kv={kv_heads}"
+                    if ms is None:
+                        print(f"{label}: unsupported: {error}")
+                    else:
+                        print(f"{label}: {ms:.3f} ms, {tflops:.1f} TFLOP/s")
+                    entry = {
+                        "kernel": kernel,
+                        "backend": backend,
+                        "batch": 1,
+                        "heads": heads,
+                        "kv_heads": kv_heads,
+                        "seq": seq,
+                        "head_dim": head_dim,
+                        "dtype": "bf16",
+                        "causal": True,
+                        "median_ms": ms,
+                        "tflops": tflops,
+                        "supported": ms is not None,
+                    }
+                    if error is not None:
+                        entry["error"] = error
+                    if backend == "default":
+                        entry["picked"] = picked
+                    results.append(entry)
+                torch.cuda.empty_cache()
+            del q, k, v, grad_out
+            torch.cuda.empty_cache()
     return results
 
 
@@ -188,21 +283,28 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="4096,16384,65536")
     parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument(
+        "--kv-heads", default="32,8", help="comma-separated key/value head counts, one shape each"
+    )
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--parity-dir")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    kv_heads = [int(h) for h in args.kv_heads.split(",")]
+    if any(args.heads % h for h in kv_heads):
+        parser.error("--kv-heads: each must divide --heads")
 
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
     if args.parity_dir:
         write_parity(args.parity_dir, seed)
     timings = throughput(
-        [int(s) for s in args.seqs.split(",")], args.heads, args.head_dim, args.iterations
+        [int(s) for s in args.seqs.split(",")], args.heads, kv_heads, args.head_dim, args.iterations
     )
     report = {
-        "implementation": f"torch {torch.__version__} scaled_dot_product_attention (flash)",
+        "implementation": f"torch {torch.__version__} scaled_dot_product_attention "
+        f"({', '.join(BACKENDS)})",
         "device": torch.cuda.get_device_name(),
         "timings": timings,
     }

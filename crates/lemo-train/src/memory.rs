@@ -17,6 +17,9 @@ pub struct MemorySample {
     pub reserved: u64,
     /// Process peak resident set on the CPU; 0 where unknown.
     pub os_peak: u64,
+    /// What the whole device has in use (`cuMemGetInfo`: pools, context, library workspaces),
+    /// what `nvidia-smi` shows; 0 where unknown.
+    pub device_used: u64,
 }
 
 type Probe = Box<dyn Fn() -> MemorySample>;
@@ -64,6 +67,7 @@ pub fn process_memory() -> MemorySample {
         in_use: rss,
         reserved: rss,
         os_peak: field("VmHWM:"),
+        device_used: 0,
     }
 }
 
@@ -75,6 +79,7 @@ pub fn cubecl_probe<R: cubecl::Runtime>(device: R::Device) -> Probe {
             in_use: usage.bytes_in_use,
             reserved: usage.bytes_reserved,
             os_peak: 0,
+            device_used: 0,
         },
         Err(_) => MemorySample::default(),
     })
@@ -88,20 +93,26 @@ pub fn backend_probe<B: lemo_kernels::ComputeBackend>(device: B::Device) -> Prob
             in_use: stats.bytes_in_use,
             reserved: stats.bytes_reserved,
             os_peak: 0,
+            device_used: stats.device_used.unwrap_or(0),
         }
     })
 }
 
-/// Tracks the largest reading seen.
+/// Tracks the largest readings seen.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct PeakTracker {
+    /// Bytes in use (the pools' live tensors, or the process's resident set on the CPU).
     pub peak: u64,
+    /// The device-level reading (0 where unknown). The pools keep their pages within a step, so
+    /// sampling where live memory peaks also catches the most the device held.
+    pub device_peak: u64,
 }
 
 impl PeakTracker {
     pub fn record(&mut self) -> MemorySample {
         let s = sample();
         self.peak = self.peak.max(s.in_use).max(s.os_peak);
+        self.device_peak = self.device_peak.max(s.device_used);
         s
     }
 }

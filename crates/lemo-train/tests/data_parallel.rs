@@ -1,6 +1,6 @@
 //! Data-parallel training with simulated ranks on the CPU (`--gpus 2 --device cpu`: two ranks
 //! share the device and sum their gradients in process memory): two ranks of batch 1 log the
-//! losses and train the adapter of one rank of batch 2, a resumed two-rank run continues
+//! losses and train the adapter of one rank of batch 2 (with lora, longlora and lemo), a resumed two-rank run continues
 //! exactly, and resuming with another rank count is a one-line error that leaves the run intact.
 
 use std::collections::BTreeMap;
@@ -11,18 +11,16 @@ fn lemo() -> Command {
     Command::new(env!("CARGO_BIN_EXE_lemo-train"))
 }
 
-/// `train --preset tiny` for 6 steps of 2 micro-batches into `out`, checkpoints every 2 steps.
+/// `train --preset tiny` for 6 steps into `out`, checkpoints every 2 steps (2 micro-batches a
+/// step unless `extra` says `--grad-accum`).
 fn train(out: &Path, extra: &[&str]) -> Output {
+    let accumulation: &[&str] = match extra.contains(&"--grad-accum") {
+        true => &[],
+        false => &["--grad-accum", "2"],
+    };
     lemo()
-        .args([
-            "train",
-            "--preset",
-            "tiny",
-            "--steps",
-            "6",
-            "--grad-accum",
-            "2",
-        ])
+        .args(["train", "--preset", "tiny", "--steps", "6"])
+        .args(accumulation)
         .args(["--checkpoint-every", "2", "--val-every", "3"])
         .args(["--cache-dir", "none", "--out"])
         .arg(out)
@@ -72,13 +70,19 @@ fn adapter(out: &Path) -> BTreeMap<String, Vec<f32>> {
         .collect()
 }
 
-#[test]
-fn two_ranks_of_batch_one_train_as_one_rank_of_batch_two() {
+/// Two ranks of batch 1 against one rank run with `one_rank` (the same sequences in each step)
+/// with `method`: the same losses, the same adapter, the same kept fractions; returns the
+/// two-rank run's first metrics record.
+fn check_two_ranks_train_as_one(method: &str, one_rank: &[&str]) -> serde_json::Value {
     let dir = tempfile::tempdir().unwrap();
     let one = dir.path().join("one");
     let two = dir.path().join("two");
-    succeed(train(&one, &["--batch-size", "2"]));
-    let output = succeed(train(&two, &["--batch-size", "1", "--gpus", "2"]));
+    let method = ["--method", method];
+    succeed(train(&one, &[&method[..], one_rank].concat()));
+    let output = succeed(train(
+        &two,
+        &[&method[..], &["--batch-size", "1", "--gpus", "2"]].concat(),
+    ));
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("x 2 rank(s)"), "{stderr}");
 
@@ -110,6 +114,40 @@ fn two_ranks_of_batch_one_train_as_one_rank_of_batch_two() {
     assert_eq!(first["ranks"], 2);
     assert_eq!(first["mem_peak_gib_by_rank"].as_array().unwrap().len(), 2);
     assert!(first["allreduce_share"].as_f64().unwrap() >= 0.0);
+    let single = std::fs::read_to_string(one.join("metrics.jsonl")).unwrap();
+    let single: serde_json::Value = serde_json::from_str(single.lines().next().unwrap()).unwrap();
+    for kept in ["keep_attention", "keep_mlp"] {
+        let (a, b) = (first[kept].as_f64(), single[kept].as_f64());
+        let same = match (a, b) {
+            (Some(a), Some(b)) => (a - b).abs() < 1e-9,
+            _ => a == b,
+        };
+        assert!(
+            same,
+            "{kept} (averaged over the ranks): {a:?} against {b:?}"
+        );
+    }
+    first
+}
+
+#[test]
+fn two_ranks_of_batch_one_train_as_one_rank_of_batch_two() {
+    let first = check_two_ranks_train_as_one("lora", &["--batch-size", "2"]);
+    assert!(first["keep_attention"].is_null());
+}
+
+#[test]
+fn two_ranks_train_as_one_with_longlora_and_lemo() {
+    check_two_ranks_train_as_one("longlora", &["--batch-size", "2"]);
+    // lemo keeps as many rows in every sequence of a micro-batch, so a batch of 2 chooses
+    // differently from 2 batches of 1: the one rank runs micro-batches of one sequence.
+    let one_rank = ["--batch-size", "1", "--grad-accum", "4"];
+    let first = check_two_ranks_train_as_one("lemo", &one_rank);
+    let kept = first["keep_attention"].as_f64().unwrap();
+    assert!(
+        kept > 0.0 && kept < 1.0,
+        "lemo keeps a part of the blocks: {kept}"
+    );
 }
 
 #[test]

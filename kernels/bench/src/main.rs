@@ -3,13 +3,14 @@
 //! Parity: reads the cases `kernels/reference/attention_sdpa.py --parity-dir` wrote (bf16
 //! inputs, float32 reference outputs and gradients, and SDPA's own bf16 error), runs our
 //! forward and backward on the same inputs and reports both errors.
-//! Throughput: causal bf16 attention `[1, heads, S, head_dim]` for each S, device-timed
+//! Throughput: causal bf16 attention, q `[1, heads, S, head_dim]` and k/v
+//! `[1, kv_heads, S, head_dim]`, for each S and each kv_heads (GQA below `heads`), device-timed
 //! (CubeCL profiling), warm-up then median, FLOPs counted like the SDPA script
-//! (forward `4 * B * H * S^2 * D / 2`, backward 2.5x the forward).
+//! (forward `4 * B * H * S^2 * D / 2` with H the query heads, backward 2.5x the forward).
 //!
 //! Usage: `attention_bench [--parity-dir DIR] [--seqs 4096,16384,65536] [--heads 32]
-//!         [--head-dim 128] [--iterations 5] [--variants plain,tensor-core] [--out FILE]
-//!         [--wgpu]`
+//!         [--kv-heads 32,8] [--head-dim 128] [--iterations 5] [--variants plain,tensor-core]
+//!         [--out FILE] [--wgpu]`
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -27,6 +28,8 @@ struct Args {
     parity_dir: Option<PathBuf>,
     seqs: Vec<usize>,
     heads: usize,
+    /// Key/value head counts, one timed shape each; `heads` alone unless given.
+    kv_heads: Vec<usize>,
     head_dim: usize,
     iterations: usize,
     out: Option<PathBuf>,
@@ -42,6 +45,7 @@ fn parse_args() -> Args {
         parity_dir: None,
         seqs: vec![4096, 16384, 65536],
         heads: 32,
+        kv_heads: Vec::new(),
         head_dim: 128,
         iterations: 5,
         out: None,
@@ -60,6 +64,12 @@ fn parse_args() -> Args {
                     .collect()
             }
             "--heads" => args.heads = value().parse().expect("--heads: integer"),
+            "--kv-heads" => {
+                args.kv_heads = value()
+                    .split(',')
+                    .map(|s| s.parse().expect("--kv-heads: comma-separated integers"))
+                    .collect()
+            }
             "--head-dim" => args.head_dim = value().parse().expect("--head-dim: integer"),
             "--iterations" => args.iterations = value().parse().expect("--iterations: integer"),
             "--out" => args.out = Some(value().into()),
@@ -76,6 +86,16 @@ fn parse_args() -> Args {
             }
             other => panic!("unknown argument {other}"),
         }
+    }
+    if args.kv_heads.is_empty() {
+        args.kv_heads = vec![args.heads];
+    }
+    for &kv_heads in &args.kv_heads {
+        assert!(
+            kv_heads > 0 && args.heads.is_multiple_of(kv_heads),
+            "--kv-heads: {kv_heads} does not divide --heads {}",
+            args.heads
+        );
     }
     args
 }
@@ -235,62 +255,70 @@ fn throughput<R: CubeRuntime, BT: BoolElement>(args: &Args, dtype: DType) -> Vec
     let device = Default::default();
     let mut results = Vec::new();
     for &seq in &args.seqs {
-        let shape = [1, args.heads, seq, args.head_dim];
-        let random = || {
-            Tensor::<CubeBackend<R, f32, i32, BT>, 4>::random(
-                shape,
-                Distribution::Normal(0.0, 1.0),
-                &device,
-            )
-            .cast(dtype)
-        };
-        let (q, k, v, grad_out) = (random(), random(), random(), random());
-        let client = q.clone().into_primitive().tensor().client.clone();
-        let options = AttentionOptions::causal(args.head_dim);
-        let forward_flops = 4.0 * (args.heads * args.head_dim) as f64 * (seq as f64).powi(2) / 2.0;
-
-        let mut timings = Vec::new();
-        for &variant in &args.variants {
-            set_flash_kernel(variant);
-            let forward = device_time(&client, args.iterations, || {
-                attention::attention_with_lse(q.clone(), k.clone(), v.clone(), options)
-                    .0
-                    .into_primitive()
-                    .tensor()
-            });
-            let (out, lse) =
-                attention::attention_with_lse(q.clone(), k.clone(), v.clone(), options);
-            let backward = device_time(&client, args.iterations, || {
-                let (dq, dk, dv) = attention::attention_backward(
-                    q.clone(),
-                    k.clone(),
-                    v.clone(),
-                    out.clone(),
-                    lse.clone(),
-                    grad_out.clone(),
-                    options,
-                );
-                [dq, dk, dv].map(|t| t.into_primitive().tensor())
-            });
-            timings.push(("forward", variant, forward, forward_flops));
-            timings.push(("backward", variant, backward, 2.5 * forward_flops));
-        }
-        let bytes_in_use = client.memory_usage().map(|m| m.bytes_in_use).unwrap_or(0);
-        for (pass, variant, time, flops) in timings {
-            let tflops = flops / time.as_secs_f64() / 1e12;
-            println!(
-                "{pass} ({variant:?}) S={seq}: {:.3} ms, {tflops:.1} TFLOP/s",
-                time.as_secs_f64() * 1e3
+        for &kv_heads in &args.kv_heads {
+            let random = |heads: usize| {
+                Tensor::<CubeBackend<R, f32, i32, BT>, 4>::random(
+                    [1, heads, seq, args.head_dim],
+                    Distribution::Normal(0.0, 1.0),
+                    &device,
+                )
+                .cast(dtype)
+            };
+            let (q, k, v, grad_out) = (
+                random(args.heads),
+                random(kv_heads),
+                random(kv_heads),
+                random(args.heads),
             );
-            results.push(json!({
-                "kernel": format!("attention_{pass}"),
-                "variant": variant_name(variant, &client, dtype, args.head_dim),
-                "batch": 1, "heads": args.heads, "seq": seq, "head_dim": args.head_dim,
-                "dtype": format!("{dtype:?}").to_lowercase(), "causal": true,
-                "median_ms": time.as_secs_f64() * 1e3,
-                "tflops": tflops,
-                "device_bytes_in_use": bytes_in_use,
-            }));
+            let client = q.clone().into_primitive().tensor().client.clone();
+            let options = AttentionOptions::causal(args.head_dim);
+            let forward_flops =
+                4.0 * (args.heads * args.head_dim) as f64 * (seq as f64).powi(2) / 2.0;
+
+            let mut timings = Vec::new();
+            for &variant in &args.variants {
+                set_flash_kernel(variant);
+                let forward = device_time(&client, args.iterations, || {
+                    attention::attention_with_lse(q.clone(), k.clone(), v.clone(), options)
+                        .0
+                        .into_primitive()
+                        .tensor()
+                });
+                let (out, lse) =
+                    attention::attention_with_lse(q.clone(), k.clone(), v.clone(), options);
+                let backward = device_time(&client, args.iterations, || {
+                    let (dq, dk, dv) = attention::attention_backward(
+                        q.clone(),
+                        k.clone(),
+                        v.clone(),
+                        out.clone(),
+                        lse.clone(),
+                        grad_out.clone(),
+                        options,
+                    );
+                    [dq, dk, dv].map(|t| t.into_primitive().tensor())
+                });
+                timings.push(("forward", variant, forward, forward_flops));
+                timings.push(("backward", variant, backward, 2.5 * forward_flops));
+            }
+            let bytes_in_use = client.memory_usage().map(|m| m.bytes_in_use).unwrap_or(0);
+            for (pass, variant, time, flops) in timings {
+                let tflops = flops / time.as_secs_f64() / 1e12;
+                println!(
+                    "{pass} ({variant:?}) S={seq} kv={kv_heads}: {:.3} ms, {tflops:.1} TFLOP/s",
+                    time.as_secs_f64() * 1e3
+                );
+                results.push(json!({
+                    "kernel": format!("attention_{pass}"),
+                    "variant": variant_name(variant, &client, dtype, args.head_dim),
+                    "batch": 1, "heads": args.heads, "kv_heads": kv_heads, "seq": seq,
+                    "head_dim": args.head_dim,
+                    "dtype": format!("{dtype:?}").to_lowercase(), "causal": true,
+                    "median_ms": time.as_secs_f64() * 1e3,
+                    "tflops": tflops,
+                    "device_bytes_in_use": bytes_in_use,
+                }));
+            }
         }
     }
     results

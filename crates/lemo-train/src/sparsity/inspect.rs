@@ -131,7 +131,8 @@ impl BackendJob for InspectJob {
             }
             Task::Calibrate => {
                 let sequences = read()?;
-                let thresholds = calibrate(&model, &config, &name, &sequences, &self.settings)?;
+                let thresholds =
+                    calibrate(&model, &config, &name, &sequences, &self.settings, true)?;
                 let out = args.out.clone().unwrap_or_else(|| "thresholds.json".into());
                 write_thresholds(&out, &thresholds)?;
                 eprintln!("calibrate: wrote {}", out.display());

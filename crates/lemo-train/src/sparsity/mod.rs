@@ -367,14 +367,20 @@ fn profiled_calibrator<B: LemoBackend>(
 }
 
 /// Layer-specific thresholds for `model` calibrated on `sequences` toward
-/// `settings.target_keep` (see the module docs); progress on stderr.
+/// `settings.target_keep` (see the module docs); progress and the result on stderr when
+/// `report` (one rank of several reports).
 pub fn calibrate<B: LemoBackend>(
     model: &CausalLm<B>,
     config: &ModelConfig,
     model_name: &str,
     sequences: &[Vec<u32>],
     settings: &SparsitySettings,
+    report: bool,
 ) -> Result<Thresholds> {
+    let progress = |len, what| match report {
+        true => progress(len, what),
+        false => indicatif::ProgressBar::hidden(),
+    };
     if sequences.is_empty() {
         bail!("calibration needs at least one sequence of data");
     }
@@ -455,16 +461,18 @@ pub fn calibrate<B: LemoBackend>(
         sequences: sequences.len(),
         seq_len: sequences[0].len(),
     });
-    eprintln!(
-        "calibrate: kept fraction {:.3} (attention {:.3}, MLP {:.3}) at loss {:.4} vs dense {:.4} ({:+.2}%), {:.1}s",
-        measured.keep(),
-        measured.keep_attention,
-        measured.keep_mlp,
-        measured.loss,
-        dense.loss,
-        100.0 * (measured.loss - dense.loss) / dense.loss,
-        started.elapsed().as_secs_f64()
-    );
+    if report {
+        eprintln!(
+            "calibrate: kept fraction {:.3} (attention {:.3}, MLP {:.3}) at loss {:.4} vs dense {:.4} ({:+.2}%), {:.1}s",
+            measured.keep(),
+            measured.keep_attention,
+            measured.keep_mlp,
+            measured.loss,
+            dense.loss,
+            100.0 * (measured.loss - dense.loss) / dense.loss,
+            started.elapsed().as_secs_f64()
+        );
+    }
     Ok(thresholds)
 }
 

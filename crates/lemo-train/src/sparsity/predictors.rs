@@ -187,7 +187,7 @@ pub fn train_predictors<B: LemoBackend>(
         Some(path) => read_thresholds(path, config)?,
         None => {
             let count = settings.calibration_sequences.min(train.len());
-            calibrate(model, config, &name, &train[..count], settings)?
+            calibrate(model, config, &name, &train[..count], settings, true)?
         }
     };
     eprintln!(

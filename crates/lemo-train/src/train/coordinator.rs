@@ -90,6 +90,15 @@ impl Coordinator {
         let tokens_per_s = self.tokens_per_step as f64 / record.step_time;
         let allreduce_share = record.allreduce_time / record.step_time;
         let per_rank: Vec<f64> = totals.peak.iter().map(|&p| gib(p)).collect();
+        // The device-level peaks, where every rank's device says (CUDA).
+        let device_per_rank: Option<Vec<f64>> = totals
+            .device_peak
+            .iter()
+            .all(|&p| p > 0)
+            .then(|| totals.device_peak.iter().map(|&p| gib(p)).collect());
+        let device_peak = device_per_rank
+            .as_ref()
+            .map(|v| v.iter().copied().fold(0.0, f64::max));
         self.metrics.write(&json!({
             "kind": "train",
             "step": record.done,
@@ -106,6 +115,8 @@ impl Coordinator {
             "mem_after_forward_gib": gib(after_forward),
             "mem_peak_gib": gib(peak),
             "mem_peak_gib_by_rank": per_rank,
+            "mem_device_peak_gib": device_peak,
+            "mem_device_peak_gib_by_rank": device_per_rank,
             "mem_source": memory::source(),
             "precision": setup.precision.name(),
             "keep_attention": kept.map(|k| k.0),
@@ -119,9 +130,11 @@ impl Coordinator {
                 lr: record.lr,
                 tokens_per_s,
                 mem_gib: gib(peak),
+                device_gib: device_peak,
                 kept,
                 ranks: (setup.ranks() > 1).then_some(RankReport {
                     mem_gib: per_rank,
+                    device_gib: device_per_rank,
                     allreduce_share,
                 }),
             },

@@ -13,8 +13,11 @@ pub struct StepReport {
     pub loss: f64,
     pub lr: f64,
     pub tokens_per_s: f64,
-    /// The largest peak over the ranks.
+    /// The largest peak over the ranks: live tensors (the pools' own figure).
     pub mem_gib: f64,
+    /// The largest device-level peak over the ranks (pools' reservations, context and library
+    /// workspaces included: what runs out), where the device says.
+    pub device_gib: Option<f64>,
     /// Kept fractions (attention, MLP) of `--method lemo`.
     pub kept: Option<(f64, f64)>,
     /// With several ranks: each rank's peak memory, and the share of the step spent summing
@@ -24,6 +27,7 @@ pub struct StepReport {
 
 pub struct RankReport {
     pub mem_gib: Vec<f64>,
+    pub device_gib: Option<Vec<f64>>,
     pub allreduce_share: f64,
 }
 
@@ -98,17 +102,25 @@ impl Progress {
         let kept = report
             .kept
             .map_or(String::new(), |(a, m)| format!(" | kept {a:.2}/{m:.2}"));
+        let gib = |values: &[f64]| -> String {
+            let values: Vec<String> = values.iter().map(|m| format!("{m:.2}")).collect();
+            values.join("/")
+        };
+        let device = |values: Option<&[f64]>| {
+            values.map_or(String::new(), |v| format!(" (device {})", gib(v)))
+        };
         let mem = match &report.ranks {
-            Some(ranks) => {
-                let per_rank: Vec<String> =
-                    ranks.mem_gib.iter().map(|m| format!("{m:.2}")).collect();
-                format!(
-                    "mem {} GiB by rank | all-reduce {:.1}%",
-                    per_rank.join("/"),
-                    100.0 * ranks.allreduce_share
-                )
-            }
-            None => format!("mem {:.2} GiB", report.mem_gib),
+            Some(ranks) => format!(
+                "mem {} GiB by rank{} | all-reduce {:.1}%",
+                gib(&ranks.mem_gib),
+                device(ranks.device_gib.as_deref()),
+                100.0 * ranks.allreduce_share
+            ),
+            None => format!(
+                "mem {} GiB{}",
+                gib(&[report.mem_gib]),
+                device(report.device_gib.as_ref().map(std::slice::from_ref))
+            ),
         };
         format!(
             "step {done}/{} | loss {:.4}{val} | lr {:.2e} | {:.0} tok/s | {mem}{kept} | \
@@ -125,7 +137,8 @@ impl Progress {
 
 /// The bar's message, short enough that with the 12-column bar, `99999/99999` and `ETA 59m`
 /// the line stays within 80 columns: the kept fractions of `--method lemo` take the place of
-/// the throughput (which the piped lines and metrics.jsonl keep).
+/// the throughput, and the device-level peak that of the live one (the piped lines and
+/// metrics.jsonl keep both).
 fn terminal_message(report: &StepReport, val_loss: Option<f64>) -> String {
     let mut message = format!("loss {:.3}", report.loss);
     if let Some(v) = val_loss {
@@ -135,7 +148,9 @@ fn terminal_message(report: &StepReport, val_loss: Option<f64>) -> String {
         Some((a, m)) => message.push_str(&format!(" kept {a:.2}/{m:.2}")),
         None => message.push_str(&format!(" {} tok/s", compact(report.tokens_per_s))),
     }
-    message.push_str(&format!(" {:.1}G", report.mem_gib));
+    // The device-level peak where known: it is what runs out.
+    let mem = report.device_gib.unwrap_or(report.mem_gib);
+    message.push_str(&format!(" {mem:.1}G"));
     message
 }
 
@@ -164,12 +179,13 @@ mod tests {
 
     #[test]
     fn the_terminal_line_fits_80_columns() {
-        for kept in [None, Some((0.5, 0.5))] {
+        for (kept, device_gib) in [(None, None), (Some((0.5, 0.5)), Some(141.2))] {
             let report = StepReport {
                 loss: 12.3456,
                 lr: 2e-4,
                 tokens_per_s: 123456.0,
                 mem_gib: 139.9,
+                device_gib,
                 kept,
                 ranks: None,
             };
@@ -178,6 +194,43 @@ mod tests {
             let line = format!("{} 99999/99999 {message} ETA 59m", "=".repeat(12));
             assert!(line.len() <= 80, "{} columns: {line}", line.len());
         }
+    }
+
+    #[test]
+    fn the_piped_line_puts_the_device_peak_beside_the_pools() {
+        let progress = Progress::new(10, 0);
+        let mut report = StepReport {
+            loss: 2.0,
+            lr: 1e-4,
+            tokens_per_s: 1000.0,
+            mem_gib: 30.31,
+            device_gib: None,
+            kept: None,
+            ranks: None,
+        };
+        let line = |report: &StepReport| progress.piped_line(1, report);
+        assert!(
+            line(&report).contains("| mem 30.31 GiB |"),
+            "{}",
+            line(&report)
+        );
+        report.device_gib = Some(44.05);
+        assert!(
+            line(&report).contains("| mem 30.31 GiB (device 44.05) |"),
+            "{}",
+            line(&report)
+        );
+        report.ranks = Some(RankReport {
+            mem_gib: vec![30.31, 30.5],
+            device_gib: Some(vec![45.92, 44.98]),
+            allreduce_share: 0.005,
+        });
+        assert!(
+            line(&report)
+                .contains("mem 30.31/30.50 GiB by rank (device 45.92/44.98) | all-reduce 0.5%"),
+            "{}",
+            line(&report)
+        );
     }
 
     #[test]

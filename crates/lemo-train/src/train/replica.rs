@@ -65,6 +65,9 @@ impl<B: LemoBackend> Replica<B> {
             model.set_shifted_group(Some(s2_group(config, setup.seq_len)));
         }
         let elimination = elimination(setup, &model, rank)?;
+        // Loading and calibration leave pages in the pools that training's shapes do not reuse:
+        // give them back, so the device holds what training needs and no more.
+        lemo_kernels::memory::memory_cleanup::<B>(&device);
         let mut optimizer = AdamW::<B>::new(AdamWSettings {
             beta1: config.beta1,
             beta2: config.beta2,
@@ -214,6 +217,7 @@ fn elimination<B: LemoBackend>(
             &setup.model_path.display().to_string(),
             &sequences,
             &settings,
+            rank == 0,
         )
     })?;
     if rank == 0 {

@@ -9,6 +9,7 @@ use burn::tensor::backend::Backend;
 use super::optim::NamedTensors;
 use super::replica::LocalStep;
 use crate::distributed::Communicator;
+use crate::memory::PeakTracker;
 
 /// Sums `grads` over the ranks as one flat bucket laid out by `layout` (a parameter without a
 /// gradient on this rank contributes zeros). One rank returns `grads` as they are.
@@ -55,20 +56,22 @@ pub struct StepTotals {
     /// Each rank's peak memory so far and memory after the forward pass, in bytes.
     pub peak: Vec<u64>,
     pub after_forward: Vec<u64>,
+    /// Each rank's device-level peak so far, in bytes (0 where unknown).
+    pub device_peak: Vec<u64>,
 }
 
 impl StepTotals {
     /// Sums `local` (and this rank's memory and stop request) over the ranks.
     pub fn gather(
         local: &LocalStep,
-        peak: u64,
+        peak: &PeakTracker,
         stop: bool,
         comm: &mut Communicator,
     ) -> Result<Self> {
         let (rank, ranks) = (comm.rank(), comm.ranks());
         // Shared sums first, then one slot per rank for the per-rank readings (zeros elsewhere,
         // so the sum gathers them).
-        let mut values = vec![0.0; 5 + 2 * ranks];
+        let mut values = vec![0.0; 5 + 3 * ranks];
         values[..5].copy_from_slice(&[
             local.loss_sum,
             local.predictions as f64,
@@ -76,17 +79,26 @@ impl StepTotals {
             local.keep_mlp,
             f64::from(u8::from(stop)),
         ]);
-        values[5 + rank] = peak as f64;
+        values[5 + rank] = peak.peak as f64;
         values[5 + ranks + rank] = local.after_forward as f64;
+        values[5 + 2 * ranks + rank] = peak.device_peak as f64;
         comm.sum_host(&mut values)?;
+        let per_rank = |slot: usize| -> Vec<u64> {
+            let start = 5 + slot * ranks;
+            values[start..start + ranks]
+                .iter()
+                .map(|&v| v as u64)
+                .collect()
+        };
         Ok(Self {
             loss_sum: values[0],
             predictions: values[1].round() as usize,
             keep_attention: values[2] / ranks as f64,
             keep_mlp: values[3] / ranks as f64,
             stop: values[4] > 0.0,
-            peak: values[5..5 + ranks].iter().map(|&v| v as u64).collect(),
-            after_forward: values[5 + ranks..].iter().map(|&v| v as u64).collect(),
+            peak: per_rank(0),
+            after_forward: per_rank(1),
+            device_peak: per_rank(2),
         })
     }
 
@@ -149,7 +161,11 @@ mod tests {
                 keep_mlp: 1.0,
                 after_forward: 100 + rank as u64,
             };
-            let totals = StepTotals::gather(&local, 1000 * (rank as u64 + 1), rank == 1, comm)?;
+            let peak = PeakTracker {
+                peak: 1000 * (rank as u64 + 1),
+                device_peak: 5000 + rank as u64,
+            };
+            let totals = StepTotals::gather(&local, &peak, rank == 1, comm)?;
             let values: Vec<Vec<f32>> = summed
                 .values()
                 .map(|t| t.clone().into_data().into_vec().unwrap())
@@ -164,6 +180,7 @@ mod tests {
             assert!(totals.stop, "one rank's stop request stops every rank");
             assert_eq!(totals.peak, vec![1000, 2000]);
             assert_eq!(totals.after_forward, vec![100, 101]);
+            assert_eq!(totals.device_peak, vec![5000, 5001]);
         }
     }
 }

@@ -83,7 +83,7 @@ pub fn train_rank<B: LemoBackend>(
         }
         let reduce_started = Instant::now();
         // The totals go first: they also tell every rank that all the others are alive.
-        let totals = StepTotals::gather(&local, peak.peak, interrupt::requested(), comm)?;
+        let totals = StepTotals::gather(&local, &peak, interrupt::requested(), comm)?;
         let mut grads = sync::sum_grads(grads, &layout, &device, comm)?;
         let allreduce_time = reduce_started.elapsed().as_secs_f64();
         let loss = totals.loss();
