@@ -30,14 +30,8 @@ COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 RESULTS=${RESULTS:-bench/results/h200-data-parallel.json}
 WORK=${WORK:-$(mktemp -d)}
 mkdir -p "$WORK"
-export NCCL_NVLS_ENABLE=0
-
-# NCCL from pip's wheel (or wherever the system has it), under the name it is loaded by.
-NCCL_SO=$("$PYTHON" -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null)
-[ -f "$NCCL_SO" ] || NCCL_SO=$(find / -name 'libnccl.so.2*' -not -path '/proc/*' 2>/dev/null | head -1)
-mkdir -p "$WORK/nccl" && ln -sf "$NCCL_SO" "$WORK/nccl/libnccl.so"
-export LD_LIBRARY_PATH="$WORK/nccl:${LD_LIBRARY_PATH:-}"
-echo "NCCL: $NCCL_SO" >&2
+# shellcheck source=bench/nccl_env.sh
+. bench/nccl_env.sh
 
 # 1 and GPUS, once each (GPUS=1 measures the one-GPU side alone).
 RANKS=$(printf '1\n%s\n' "$GPUS" | sort -un)
