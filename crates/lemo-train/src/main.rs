@@ -238,7 +238,10 @@ enum Command {
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(args) => {
-            let summary = run_train(*args)?;
+            // Under a launcher rank 0 reports the run; the other processes end quietly.
+            let Some(summary) = run_train(*args)? else {
+                return Ok(());
+            };
             print_train_summary(&summary);
             if summary.interrupted {
                 eprintln!(
@@ -529,7 +532,7 @@ fn require_model(model: &std::path::Path) -> Result<()> {
 
 /// Resolves the configuration (defaults < preset < --config file < flags, or the resumed run's
 /// saved configuration < flags) and trains.
-fn run_train(args: train::config::TrainArgs) -> Result<train::TrainSummary> {
+fn run_train(args: train::config::TrainArgs) -> Result<Option<train::TrainSummary>> {
     use train::config::TrainConfig;
     use train::run_dir::Start;
     let overrides = args.overrides()?;
@@ -552,17 +555,20 @@ fn run_train(args: train::config::TrainArgs) -> Result<train::TrainSummary> {
         (None, true) => Start::Overwrite,
         (None, false) => Start::Fresh,
     };
-    train::run_dir::prepare(&config.out, start)?;
-    let device = config.device.resolve();
-    let precision = device.precision(config.precision)?;
-    device.run(train::TrainJob {
+    let launch = distributed::launch::Launch::from_env()?;
+    let job = train::TrainJob {
+        precision: config.device.resolve().precision(config.precision)?,
+        device: config.device.resolve(),
         config,
         resume,
         start,
-        precision,
-        device,
         skip_memory_plan: args.skip_memory_plan,
-    })
+        launch,
+    };
+    if job.owns_out() {
+        train::run_dir::prepare(&job.config.out, start)?;
+    }
+    job.device.run(job)
 }
 
 fn print_train_summary(summary: &train::TrainSummary) {

@@ -8,6 +8,7 @@
 //! stops the group: the others end with an error, and every wait has a deadline (the collective
 //! timeout), so no rank waits forever.
 
+pub mod launch;
 pub mod local;
 #[cfg(feature = "cuda")]
 pub mod nccl;
@@ -43,9 +44,40 @@ pub enum Engine {
     Nccl(nccl::UniqueId),
 }
 
+/// Which ranks this process runs: all of them (one thread each), or, under a launcher, one
+/// rank of a group that spans processes.
+#[derive(Debug, Clone, Copy)]
+pub struct Layout {
+    /// Ranks in all.
+    pub world: usize,
+    /// The first of this process's ranks, and its CUDA device; the next ranks take the next
+    /// devices.
+    pub first_rank: usize,
+    pub first_device: usize,
+    /// Ranks this process runs.
+    pub local: usize,
+}
+
+impl Layout {
+    /// Every rank in this process, rank r on device r.
+    pub fn local(ranks: usize) -> Self {
+        Self {
+            world: ranks,
+            first_rank: 0,
+            first_device: 0,
+            local: ranks,
+        }
+    }
+}
+
 /// One rank's end of the group.
 pub struct Communicator {
     rank: usize,
+    /// Index among this process's ranks.
+    local: usize,
+    world: usize,
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    device: usize,
     group: Arc<LocalGroup>,
     #[cfg(feature = "cuda")]
     nccl: Option<(nccl::UniqueId, Option<nccl::NcclComm>)>,
@@ -57,15 +89,53 @@ impl Communicator {
     }
 
     pub fn ranks(&self) -> usize {
-        self.group.ranks()
+        self.world
     }
 
-    /// Sums `values` over the ranks, in place.
-    pub fn sum_host(&mut self, values: &mut [f64]) -> Result<()> {
-        if self.ranks() > 1 {
-            let sum = self.group.sum(self.rank, values.to_vec())?;
-            values.copy_from_slice(&sum);
+    /// Index among this process's ranks (the rank itself unless launched one per process).
+    pub fn local(&self) -> usize {
+        self.local
+    }
+
+    /// The NCCL communicator, made at the first sum, once every rank is known to be up (a
+    /// blocking NCCL initialization would wait forever for a rank that failed to load).
+    #[cfg(feature = "cuda")]
+    fn nccl(&mut self) -> Result<Option<&mut nccl::NcclComm>> {
+        let (rank, world, device) = (self.rank, self.world, self.device);
+        let Some((id, comm)) = &mut self.nccl else {
+            return Ok(None);
+        };
+        if comm.is_none() {
+            *comm = Some(nccl::NcclComm::new(rank, world, device, id)?);
         }
+        Ok(comm.as_mut())
+    }
+
+    /// Joins the NCCL communicator now rather than at the first sum.
+    pub fn connect(&mut self) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        self.nccl()?;
+        Ok(())
+    }
+
+    /// Sums `values` over the ranks, in place: in process memory among the ranks of one
+    /// process, through NCCL when the group spans processes.
+    pub fn sum_host(&mut self, values: &mut [f64]) -> Result<()> {
+        if self.world == 1 {
+            return Ok(());
+        }
+        if self.group.ranks() < self.world {
+            #[cfg(feature = "cuda")]
+            {
+                let group = self.group.clone();
+                if let Some(comm) = self.nccl()? {
+                    return comm.sum_host(values, &group);
+                }
+            }
+            anyhow::bail!("ranks in several processes need NCCL (CUDA)");
+        }
+        let sum = self.group.sum(self.local, values.to_vec())?;
+        values.copy_from_slice(&sum);
         Ok(())
     }
 
@@ -75,14 +145,11 @@ impl Communicator {
             return Ok(bucket);
         }
         #[cfg(feature = "cuda")]
-        if let Some((id, comm)) = &mut self.nccl {
-            // The communicator is made at the first sum, once every rank is known to be up (a
-            // blocking NCCL initialization would wait forever for a rank that failed to load).
-            let comm = match comm {
-                Some(comm) => comm,
-                None => comm.insert(nccl::NcclComm::new(self.rank, self.group.ranks(), id)?),
-            };
-            return comm.sum(bucket, &self.group);
+        {
+            let group = self.group.clone();
+            if let Some(comm) = self.nccl()? {
+                return comm.sum(bucket, &group);
+            }
         }
         let device = bucket.device();
         let values = bucket
@@ -91,7 +158,7 @@ impl Communicator {
             .into_vec::<f64>()
             .map_err(|e| anyhow::anyhow!("gradient bucket: {e:?}"))?;
         let len = values.len();
-        let sum = self.group.sum(self.rank, values)?;
+        let sum = self.group.sum(self.local, values)?;
         let sum: Vec<f32> = sum.iter().map(|&v| v as f32).collect();
         Ok(Tensor::from_data(TensorData::new(sum, [len]), &device))
     }
@@ -105,16 +172,16 @@ impl Drop for Communicator {
     }
 }
 
-/// Runs `body` once per rank, each on a thread of its own, and returns the ranks' outputs in
-/// rank order. When ranks fail, the error is the first one that is not a consequence of another
-/// rank's failure.
+/// Runs `body` once per rank of this process, each on a thread of its own, and returns the
+/// ranks' outputs in rank order. When ranks fail, the error is the first one that is not a
+/// consequence of another rank's failure.
 pub fn run_ranks<T: Send>(
-    ranks: usize,
+    layout: Layout,
     timeout: Duration,
     engine: Engine,
     body: impl Fn(&mut Communicator) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
-    let group = LocalGroup::new(ranks, timeout);
+    let group = LocalGroup::new(layout.local, timeout);
     #[cfg(feature = "cuda")]
     let nccl_id = match engine {
         Engine::Nccl(id) => Some(id),
@@ -124,16 +191,20 @@ pub fn run_ranks<T: Send>(
     let Engine::InProcess = engine;
     let body = &body;
     let results: Vec<std::thread::Result<Result<T>>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..ranks)
-            .map(|rank| {
+        let handles: Vec<_> = (0..layout.local)
+            .map(|local| {
+                let rank = layout.first_rank + local;
                 let mut communicator = Communicator {
                     rank,
+                    local,
+                    world: layout.world,
+                    device: layout.first_device + local,
                     group: group.clone(),
                     #[cfg(feature = "cuda")]
                     nccl: nccl_id.map(|id| (id, None)),
                 };
                 // `rank-N` when there are several: the panic hook names the rank that failed.
-                let name = match ranks {
+                let name = match layout.world {
                     1 => "train".to_string(),
                     _ => format!("rank-{rank}"),
                 };
@@ -142,7 +213,14 @@ pub fn run_ranks<T: Send>(
                     // The main thread's size: deep autodiff graphs recurse.
                     .stack_size(64 << 20)
                     .spawn_scoped(scope, move || {
-                        let result = body(&mut communicator);
+                        // Ranks in other processes are known to be up only now, just after the
+                        // rendezvous: NCCL's blocking initialization cannot wait on a rank
+                        // that died while loading.
+                        let result = match layout.local < layout.world {
+                            true => communicator.connect(),
+                            false => Ok(()),
+                        }
+                        .and_then(|()| body(&mut communicator));
                         if let Err(error) = &result {
                             let why = format!("{error:#}");
                             let first = why.lines().next().unwrap_or("").to_string();
@@ -161,15 +239,17 @@ pub fn run_ranks<T: Send>(
         Ok(results) => results,
         Err(panic) => std::panic::resume_unwind(panic),
     };
-    let mut outputs = Vec::with_capacity(ranks);
+    let mut outputs = Vec::with_capacity(layout.local);
     let mut consequence = None;
-    for (rank, result) in results.into_iter().enumerate() {
+    for (local, result) in results.into_iter().enumerate() {
         match result {
             Ok(output) => outputs.push(output),
             Err(error) if error.downcast_ref::<PeerFailure>().is_some() => {
                 consequence.get_or_insert(error);
             }
-            Err(error) if ranks > 1 => return Err(error.context(format!("rank {rank}"))),
+            Err(error) if layout.world > 1 => {
+                return Err(error.context(format!("rank {}", layout.first_rank + local)));
+            }
             Err(error) => return Err(error),
         }
     }
@@ -188,23 +268,33 @@ mod tests {
     #[test]
     fn simulated_ranks_sum_buckets_and_name_the_rank_that_failed() {
         type B = NdArray<f32>;
-        let sums = run_ranks(2, Duration::from_secs(30), Engine::InProcess, |comm| {
-            let rank = comm.rank() as f32;
-            let bucket = Tensor::<B, 1>::from_floats([rank, 1.0 + rank], &Default::default());
-            let sum = comm.sum_tensor(bucket)?;
-            let mut host = [rank as f64];
-            comm.sum_host(&mut host)?;
-            Ok((sum.into_data().into_vec::<f32>().unwrap(), host[0]))
-        })
+        let sums = run_ranks(
+            Layout::local(2),
+            Duration::from_secs(30),
+            Engine::InProcess,
+            |comm| {
+                let rank = comm.rank() as f32;
+                let bucket = Tensor::<B, 1>::from_floats([rank, 1.0 + rank], &Default::default());
+                let sum = comm.sum_tensor(bucket)?;
+                let mut host = [rank as f64];
+                comm.sum_host(&mut host)?;
+                Ok((sum.into_data().into_vec::<f32>().unwrap(), host[0]))
+            },
+        )
         .unwrap();
         assert_eq!(sums, vec![(vec![1.0, 3.0], 1.0); 2]);
 
-        let error = run_ranks(2, Duration::from_secs(30), Engine::InProcess, |comm| {
-            if comm.rank() == 1 {
-                bail!("out of memory");
-            }
-            comm.sum_host(&mut [1.0])
-        })
+        let error = run_ranks(
+            Layout::local(2),
+            Duration::from_secs(30),
+            Engine::InProcess,
+            |comm| {
+                if comm.rank() == 1 {
+                    bail!("out of memory");
+                }
+                comm.sum_host(&mut [1.0])
+            },
+        )
         .unwrap_err();
         assert_eq!(format!("{error:#}"), "rank 1: out of memory");
     }

@@ -32,22 +32,42 @@ use super::local::LocalGroup;
 pub struct UniqueId(nccl_sys::ncclUniqueId);
 
 impl UniqueId {
-    /// A fresh id. Turns NVLink multicast (NVLS) off unless `NCCL_NVLS_ENABLE` says otherwise:
-    /// on shared hosts it can put every GPU of the machine out of service.
+    /// A fresh id (NCCL prepared: see [`prepare_nccl`]).
     pub fn new() -> Result<Self> {
-        if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
-            // SAFETY: called before the rank threads start and before NCCL reads its settings.
-            unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
-        }
-        // SAFETY: only probes whether the library can be loaded.
-        if !unsafe { nccl_sys::is_culib_present() } {
-            bail!(
-                "several GPUs need NCCL, and libnccl.so was not found: put the folder holding it on LD_LIBRARY_PATH (pip's nvidia-nccl ships libnccl.so.2; link it as libnccl.so)"
-            );
-        }
+        prepare_nccl()?;
         let id = nccl::get_uniqueid().map_err(|e| anyhow::anyhow!("ncclGetUniqueId: {e:?}"))?;
         Ok(Self(id))
     }
+
+    /// The id as bytes, to send to ranks in other processes.
+    pub fn to_bytes(&self) -> [u8; super::launch::ID_BYTES] {
+        self.0.internal.map(|c| c as u8)
+    }
+
+    /// The id rank 0 made in another process (NCCL prepared as [`Self::new`] does).
+    pub fn from_bytes(bytes: [u8; super::launch::ID_BYTES]) -> Result<Self> {
+        prepare_nccl()?;
+        Ok(Self(nccl_sys::ncclUniqueId {
+            internal: bytes.map(|b| b as std::ffi::c_char),
+        }))
+    }
+}
+
+/// Checks that NCCL can be loaded, and turns NVLink multicast (NVLS) off unless
+/// `NCCL_NVLS_ENABLE` says otherwise: on shared hosts it can put every GPU of the machine out
+/// of service.
+fn prepare_nccl() -> Result<()> {
+    if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
+        // SAFETY: called before the rank threads start and before NCCL reads its settings.
+        unsafe { std::env::set_var("NCCL_NVLS_ENABLE", "0") };
+    }
+    // SAFETY: only probes whether the library can be loaded.
+    if !unsafe { nccl_sys::is_culib_present() } {
+        bail!(
+            "several GPUs need NCCL, and libnccl.so was not found: put the folder holding it on LD_LIBRARY_PATH (pip's nvidia-nccl ships libnccl.so.2; link it as libnccl.so)"
+        );
+    }
+    Ok(())
 }
 
 /// A rank's NCCL communicator on its device, with the context, stream and event its sums use.
@@ -84,14 +104,15 @@ fn primary_context(index: usize) -> Result<driver_sys::CUcontext, String> {
 }
 
 impl NcclComm {
-    /// Rank `rank` of `ranks` on CUDA device `rank`; returns once every rank has joined.
-    pub fn new(rank: usize, ranks: usize, id: &UniqueId) -> Result<Self> {
-        let device = CudaDevice::new(rank);
+    /// Rank `rank` of `ranks` on CUDA device `device`; returns once every rank has joined.
+    pub fn new(rank: usize, ranks: usize, device: usize, id: &UniqueId) -> Result<Self> {
+        let index = device;
+        let device = CudaDevice::new(index);
         let client = CudaRuntime::client(&device);
         let id = id.0;
         let handles = client
             .exclusive(move || -> Result<Handles, String> {
-                let context = primary_context(rank)?;
+                let context = primary_context(index)?;
                 let stream = driver::stream::create(driver::stream::StreamKind::NonBlocking)
                     .map_err(|e| e.to_string())?;
                 let done =
@@ -110,8 +131,72 @@ impl NcclComm {
                 })
             })
             .map_err(|e| anyhow::anyhow!("{e:?}"))?
-            .map_err(|e| anyhow::anyhow!("NCCL on CUDA device {rank}: {e}"))?;
+            .map_err(|e| anyhow::anyhow!("NCCL on CUDA device {index}: {e}"))?;
         Ok(Self { device, handles })
+    }
+
+    /// Sums `values` over the ranks, in place, through a device buffer of this rank (the host
+    /// values of a step when the ranks are in several processes).
+    pub fn sum_host(&mut self, values: &mut [f64], group: &LocalGroup) -> Result<()> {
+        let client = CudaRuntime::client(&self.device);
+        let handles = self.handles;
+        let deadline = Instant::now() + group.timeout();
+        let mut host = values.to_vec();
+        let outcome = client
+            .exclusive(move || -> Result<Vec<f64>, String> {
+                // Moved whole: the handles are Send together, not field by field.
+                let handles = handles;
+                let Handles {
+                    context,
+                    comm,
+                    stream,
+                    done,
+                } = handles;
+                // SAFETY: a buffer of `host.len()` f64 of this context, freed before returning;
+                // the communicator, stream and event belong to this device.
+                unsafe {
+                    driver::ctx::set_current(context).map_err(|e| e.to_string())?;
+                    let buffer = driver::malloc_sync(std::mem::size_of_val(host.as_slice()))
+                        .map_err(|e| e.to_string())?;
+                    let summed = (|| {
+                        driver::memcpy_htod_sync(buffer, &host).map_err(|e| e.to_string())?;
+                        nccl::all_reduce(
+                            buffer as *const c_void,
+                            buffer as *mut c_void,
+                            host.len(),
+                            nccl_sys::ncclDataType_t::ncclFloat64,
+                            nccl_sys::ncclRedOp_t::ncclSum,
+                            comm,
+                            stream as nccl_sys::cudaStream_t,
+                        )
+                        .map_err(|e| format!("ncclAllReduce: {:?}", e.0))?;
+                        driver::event::record(done, stream).map_err(|e| e.to_string())?;
+                        wait(comm, done, deadline, group)?;
+                        driver::memcpy_dtoh_sync(&mut host, buffer).map_err(|e| e.to_string())
+                    })();
+                    let _ = driver::free_sync(buffer);
+                    summed.map(|()| host)
+                }
+            })
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?;
+        let sum = self.abort_on_failure(outcome)?;
+        values.copy_from_slice(&sum);
+        Ok(())
+    }
+
+    /// The value of a finished sum; a sum that failed aborts the communicator (NCCL cannot go
+    /// on after a peer is lost) and becomes a [`PeerFailure`].
+    fn abort_on_failure<T>(&mut self, outcome: Result<T, String>) -> Result<T> {
+        outcome.map_err(|why| {
+            if !self.handles.comm.is_null() {
+                // SAFETY: the communicator is not used again after an abort.
+                unsafe {
+                    let _ = nccl::comm_abort(self.handles.comm);
+                }
+                self.handles.comm = std::ptr::null_mut();
+            }
+            PeerFailure(format!("sum on CUDA device {}: {why}", self.device.index)).into()
+        })
     }
 
     /// Sums `bucket` (f32, on this rank's device) over the ranks, in place.
@@ -137,7 +222,6 @@ impl NcclComm {
             .map_err(|e| anyhow::anyhow!("the bucket's buffer: {e:?}"))?;
         let pointer = resource.resource().ptr;
         let handles = self.handles;
-        let index = self.device.index;
         let deadline = Instant::now() + group.timeout();
         let outcome = client
             .exclusive(move || -> Result<(), String> {
@@ -169,14 +253,7 @@ impl NcclComm {
             })
             .map_err(|e| anyhow::anyhow!("{e:?}"))?;
         drop(resource);
-        if let Err(why) = outcome {
-            // SAFETY: the communicator is not used again after an abort.
-            unsafe {
-                let _ = nccl::comm_abort(self.handles.comm);
-            }
-            self.handles.comm = std::ptr::null_mut();
-            return Err(PeerFailure(format!("all-reduce on CUDA device {index}: {why}")).into());
-        }
+        self.abort_on_failure(outcome)?;
         Ok(Tensor::from_primitive(TensorPrimitive::Float(
             downcast::<_, B::FloatTensorPrimitive>(tensor).expect("the type it came from"),
         )))

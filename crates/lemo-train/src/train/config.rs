@@ -493,7 +493,9 @@ pub struct TrainArgs {
     /// gradients summed by NCCL). Each GPU holds a whole replica and runs --batch-size x
     /// --grad-accum sequences per step, so memory per GPU is that of one GPU and the global
     /// batch is N x batch x grad-accum: N times the tokens per step at about the step time of
-    /// one GPU. On cpu and wgpu, N simulated ranks share the device (for testing) [default: 1].
+    /// one GPU. On cpu and wgpu, N simulated ranks share the device (for testing). Under a
+    /// launcher (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment: one
+    /// process per GPU, on one machine or several) leave it out [default: 1].
     #[arg(long, visible_alias = "ranks")]
     pub gpus: Option<usize>,
     /// How long a rank waits for the others (a rank that died or hangs) before the run ends

@@ -35,7 +35,8 @@ use lemo_models::ModelConfig;
 
 use crate::data::LazyTokenizer;
 use crate::device::{BackendJob, DeviceKind, PrecisionKind};
-use crate::distributed::{self, Engine};
+use crate::distributed::launch::Launch;
+use crate::distributed::{self, Engine, Layout};
 use crate::memory_plan;
 use config::TrainConfig;
 
@@ -67,6 +68,15 @@ pub struct TrainJob {
     pub device: DeviceKind,
     /// Train even where the memory plan predicts the run will not fit.
     pub skip_memory_plan: bool,
+    /// This process's rank when a launcher started one process per GPU (`WORLD_SIZE`, ...).
+    pub launch: Option<Launch>,
+}
+
+impl TrainJob {
+    /// Whether this process writes the run folder (rank 0 of a launch, or the only process).
+    pub fn owns_out(&self) -> bool {
+        self.launch.as_ref().is_none_or(|launch| launch.rank == 0)
+    }
 }
 
 /// What the memory plan needs of a run.
@@ -93,58 +103,84 @@ fn plan_input(
 }
 
 impl BackendJob for TrainJob {
-    type Output = TrainSummary;
+    /// `None` in the processes of a launch other than rank 0's, which reports the run.
+    type Output = Option<TrainSummary>;
 
-    fn run<B: LemoBackend>(self, device: B::Device) -> Result<TrainSummary> {
+    fn run<B: LemoBackend>(self, device: B::Device) -> Result<Option<TrainSummary>> {
         run_on::<B>(self, device)
     }
 }
 
-fn run_on<B: LemoBackend>(job: TrainJob, device: B::Device) -> Result<TrainSummary> {
-    let ranks = job.config.gpus;
-    if ranks == 0 {
+fn run_on<B: LemoBackend>(mut job: TrainJob, device: B::Device) -> Result<Option<TrainSummary>> {
+    if job.config.gpus == 0 {
         bail!("--gpus must be at least 1");
     }
-    let devices = rank_devices::<B>(&device, job.device, ranks)?;
     // "off" waits as good as forever.
     let timeout = job
         .config
         .collective_timeout()?
         .unwrap_or(Duration::from_secs(365 * 24 * 3600));
-    let engine = engine(job.device, ranks)?;
+    let (layout, engine) = match &job.launch {
+        None => (
+            Layout::local(job.config.gpus),
+            engine(job.device, job.config.gpus)?,
+        ),
+        Some(launch) => {
+            if job.config.gpus != 1 {
+                bail!(
+                    "--gpus {}: under a launcher (WORLD_SIZE={}) each process trains on one GPU, its LOCAL_RANK; leave --gpus out",
+                    job.config.gpus,
+                    launch.world
+                );
+            }
+            // The run's rank count (saved in checkpoints, checked on resume) is the launch's.
+            job.config.gpus = launch.world;
+            let layout = Layout {
+                world: launch.world,
+                first_rank: launch.rank,
+                first_device: launch.local_rank,
+                local: 1,
+            };
+            (layout, launched_engine(job.device, launch, timeout)?)
+        }
+    };
+    let devices = rank_devices::<B>(&device, job.device, layout)?;
     let setup = setup::prepare(job)?;
     interrupt::install();
-    let summaries = distributed::run_ranks(ranks, timeout, engine, |comm| {
-        worker::train_rank::<B>(&setup, devices[comm.rank()].clone(), comm)
+    let summaries = distributed::run_ranks(layout, timeout, engine, |comm| {
+        worker::train_rank::<B>(&setup, devices[comm.local()].clone(), comm)
     })?;
-    Ok(summaries
-        .into_iter()
-        .next()
-        .flatten()
-        .expect("rank 0 returns the summary"))
+    Ok(summaries.into_iter().next().flatten())
 }
 
-/// The device of each rank: CUDA devices 0..ranks, or the one device the simulated ranks of the
-/// CPU and wgpu backends share.
+/// The device of each of this process's ranks: CUDA devices from `layout.first_device` on, or
+/// the one device the simulated ranks of the CPU and wgpu backends share.
 fn rank_devices<B: Backend>(
     device: &B::Device,
     kind: DeviceKind,
-    ranks: usize,
+    layout: Layout,
 ) -> Result<Vec<B::Device>> {
     if kind != DeviceKind::Cuda {
-        return Ok(vec![device.clone(); ranks]);
+        return Ok(vec![device.clone(); layout.local]);
     }
     let type_id = device.to_id().type_id;
     let present = B::device_count(type_id);
-    if ranks > present {
-        bail!("--gpus {ranks}: this machine has {present} CUDA device(s)");
+    let end = layout.first_device + layout.local;
+    if end > present {
+        match layout.local == layout.world {
+            true => bail!("--gpus {end}: this machine has {present} CUDA device(s)"),
+            false => bail!(
+                "LOCAL_RANK={}: this machine has {present} CUDA device(s)",
+                layout.first_device
+            ),
+        }
     }
-    Ok((0..ranks)
+    Ok((layout.first_device..end)
         .map(|index| B::Device::from_id(DeviceId::new(type_id, index as u16)))
         .collect())
 }
 
-/// What sums gradients between `ranks` ranks on `kind`.
+/// What sums gradients between `ranks` ranks of this process on `kind`.
 fn engine(kind: DeviceKind, ranks: usize) -> Result<Engine> {
     #[cfg(feature = "cuda")]
     if kind == DeviceKind::Cuda && ranks > 1 {
@@ -152,6 +188,27 @@ fn engine(kind: DeviceKind, ranks: usize) -> Result<Engine> {
     }
     let _ = (kind, ranks);
     Ok(Engine::InProcess)
+}
+
+/// NCCL between the processes of a launch: rank 0's unique id, handed out at the rendezvous.
+fn launched_engine(kind: DeviceKind, launch: &Launch, timeout: Duration) -> Result<Engine> {
+    if kind != DeviceKind::Cuda {
+        bail!(
+            "WORLD_SIZE={}: ranks in several processes sum through NCCL and need --device cuda",
+            launch.world
+        );
+    }
+    #[cfg(feature = "cuda")]
+    {
+        use distributed::nccl::UniqueId;
+        let id = launch.share_id(|| Ok(UniqueId::new()?.to_bytes()), timeout)?;
+        Ok(Engine::Nccl(UniqueId::from_bytes(id)?))
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = timeout;
+        bail!("this build has no CUDA support")
+    }
 }
 
 /// BOS to put before documents and EOS after them: the tokenizer's, else the model config's.

@@ -70,11 +70,16 @@ fn prepare_inputs(config: &mut TrainConfig) -> Result<()> {
 }
 
 pub fn prepare(job: TrainJob) -> Result<Setup> {
+    // Under a launcher only rank 0 writes the run folder; the others read a resumed one.
+    let owner = job.owns_out();
     let mut config = job.config;
     prepare_inputs(&mut config)?;
     config.validate()?;
     let out = config.out.clone();
-    std::fs::create_dir_all(&out).with_context(|| format!("cannot create {}", out.display()))?;
+    if owner {
+        std::fs::create_dir_all(&out)
+            .with_context(|| format!("cannot create {}", out.display()))?;
+    }
     let model_path = config.model.clone().expect("validated");
     // A resume with another rank count is refused before anything is read or planned.
     let resumed = match &job.resume {
@@ -132,7 +137,10 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
             .collect()
     };
 
-    let run_id = run_dir::identity(&out, job.start)?.map(|r| r.id);
+    let run_id = match owner || job.start == run_dir::Start::Resume {
+        true => run_dir::identity(&out, job.start)?.map(|r| r.id),
+        false => None,
+    };
     let resumed = match resumed {
         Some((dir, files)) => {
             check_resumed(dir, &files.state, &config, seq_len, &corpus, &run_id)?;
@@ -140,12 +148,14 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         }
         None => None,
     };
-    let mut saved_config = config.clone();
-    saved_config.stop_after = None;
-    lemo_models::adapter::write_atomically(
-        &out.join("config.toml"),
-        saved_config.to_toml().as_bytes(),
-    )?;
+    if owner {
+        let mut saved_config = config.clone();
+        saved_config.stop_after = None;
+        lemo_models::adapter::write_atomically(
+            &out.join("config.toml"),
+            saved_config.to_toml().as_bytes(),
+        )?;
+    }
     let info = TrainingInfo {
         method: config.method.name().to_string(),
         base_model: model_path.display().to_string(),

@@ -134,44 +134,49 @@ mod tests {
     use burn::backend::NdArray;
 
     use super::*;
-    use crate::distributed::{Engine, run_ranks};
+    use crate::distributed::{Engine, Layout, run_ranks};
 
     type B = NdArray<f32>;
 
     #[test]
     fn ranks_sum_gradients_and_gather_their_totals() {
         let layout = vec![("a".to_string(), 2), ("b".to_string(), 1)];
-        let outputs = run_ranks(2, Duration::from_secs(30), Engine::InProcess, |comm| {
-            let device = Default::default();
-            let rank = comm.rank();
-            let mut grads = NamedTensors::<B>::new();
-            grads.insert(
-                "a".into(),
-                Tensor::from_floats([1.0, 2.0 * rank as f32], &device),
-            );
-            // Rank 1 has no gradient for "b": it counts as zeros.
-            if rank == 0 {
-                grads.insert("b".into(), Tensor::from_floats([5.0], &device));
-            }
-            let summed = sum_grads(grads, &layout, &device, comm)?;
-            let local = LocalStep {
-                loss_sum: 10.0,
-                predictions: 4,
-                keep_attention: 0.5 * rank as f64,
-                keep_mlp: 1.0,
-                after_forward: 100 + rank as u64,
-            };
-            let peak = PeakTracker {
-                peak: 1000 * (rank as u64 + 1),
-                device_peak: 5000 + rank as u64,
-            };
-            let totals = StepTotals::gather(&local, &peak, rank == 1, comm)?;
-            let values: Vec<Vec<f32>> = summed
-                .values()
-                .map(|t| t.clone().into_data().into_vec().unwrap())
-                .collect();
-            Ok((values, totals))
-        })
+        let outputs = run_ranks(
+            Layout::local(2),
+            Duration::from_secs(30),
+            Engine::InProcess,
+            |comm| {
+                let device = Default::default();
+                let rank = comm.rank();
+                let mut grads = NamedTensors::<B>::new();
+                grads.insert(
+                    "a".into(),
+                    Tensor::from_floats([1.0, 2.0 * rank as f32], &device),
+                );
+                // Rank 1 has no gradient for "b": it counts as zeros.
+                if rank == 0 {
+                    grads.insert("b".into(), Tensor::from_floats([5.0], &device));
+                }
+                let summed = sum_grads(grads, &layout, &device, comm)?;
+                let local = LocalStep {
+                    loss_sum: 10.0,
+                    predictions: 4,
+                    keep_attention: 0.5 * rank as f64,
+                    keep_mlp: 1.0,
+                    after_forward: 100 + rank as u64,
+                };
+                let peak = PeakTracker {
+                    peak: 1000 * (rank as u64 + 1),
+                    device_peak: 5000 + rank as u64,
+                };
+                let totals = StepTotals::gather(&local, &peak, rank == 1, comm)?;
+                let values: Vec<Vec<f32>> = summed
+                    .values()
+                    .map(|t| t.clone().into_data().into_vec().unwrap())
+                    .collect();
+                Ok((values, totals))
+            },
+        )
         .unwrap();
         for (values, totals) in outputs {
             assert_eq!(values, vec![vec![2.0, 2.0], vec![5.0]]);
