@@ -121,7 +121,13 @@ impl NcclComm {
                 let mut comm = MaybeUninit::uninit();
                 // SAFETY: every rank calls this with the same id and its own rank.
                 unsafe { nccl::comm_init_rank(comm.as_mut_ptr(), ranks as i32, id, rank as i32) }
-                    .map_err(|e| format!("ncclCommInitRank: {:?}", e.0))?;
+                    .map_err(|e| match e.0 {
+                        nccl_sys::ncclResult_t::ncclInvalidUsage => format!(
+                            "ncclCommInitRank: {:?} (two ranks on one GPU? each needs its own LOCAL_RANK)",
+                            e.0
+                        ),
+                        _ => format!("ncclCommInitRank: {:?}", e.0),
+                    })?;
                 // SAFETY: initialized by the successful call above.
                 Ok(Handles {
                     context,
