@@ -40,7 +40,7 @@ impl UniqueId {
     }
 
     /// The id as bytes, to send to ranks in other processes.
-    pub fn to_bytes(&self) -> [u8; super::launch::ID_BYTES] {
+    pub fn to_bytes(self) -> [u8; super::launch::ID_BYTES] {
         self.0.internal.map(|c| c as u8)
     }
 
@@ -90,6 +90,39 @@ struct Handles {
 }
 // SAFETY: see `NcclComm`.
 unsafe impl Send for Handles {}
+
+impl Handles {
+    /// Sums the `count` values of `dtype` at `pointer` over the ranks, in place, on this rank's
+    /// stream, and waits for it (see [`wait`]).
+    ///
+    /// # Safety
+    /// `pointer` is a live buffer of `count` values of `dtype` in this rank's context.
+    unsafe fn sum_in_place(
+        self,
+        pointer: u64,
+        count: usize,
+        dtype: nccl_sys::ncclDataType_t,
+        deadline: Instant,
+        group: &LocalGroup,
+    ) -> Result<(), String> {
+        // SAFETY: the handles are this context's; the buffer is the caller's promise.
+        unsafe {
+            driver::ctx::set_current(self.context).map_err(|e| e.to_string())?;
+            nccl::all_reduce(
+                pointer as *const c_void,
+                pointer as *mut c_void,
+                count,
+                dtype,
+                nccl_sys::ncclRedOp_t::ncclSum,
+                self.comm,
+                self.stream as nccl_sys::cudaStream_t,
+            )
+            .map_err(|e| format!("ncclAllReduce: {:?}", e.0))?;
+            driver::event::record(self.done, self.stream).map_err(|e| e.to_string())?;
+            wait(self.comm, self.done, deadline, group)
+        }
+    }
+}
 
 /// Makes the primary context of CUDA device `index` (the one cubecl uses) current and returns
 /// it; it stays retained for the life of the process.
@@ -152,32 +185,20 @@ impl NcclComm {
             .exclusive(move || -> Result<Vec<f64>, String> {
                 // Moved whole: the handles are Send together, not field by field.
                 let handles = handles;
-                let Handles {
-                    context,
-                    comm,
-                    stream,
-                    done,
-                } = handles;
-                // SAFETY: a buffer of `host.len()` f64 of this context, freed before returning;
-                // the communicator, stream and event belong to this device.
+                // SAFETY: a buffer of `host.len()` f64 of this context, freed before returning.
                 unsafe {
-                    driver::ctx::set_current(context).map_err(|e| e.to_string())?;
+                    driver::ctx::set_current(handles.context).map_err(|e| e.to_string())?;
                     let buffer = driver::malloc_sync(std::mem::size_of_val(host.as_slice()))
                         .map_err(|e| e.to_string())?;
                     let summed = (|| {
                         driver::memcpy_htod_sync(buffer, &host).map_err(|e| e.to_string())?;
-                        nccl::all_reduce(
-                            buffer as *const c_void,
-                            buffer as *mut c_void,
+                        handles.sum_in_place(
+                            buffer,
                             host.len(),
                             nccl_sys::ncclDataType_t::ncclFloat64,
-                            nccl_sys::ncclRedOp_t::ncclSum,
-                            comm,
-                            stream as nccl_sys::cudaStream_t,
-                        )
-                        .map_err(|e| format!("ncclAllReduce: {:?}", e.0))?;
-                        driver::event::record(done, stream).map_err(|e| e.to_string())?;
-                        wait(comm, done, deadline, group)?;
+                            deadline,
+                            group,
+                        )?;
                         driver::memcpy_dtoh_sync(&mut host, buffer).map_err(|e| e.to_string())
                     })();
                     let _ = driver::free_sync(buffer);
@@ -233,28 +254,16 @@ impl NcclComm {
             .exclusive(move || -> Result<(), String> {
                 // Moved whole: the handles are Send together, not field by field.
                 let handles = handles;
-                let Handles {
-                    context,
-                    comm,
-                    stream,
-                    done,
-                } = handles;
                 // SAFETY: the pointer is the live bucket (kept alive by `resource`) of `count`
-                // f32 values; the communicator, stream and event belong to this device.
+                // f32 values.
                 unsafe {
-                    driver::ctx::set_current(context).map_err(|e| e.to_string())?;
-                    nccl::all_reduce(
-                        pointer as *const c_void,
-                        pointer as *mut c_void,
+                    handles.sum_in_place(
+                        pointer,
                         count,
                         nccl_sys::ncclDataType_t::ncclFloat32,
-                        nccl_sys::ncclRedOp_t::ncclSum,
-                        comm,
-                        stream as nccl_sys::cudaStream_t,
+                        deadline,
+                        group,
                     )
-                    .map_err(|e| format!("ncclAllReduce: {:?}", e.0))?;
-                    driver::event::record(done, stream).map_err(|e| e.to_string())?;
-                    wait(comm, done, deadline, group)
                 }
             })
             .map_err(|e| anyhow::anyhow!("{e:?}"))?;
