@@ -556,9 +556,10 @@ fn run_train(args: train::config::TrainArgs) -> Result<Option<train::TrainSummar
         (None, false) => Start::Fresh,
     };
     let launch = distributed::launch::Launch::from_env()?;
+    let device = config.device.resolve();
     let job = train::TrainJob {
-        precision: config.device.resolve().precision(config.precision)?,
-        device: config.device.resolve(),
+        precision: device.precision(config.precision)?,
+        device,
         config,
         resume,
         start,

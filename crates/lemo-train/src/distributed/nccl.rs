@@ -137,9 +137,8 @@ fn primary_context(index: usize) -> Result<driver_sys::CUcontext, String> {
 }
 
 impl NcclComm {
-    /// Rank `rank` of `ranks` on CUDA device `device`; returns once every rank has joined.
-    pub fn new(rank: usize, ranks: usize, device: usize, id: &UniqueId) -> Result<Self> {
-        let index = device;
+    /// Rank `rank` of `ranks` on CUDA device `index`; returns once every rank has joined.
+    pub fn new(rank: usize, ranks: usize, index: usize, id: &UniqueId) -> Result<Self> {
         let device = CudaDevice::new(index);
         let client = CudaRuntime::client(&device);
         let id = id.0;

@@ -65,9 +65,6 @@ impl<B: LemoBackend> Replica<B> {
             model.set_shifted_group(Some(s2_group(config, setup.seq_len)));
         }
         let elimination = elimination(setup, &model, rank)?;
-        // Loading and calibration leave pages in the pools that training's shapes do not reuse:
-        // give them back, so the device holds what training needs and no more.
-        lemo_kernels::memory::memory_cleanup::<B>(&device);
         let mut optimizer = AdamW::<B>::new(AdamWSettings {
             beta1: config.beta1,
             beta2: config.beta2,
