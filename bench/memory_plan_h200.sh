@@ -19,6 +19,7 @@ WARMUP=${WARMUP:-1}
 RESULTS=${RESULTS:-bench/results/h200-memory-plan.json}
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 WORK=$(mktemp -d)
+source bench/device_peak.sh
 
 for case in $CASES; do
   IFS=: read -r method len ck <<< "$case"
@@ -26,12 +27,7 @@ for case in $CASES; do
   name="$method-$len-$ck"
   command="$LEMO bench --model bench/configs/$CONFIG.json --method $method --seq-lens $len --steps $STEPS --warmup $WARMUP --device cuda $flag --out $WORK/$name.json"
   echo "+ $command" >&2
-  idle=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 20 > "$WORK/$name.smi" 2>/dev/null &
-  poller=$!
-  $command || echo "bench failed: $case" >&2
-  kill "$poller"; wait "$poller" 2>/dev/null
-  echo $(( $(sort -n "$WORK/$name.smi" | tail -1) - idle )) > "$WORK/$name.peak"
+  device_peak "$WORK/$name.peak" $command || echo "bench failed: $case" >&2
   echo "$command" > "$WORK/$name.cmd"
 done
 

@@ -26,18 +26,7 @@ RESULTS=${RESULTS:-bench/results/h200-lemo.json}
 COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
 WORK=$(mktemp -d)
 
-# Runs "$@" while polling the device's used memory; writes the peak above the idle level (MiB).
-device_peak() {
-  local out=$1; shift
-  local idle
-  idle=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 20 > "$out.log" 2>/dev/null &
-  local poller=$!
-  "$@"; local status=$?
-  kill "$poller"; wait "$poller" 2>/dev/null
-  echo $(( $(sort -n "$out.log" | tail -1) - idle )) > "$out"
-  return $status
-}
+source bench/device_peak.sh
 
 for case in $CASES; do
   len=${case%%:*}; ck=${case##*:}

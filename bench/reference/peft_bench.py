@@ -2,11 +2,14 @@
 """PyTorch + PEFT reference for `lemo-train bench`: a few LoRA training steps of a random-init model of
 a Hugging Face config, per sequence length, printing one JSON line per length (and optionally
 writing all of them to --out): median step time, tokens/s, peak memory and memory after the forward
-pass (torch.cuda.max_memory_allocated / memory_allocated), or {"oom": true}.
+pass (torch.cuda.max_memory_allocated / memory_allocated), the caching allocator's peak reservation
+(torch.cuda.max_memory_reserved), or {"oom": true}.
 
 Setup, matched to what DESIGN.md's measurements used: LoRA r=8, alpha=16, dropout 0 on
 q_proj/k_proj/v_proj/o_proj; bf16 weights; SDPA attention; batch 1; random token ids; AdamW
-(PyTorch defaults, lr 1e-4); optional gradient checkpointing (--checkpointing).
+(PyTorch defaults, lr 1e-4); optional gradient checkpointing (--checkpointing); optional
+Liger-Kernel (--liger: its fused RMSNorm, RoPE, SwiGLU and linear + cross-entropy, patched into the
+model classes before the model is built, as axolotl's and LLaMA-Factory's switches do).
 
     python bench/reference/peft_bench.py --model bench/configs/llama-2-7b.json --seq-lens 4096,8192
 """
@@ -32,6 +35,8 @@ def main():
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--attn", default="sdpa")
     p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--liger", action="store_true",
+                   help="Liger-Kernel's fused RMSNorm, RoPE, SwiGLU and fused linear cross-entropy")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="write all results as a JSON array here")
     args = p.parse_args()
@@ -51,6 +56,13 @@ def main():
     dtype = getattr(torch, args.dtype)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
+
+    if args.liger:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN, _apply_liger_kernel
+        if config.model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+            sys.exit(f"error: Liger-Kernel has no kernels for model type {config.model_type}")
+        _apply_liger_kernel(config.model_type, rope=True, rms_norm=True, swiglu=True,
+                            cross_entropy=False, fused_linear_cross_entropy=True)
 
     torch.manual_seed(0)
     t0 = time.time()
@@ -74,7 +86,7 @@ def main():
     ran_out = False
     for seq_len in [int(s) for s in args.seq_lens.split(",") if s]:
         result = {"model": name, "method": args.method, "seq_len": seq_len, "checkpointing": args.checkpointing,
-                  "backend": f"torch {torch.__version__} {args.dtype} {args.attn}", "oom": False, "error": None,
+                  "backend": f"torch {torch.__version__} {args.dtype} {args.attn}" + (" liger" if args.liger else ""), "oom": False, "error": None,
                   "steps": args.steps, "trainable_params": trainable}
         if ran_out:
             result.update(oom=True, error="skipped: a shorter sequence already ran out of memory")
@@ -106,6 +118,7 @@ def main():
             result.update(step_time_s_median=median, step_times_s=times, tokens_per_s=seq_len / median)
             if cuda:
                 result.update(peak_gib=torch.cuda.max_memory_allocated() / 2**30, after_forward_gib=after_forward / 2**30,
+                              reserved_peak_gib=torch.cuda.max_memory_reserved() / 2**30,
                               mem_source="torch.cuda.max_memory_allocated")
         except torch.OutOfMemoryError as e:
             ran_out = True

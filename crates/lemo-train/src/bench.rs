@@ -26,11 +26,15 @@ use lemo_models::token_plan::TokenPlan;
 use lemo_sparsity::calibration::Block;
 
 /// Uniform random weights with the standard deviation of Hugging Face's N(0, 0.02) init, ones for
-/// norms, zeros for biases: fast enough to build a 7B model in seconds (xorshift, not a normal
-/// sampler); the values do not matter for time and memory.
+/// norms, zeros for biases: fast enough to build a 7B model in seconds (xorshift over chunks on
+/// every core, not a normal sampler); the values do not matter for time and memory.
 pub struct FastRandomWeights {
     pub seed: u64,
 }
+
+/// Values of one tensor drawn per chunk, each chunk from its own seed, so the chunks run in
+/// parallel and the values do not depend on the number of threads.
+const RANDOM_CHUNK: usize = 1 << 20;
 
 impl WeightSource for FastRandomWeights {
     fn fetch(&mut self, name: &str, shape: &[usize]) -> lemo_models::Result<Option<Vec<f32>>> {
@@ -41,18 +45,33 @@ impl WeightSource for FastRandomWeights {
         if name.contains("norm") && name.ends_with(".weight") {
             return Ok(Some(vec![1.0; count]));
         }
-        let mut state = crate::corpus::fnv1a(name.as_bytes(), self.seed | 1) | 1;
+        let tensor_seed = crate::corpus::fnv1a(name.as_bytes(), self.seed | 1);
         let half_width = 0.02 * 3f32.sqrt();
-        Ok(Some(
-            (0..count)
-                .map(|_| {
-                    state ^= state << 13;
-                    state ^= state >> 7;
-                    state ^= state << 17;
-                    ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * half_width
-                })
-                .collect(),
-        ))
+        let fill = |index: usize, chunk: &mut [f32]| {
+            let mut state = (tensor_seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1;
+            for value in chunk {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                *value = ((state >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * half_width;
+            }
+        };
+        let mut values = vec![0.0f32; count];
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let chunks: Vec<(usize, &mut [f32])> =
+            values.chunks_mut(RANDOM_CHUNK).enumerate().collect();
+        let per_thread = chunks.len().div_ceil(threads).max(1);
+        std::thread::scope(|scope| {
+            let mut chunks = chunks.into_iter();
+            loop {
+                let share: Vec<_> = chunks.by_ref().take(per_thread).collect();
+                if share.is_empty() {
+                    break;
+                }
+                scope.spawn(move || share.into_iter().for_each(|(i, c)| fill(i, c)));
+            }
+        });
+        Ok(Some(values))
     }
 }
 
