@@ -39,17 +39,8 @@ python3 - "$WORK" "$RESULTS" "$COMMIT" "$GPU" "$CONFIG" "$LABEL_A" "$LABEL_B" <<
 import glob, json, os, sys, datetime
 work, out, commit, gpu, config, label_a, label_b = sys.argv[1:8]
 commands = open(os.path.join(work, "commands.txt")).read().splitlines()
-def load(path):
-    try:
-        rows = json.load(open(path))
-        return rows[0] if rows else None
-    except (OSError, ValueError):
-        return None
-def peak(path):
-    try:
-        return int(open(path).read()) / 1024
-    except (OSError, ValueError):
-        return None
+sys.path.insert(0, "bench")
+from bench_files import device_peak_gib, first_result
 rows = []
 for a_path in sorted(glob.glob(os.path.join(work, "A-*.json"))):
     key = os.path.basename(a_path)[2:-5]
@@ -58,8 +49,8 @@ for a_path in sorted(glob.glob(os.path.join(work, "A-*.json"))):
            "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
            "commands": [c for c in commands if f"-{key}.json" in c]}
     for side, label in (("A", label_a), ("B", label_b)):
-        bench = load(os.path.join(work, f"{side}-{key}.json")) or {}
-        row[label] = {"device_peak_gib": peak(os.path.join(work, f"{side}-{key}.peak")),
+        bench = first_result(os.path.join(work, f"{side}-{key}.json")) or {}
+        row[label] = {"device_peak_gib": device_peak_gib(os.path.join(work, f"{side}-{key}.peak")),
                       "bench_device_peak_gib": bench.get("device_peak_gib"),
                       "live_peak_gib": bench.get("peak_gib"),
                       "step_time_s_median": bench.get("step_time_s_median"),

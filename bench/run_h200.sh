@@ -61,28 +61,19 @@ work, out, commit, dirty, gpu = sys.argv[1:6]
 rows = []
 commands = open(os.path.join(work, "commands.txt")).read().splitlines()
 date = datetime.datetime.now(datetime.timezone.utc).isoformat()
-def load(path):
-    try:
-        rows = json.load(open(path))
-        return rows[0] if rows else None
-    except (OSError, ValueError):
-        return None
-def device_peak(path):
-    try:
-        return int(open(path).read()) / 1024
-    except (OSError, ValueError):
-        return None
+sys.path.insert(0, "bench")
+from bench_files import device_peak_gib, first_result
 for ours_path in sorted(glob.glob(os.path.join(work, "ours-*.json"))):
     key = os.path.basename(ours_path)[len("ours-"):-len(".json")]
-    o = load(ours_path)
+    o = first_result(ours_path)
     if o is None:
         continue
-    o["device_peak_gib_nvidia_smi"] = device_peak(os.path.join(work, f"ours-{key}.peak"))
+    o["device_peak_gib_nvidia_smi"] = device_peak_gib(os.path.join(work, f"ours-{key}.peak"))
     refs = {}
     for ref in ("peft", "peft-liger"):
-        r = load(os.path.join(work, f"{ref}-{key}.json"))
+        r = first_result(os.path.join(work, f"{ref}-{key}.json"))
         if r is not None:
-            r["device_peak_gib_nvidia_smi"] = device_peak(os.path.join(work, f"{ref}-{key}.peak"))
+            r["device_peak_gib_nvidia_smi"] = device_peak_gib(os.path.join(work, f"{ref}-{key}.peak"))
         refs[ref.replace("-", "_")] = r
     def ratio(ref, k):
         a, b = o.get(k), (refs.get(ref) or {}).get(k)

@@ -42,23 +42,14 @@ GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,nohea
 import glob, json, os, sys, datetime
 work, out, commit, gpu, config, scores = sys.argv[1:7]
 commands = open(os.path.join(work, "commands.txt")).read().splitlines()
-def load(path):
-    try:
-        rows = json.load(open(path))
-        return rows[0] if rows else None
-    except (OSError, ValueError):
-        return None
-def peak(path):
-    try:
-        return int(open(path).read()) / 1024
-    except (OSError, ValueError):
-        return None
+sys.path.insert(0, "bench")
+from bench_files import device_peak_gib, first_result
 rows = []
 for ours_path in sorted(glob.glob(os.path.join(work, "ours-*.json"))):
     key = os.path.basename(ours_path)[len("ours-"):-len(".json")]
     length, ck = key.split("-")
-    ours, peft = load(ours_path), load(os.path.join(work, f"peft-{key}.json"))
-    ours_peak, peft_peak = peak(os.path.join(work, f"ours-{key}.peak")), peak(os.path.join(work, f"peft-{key}.peak"))
+    ours, peft = first_result(ours_path), first_result(os.path.join(work, f"peft-{key}.json"))
+    ours_peak, peft_peak = device_peak_gib(os.path.join(work, f"ours-{key}.peak")), device_peak_gib(os.path.join(work, f"peft-{key}.peak"))
     ratio = lambda a, b: a / b if a and b else None
     rows.append({
         "model": config, "seq_len": int(length), "checkpointing": ck == "1", "scores": scores,
