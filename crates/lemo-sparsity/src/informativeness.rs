@@ -34,6 +34,9 @@ pub fn attention<B: LemoBackend>(
     token_block_informativeness(block_scores(q, k, block_size))
 }
 
+/// Rows whose absolute activations are summed at once by [`mlp`].
+const ABS_SUM_ROWS: usize = 2048;
+
 /// MLP token-block informativeness from the MLP's intermediate activations of every token,
 /// `activations: [batch, seq, ffn]` (`silu(gate) * up` for Llama/Mistral, the ReLU output for
 /// OPT): the mean absolute activation over the block's tokens and channels. f32
@@ -41,11 +44,23 @@ pub fn attention<B: LemoBackend>(
 pub fn mlp<B: Backend>(activations: Tensor<B, 3>, block_size: usize) -> Tensor<B, 2> {
     let [batch, seq, ffn] = activations.dims();
     let blocks = seq.div_ceil(block_size);
-    let per_token = activations
-        .cast(burn::tensor::DType::F32)
-        .abs()
-        .sum_dim(2)
-        .reshape([batch, seq]);
+    // Each row's sum in f32, a slice of rows at a time: the f32 copy of the whole
+    // `[seq, ffn]` activation (1.4 GiB per layer for Llama-2-7B at 32K) is never held.
+    let per_token = Tensor::cat(
+        (0..seq)
+            .step_by(ABS_SUM_ROWS)
+            .map(|start| {
+                activations
+                    .clone()
+                    .slice([0..batch, start..(start + ABS_SUM_ROWS).min(seq), 0..ffn])
+                    .cast(burn::tensor::DType::F32)
+                    .abs()
+                    .sum_dim(2)
+            })
+            .collect(),
+        1,
+    )
+    .reshape([batch, seq]);
     let padded = blocks * block_size;
     let per_token = if padded > seq {
         per_token.pad((0, padded - seq, 0, 0), 0.0)
@@ -85,6 +100,35 @@ mod tests {
             columns,
             vec![(1.0 + 2.0 + 4.0) / 3.0, (3.0 + 5.0) / 2.0, 6.0]
         );
+    }
+
+    #[test]
+    fn mlp_scores_over_several_row_slices_are_the_block_means() {
+        // Two sequences crossing two slice boundaries, with a short last block.
+        let (batch, seq, ffn, block_size) = (2, 2 * ABS_SUM_ROWS + 5, 3, 64);
+        let values: Vec<f32> = (0..batch * seq * ffn)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+            .collect();
+        let activations = Tensor::<B, 1>::from_floats(values.as_slice(), &Default::default())
+            .reshape([batch, seq, ffn]);
+        let scores: Vec<f32> = mlp(activations, block_size).into_data().to_vec().unwrap();
+        let blocks = seq.div_ceil(block_size);
+        for b in 0..batch {
+            for n in 0..blocks {
+                let rows = n * block_size..((n + 1) * block_size).min(seq);
+                let count = (rows.len() * ffn) as f64;
+                let sum: f64 = rows
+                    .flat_map(|t| (0..ffn).map(move |c| (b * seq + t) * ffn + c))
+                    .map(|i| values[i].abs() as f64)
+                    .sum();
+                let expected = (sum / count) as f32;
+                let got = scores[b * blocks + n];
+                assert!(
+                    (got - expected).abs() <= 1e-5 * expected,
+                    "{b} {n}: {got} vs {expected}"
+                );
+            }
+        }
     }
 
     #[test]
