@@ -26,8 +26,8 @@ use lemo_models::token_plan::TokenPlan;
 use lemo_sparsity::calibration::Block;
 
 /// Uniform random weights with the standard deviation of Hugging Face's N(0, 0.02) init, ones for
-/// norms, zeros for biases: fast enough to build a 7B model in seconds (xorshift over chunks on
-/// every core, not a normal sampler); the values do not matter for time and memory.
+/// norms, zeros for biases, drawn fast (xorshift over chunks on every core, not a normal
+/// sampler); the values do not matter for time and memory.
 pub struct FastRandomWeights {
     pub seed: u64,
 }
