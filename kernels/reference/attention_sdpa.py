@@ -30,7 +30,9 @@ import torch.nn.functional as F
 PARITY_CASES = [
     # name, batch, q_heads, kv_heads, seq, head_dim, window, S2 group
     ("causal_h128", 1, 8, 8, 1000, 128, None, None),
+    ("causal_h128_s1024", 1, 8, 8, 1024, 128, None, None),
     ("gqa_batch2_h64", 2, 8, 2, 777, 64, None, None),
+    ("gqa_batch2_h64_s512", 2, 8, 2, 512, 64, None, None),
     ("window_gqa_h128", 1, 8, 4, 1200, 128, 256, None),
     ("s2_gqa_h128", 1, 8, 4, 1100, 128, None, 256),
 ]

@@ -105,6 +105,12 @@ where
         v: FloatTensor<Self>,
         options: AttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        #[cfg(feature = "cuda")]
+        if attention::flash_kernel() == attention::FlashKernel::Cudnn
+            && let Some(result) = attention::cudnn::try_forward(&q, &k, &v, &options)
+        {
+            return result;
+        }
         attention::flash::forward::<R, F, I, BT>(q, k, v, options)
     }
 
@@ -117,6 +123,13 @@ where
         grad_out: FloatTensor<Self>,
         options: AttentionOptions,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        #[cfg(feature = "cuda")]
+        if attention::flash_kernel() == attention::FlashKernel::Cudnn
+            && let Some(result) =
+                attention::cudnn::try_backward(&q, &k, &v, &out, &lse, &grad_out, &options)
+        {
+            return result;
+        }
         attention::flash::backward::<R, F, I, BT>(q, k, v, out, lse, grad_out, options)
     }
 

@@ -27,6 +27,8 @@ mod backend;
 pub mod block_scores;
 pub mod cache;
 pub mod compute;
+#[cfg(feature = "cuda")]
+mod cuda_interop;
 pub mod fused;
 pub mod gemm;
 pub mod known_value;

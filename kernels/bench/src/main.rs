@@ -80,6 +80,7 @@ fn parse_args() -> Args {
                     .map(|name| match name {
                         "plain" => FlashKernel::Plain,
                         "tensor-core" => FlashKernel::TensorCore,
+                        "cudnn" => FlashKernel::Cudnn,
                         other => panic!("--variants: unknown variant {other}"),
                     })
                     .collect()
@@ -108,6 +109,7 @@ fn variant_name<R: CubeRuntime>(
     head_dim: usize,
 ) -> &'static str {
     match variant {
+        FlashKernel::Cudnn => "cudnn",
         FlashKernel::TensorCore if tensor_core_supported(client, dtype, head_dim) => "tensor-core",
         _ => "plain",
     }

@@ -2,6 +2,8 @@
 //! entry points the models call.
 
 mod autodiff;
+#[cfg(feature = "cuda")]
+pub(crate) mod cudnn;
 pub(crate) mod flash;
 pub mod reference;
 

@@ -1,17 +1,6 @@
-//! cuBLASLt matrix products on buffers owned by cubecl (CUDA runtime only).
-//!
-//! cubecl does not expose its CUDA streams, so the products run on a stream of our own and are
-//! ordered with cubecl's work through context-wide events (CUDA 12.5+ drivers):
-//! `cuCtxRecordEvent` captures everything already submitted to the context (the kernels that
-//! wrote the operands, on whichever cubecl stream), our stream waits for it, and after the
-//! product `cuCtxWaitEvent` makes all work submitted to the context afterwards (the consumers of
-//! the output, and any kernel that reuses the operands' memory once they are dropped) wait for
-//! it. No host synchronization happens. The calls run on cubecl's device thread (through
-//! `ComputeClient::exclusive`), after every submission made before them, with its context
-//! current. Drivers without context events fall back to synchronizing the context around the
-//! product.
+//! cuBLASLt matrix products on buffers owned by cubecl (CUDA runtime only), on a
+//! [`SideStream`] ordered with cubecl's work by context-wide events: no host synchronization.
 
-use std::any::Any;
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Mutex;
@@ -26,6 +15,8 @@ use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys as lt_sys;
 use cudarc::driver::result as driver;
 use cudarc::driver::sys as driver_sys;
+
+use crate::cuda_interop::{SideStream, current_context, downcast};
 
 /// Workspace handed to cuBLASLt (NVIDIA recommends 32 MiB on Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
@@ -43,13 +34,6 @@ pub(crate) fn try_matmul<R: CubeRuntime>(
     let rhs = downcast::<_, CubeTensor<CudaRuntime>>(rhs.clone())?;
     let out = matmul_cuda(lhs, rhs)?;
     downcast::<_, CubeTensor<R>>(out)
-}
-
-fn downcast<A: 'static, T: 'static>(value: A) -> Option<T> {
-    (Box::new(value) as Box<dyn Any>)
-        .downcast::<T>()
-        .ok()
-        .map(|boxed| *boxed)
 }
 
 fn data_type(dtype: DType) -> Option<lt_sys::cudaDataType> {
@@ -138,14 +122,11 @@ struct Plan {
     algo: lt_sys::cublasLtMatmulAlgo_t,
 }
 
-/// Per-context state: handle, our stream, the two join events, the workspace and the plans.
+/// Per-context state: handle, side stream, workspace and plans.
 struct ContextState {
     handle: lt_sys::cublasLtHandle_t,
-    stream: driver_sys::CUstream,
-    inputs_ready: driver_sys::CUevent,
-    product_done: driver_sys::CUevent,
+    side: SideStream,
     workspace: driver_sys::CUdeviceptr,
-    context_events: bool,
     plans: HashMap<PlanKey, Plan>,
 }
 
@@ -257,9 +238,7 @@ fn matmul_cuda(
 
 /// Enqueues one product on our stream, between the two context-wide joins.
 fn run(key: PlanKey, lhs: u64, rhs: u64, out: u64) -> Result<(), String> {
-    let context = driver::ctx::get_current()
-        .map_err(|e| e.to_string())?
-        .ok_or("no CUDA context current on cubecl's device thread")?;
+    let context = current_context()?;
     let mut guard = STATES.lock().unwrap_or_else(|e| e.into_inner());
     let states = guard.get_or_insert_with(HashMap::new);
     let state = match states.entry(context as usize) {
@@ -276,7 +255,7 @@ fn run(key: PlanKey, lhs: u64, rhs: u64, out: u64) -> Result<(), String> {
     // SAFETY: the pointers are live cubecl buffers of the sizes the plan describes; the handle,
     // stream, events and workspace belong to the current context.
     unsafe {
-        state.join_inputs(context)?;
+        state.side.join_inputs(context)?;
         lt::matmul(
             state.handle,
             plan.desc,
@@ -293,68 +272,26 @@ fn run(key: PlanKey, lhs: u64, rhs: u64, out: u64) -> Result<(), String> {
             &plan.algo,
             state.workspace as *mut c_void,
             WORKSPACE_BYTES,
-            state.stream as lt_sys::cudaStream_t,
+            state.side.stream as lt_sys::cudaStream_t,
         )
         .map_err(|e| e.to_string())?;
-        state.join_output(context)
+        state.side.join_output(context)
     }
 }
 
 impl ContextState {
     fn new() -> Result<Self, String> {
         let handle = lt::create_handle().map_err(|e| e.to_string())?;
-        let stream = driver::stream::create(driver::stream::StreamKind::NonBlocking)
-            .map_err(|e| e.to_string())?;
-        let event = || {
-            driver::event::create(driver_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map_err(|e| e.to_string())
-        };
-        let (inputs_ready, product_done) = (event()?, event()?);
+        let side = SideStream::new()?;
         // SAFETY: plain device allocation in the current context, never freed (one per context).
         let workspace =
             unsafe { driver::malloc_sync(WORKSPACE_BYTES) }.map_err(|e| e.to_string())?;
         Ok(Self {
             handle,
-            stream,
-            inputs_ready,
-            product_done,
+            side,
             workspace,
-            context_events: true,
             plans: HashMap::new(),
         })
-    }
-
-    /// Our stream waits for all work submitted to the context so far.
-    unsafe fn join_inputs(&mut self, context: driver_sys::CUcontext) -> Result<(), String> {
-        unsafe {
-            if self.context_events {
-                match driver_sys::cuCtxRecordEvent(context, self.inputs_ready).result() {
-                    Ok(()) => {
-                        return driver::stream::wait_event(
-                            self.stream,
-                            self.inputs_ready,
-                            driver_sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-                        )
-                        .map_err(|e| e.to_string());
-                    }
-                    Err(_) => self.context_events = false,
-                }
-            }
-            driver::ctx::synchronize().map_err(|e| e.to_string())
-        }
-    }
-
-    /// All work submitted to the context from now on waits for our stream.
-    unsafe fn join_output(&mut self, context: driver_sys::CUcontext) -> Result<(), String> {
-        unsafe {
-            if self.context_events {
-                driver::event::record(self.product_done, self.stream).map_err(|e| e.to_string())?;
-                return driver_sys::cuCtxWaitEvent(context, self.product_done)
-                    .result()
-                    .map_err(|e| e.to_string());
-            }
-            driver::stream::synchronize(self.stream).map_err(|e| e.to_string())
-        }
     }
 }
 

@@ -370,7 +370,7 @@ fn flash_backward_q_kernel<F: Float>(
 }
 
 /// Attention backward from the saved `logsumexp`, FlashAttention-2 style, in three launches
-/// (the last two on the tensor cores where [`FlashKernel::TensorCore`] is chosen and applies):
+/// (the last two on the tensor cores unless [`FlashKernel::Plain`] is chosen, where they apply):
 /// `delta = rowsum(dO * O)`; dK/dV per key tile (looping over the query tiles and the GQA query
 /// heads that see it, so no atomics); dQ per query tile (looping over its visible key tiles).
 /// Scores are recomputed in both of the last two, 7 instead of 5 tile matmuls, in exchange for
@@ -422,7 +422,7 @@ where
         dtype.into(),
     );
 
-    if flash_kernel() == FlashKernel::TensorCore && mma::supports(&client, dtype, head_dim) {
+    if flash_kernel() != FlashKernel::Plain && mma::supports(&client, dtype, head_dim) {
         let tensors = BackwardTensors {
             q,
             k,

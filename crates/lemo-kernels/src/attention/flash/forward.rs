@@ -192,7 +192,7 @@ where
         return (out, lse);
     }
 
-    if flash_kernel() == FlashKernel::TensorCore && mma::supports(&q.client, q.dtype, head_dim) {
+    if flash_kernel() != FlashKernel::Plain && mma::supports(&q.client, q.dtype, head_dim) {
         mma::launch_forward(
             q,
             k,

@@ -24,22 +24,25 @@ pub(crate) use backward::backward;
 pub(crate) use forward::forward;
 pub use mma::supports as tensor_core_supported;
 
-/// Which attention kernels (forward and backward) the CubeCL backends run where both apply
-/// (16-bit inputs, head dim 64 or 128, a CUDA device with `mma.sync m16n8k16` and `ldmatrix`).
+/// Which attention kernels (forward and backward) the CubeCL backends run. Each choice falls
+/// back to the next where it does not apply: cuDNN (CUDA, 16-bit, plain causal masks, the library
+/// present), then the tensor-core kernels (16-bit inputs, head dim 64 or 128, a CUDA device with
+/// `mma.sync m16n8k16` and `ldmatrix`), then the plain ones.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlashKernel {
     /// The plain tiled kernel (f32 arithmetic), the reference implementation.
     Plain,
     /// Register-level tensor-core matmuls (`mma.sync`), f32 softmax and accumulation.
     TensorCore,
+    /// cuDNN's fused flash attention (see `attention::cudnn`).
+    Cudnn,
 }
 
 /// 0: not chosen yet (read `LEMO_FLASH_KERNEL` on first use), else `FlashKernel as u8 + 1`.
 static FLASH_KERNEL: AtomicU8 = AtomicU8::new(0);
 
 /// Chooses the attention kernels for the whole process (default: the `LEMO_FLASH_KERNEL`
-/// environment variable, `plain` or `tensor-core`, else the tensor-core kernels wherever they
-/// apply).
+/// environment variable, `plain`, `tensor-core` or `cudnn`, else cuDNN wherever it applies).
 pub fn set_flash_kernel(kernel: FlashKernel) {
     FLASH_KERNEL.store(kernel as u8 + 1, Ordering::Relaxed);
 }
@@ -48,10 +51,12 @@ pub fn flash_kernel() -> FlashKernel {
     match FLASH_KERNEL.load(Ordering::Relaxed) {
         1 => FlashKernel::Plain,
         2 => FlashKernel::TensorCore,
+        3 => FlashKernel::Cudnn,
         _ => {
             let kernel = match std::env::var("LEMO_FLASH_KERNEL").as_deref() {
                 Ok("plain") => FlashKernel::Plain,
-                _ => FlashKernel::TensorCore,
+                Ok("tensor-core") => FlashKernel::TensorCore,
+                _ => FlashKernel::Cudnn,
             };
             set_flash_kernel(kernel);
             kernel
