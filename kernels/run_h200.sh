@@ -10,7 +10,7 @@
 # Environment:
 #   SEQS=4096,16384,65536    sequence lengths
 #   KV_HEADS=32,8            key/value heads per timed shape (32 query heads): MHA and GQA 32/8
-#   VARIANTS="plain tensor-core"   our kernel variants, one process each
+#   VARIANTS="cudnn tensor-core plain"   our kernel variants, one process each
 #   VARIANT_TIMEOUT=240      seconds per variant process (the plain kernels at 64K take minutes)
 #   COMMIT, PYTHON, OUT      commit stamped on the results, interpreter, folder to copy them to
 set -euo pipefail
@@ -19,7 +19,7 @@ cd "$(dirname "$0")/.."
 BENCH="${1:-target/release/attention_bench}"
 SEQS="${SEQS:-4096,16384,65536}"
 KV_HEADS="${KV_HEADS:-32,8}"
-VARIANTS="${VARIANTS:-plain tensor-core}"
+VARIANTS="${VARIANTS:-cudnn tensor-core plain}"
 PYTHON="${PYTHON:-python3}"
 RESULTS=kernels/results
 PARITY_DIR="$(mktemp -d)"
