@@ -8,6 +8,7 @@
 
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
+use lemo_kernels::attention::FUSED_ATTENTION_LENGTH_MULTIPLE;
 use lemo_predictor::Predictors;
 use lemo_predictor::scorer::block_token_rows;
 use lemo_sparsity::calibration::Block;
@@ -251,12 +252,13 @@ impl<'a> TokenSparsity<'a> {
                 let kept = threshold.map(|t| {
                     let per_sequence: Vec<&[f32]> =
                         values.chunks(blocks.max(1)).take(batch).collect();
-                    KeptRows::from_block_scores(
+                    KeptRows::from_block_scores_aligned(
                         &per_sequence,
                         block_size,
                         seq,
                         t,
                         thresholds.min_keep,
+                        FUSED_ATTENTION_LENGTH_MULTIPLE,
                     )
                 });
                 if *record != Record::Nothing {

@@ -59,6 +59,22 @@ impl KeptRows {
         threshold: f32,
         min_keep: f32,
     ) -> Self {
+        Self::from_block_scores_aligned(scores, block_size, seq, threshold, min_keep, 1)
+    }
+
+    /// [`Self::from_block_scores`], with the kept row count then topped up (by each sequence's
+    /// best remaining blocks) to the next multiple of `row_multiple` the sequence allows: fused
+    /// attention kernels take only some lengths (cuDNN's: multiples of 128), and one more block
+    /// costs less than falling back to a slower kernel. The count stays as selected where no
+    /// larger count is a multiple.
+    pub fn from_block_scores_aligned(
+        scores: &[&[f32]],
+        block_size: usize,
+        seq: usize,
+        threshold: f32,
+        min_keep: f32,
+        row_multiple: usize,
+    ) -> Self {
         let blocks = seq.div_ceil(block_size);
         let floor = ((min_keep.clamp(0.0, 1.0) * blocks as f32).ceil() as usize).min(blocks);
         let mut chosen: Vec<Vec<usize>> = scores
@@ -76,6 +92,7 @@ impl KeptRows {
             })
             .collect();
         let most = chosen.iter().map(Vec::len).max().unwrap_or(0);
+        let most = aligned_block_count(most, block_size, seq, row_multiple);
         for (kept, s) in chosen.iter_mut().zip(scores) {
             top_up(kept, s, most);
         }
@@ -129,6 +146,19 @@ fn top_up(kept: &mut Vec<usize>, scores: &[f32], count: usize) {
     kept.sort_unstable();
 }
 
+/// The least block count from `count` whose rows are a multiple of `row_multiple` (the last
+/// block, always kept, may be short), or `count` when none is.
+fn aligned_block_count(count: usize, block_size: usize, seq: usize, row_multiple: usize) -> usize {
+    let blocks = seq.div_ceil(block_size);
+    if row_multiple <= 1 || count == 0 {
+        return count;
+    }
+    let last = seq - (blocks - 1) * block_size;
+    (count..=blocks)
+        .find(|&n| ((n - 1) * block_size + last).is_multiple_of(row_multiple))
+        .unwrap_or(count)
+}
+
 /// Positions of `blocks` of `block_size` tokens in a sequence of `seq` (the last may be short).
 pub fn block_rows(blocks: &[usize], block_size: usize, seq: usize) -> Vec<u32> {
     blocks
@@ -167,6 +197,24 @@ mod tests {
         let kept = KeptRows::from_block_scores(&[second], 2, 12, f32::INFINITY, 0.5);
         assert_eq!(kept.rows, vec![0, 1, 8, 9, 10, 11]);
         assert!((kept.fraction() - 0.5).abs() < 1e-12);
+    }
+
+    #[test]
+    fn aligned_selection_adds_the_best_blocks_up_to_a_row_multiple() {
+        // 8 blocks of 64 rows: the threshold keeps {0, 3, 7} (192 rows); aligned to 128 rows the
+        // best remaining block (5) joins; unaligned, or where no larger count fits, nothing does.
+        let scores: &[f32] = &[0.0, 0.1, 0.2, 9.0, 0.3, 0.5, 0.4, 0.0];
+        let blocks_of = |kept: &KeptRows| -> Vec<u32> {
+            kept.rows.chunks(64).map(|rows| rows[0] / 64).collect()
+        };
+        let aligned = KeptRows::from_block_scores_aligned(&[scores], 64, 512, 2.0, 0.0, 128);
+        assert_eq!(aligned.kept, 256);
+        assert_eq!(blocks_of(&aligned), vec![0, 3, 5, 7]);
+        let plain = KeptRows::from_block_scores(&[scores], 64, 512, 2.0, 0.0);
+        assert_eq!(blocks_of(&plain), vec![0, 3, 7]);
+        // 500 rows (the last block 52): no count of kept blocks reaches a multiple of 128.
+        let short = KeptRows::from_block_scores_aligned(&[scores], 64, 500, 2.0, 0.0, 128);
+        assert_eq!(short.kept, 2 * 64 + 52);
     }
 
     #[test]

@@ -13,6 +13,11 @@ use burn::tensor::{Tensor, TensorPrimitive};
 
 use crate::LemoBackend;
 
+/// Sequence lengths the fused attention path (cuDNN on CUDA) takes are multiples of this; others
+/// run on the CubeCL kernels (slower on Hopper), so token-sparse blocks round their kept rows up
+/// to it where they can.
+pub const FUSED_ATTENTION_LENGTH_MULTIPLE: usize = 128;
+
 /// Which keys each query may attend to, beyond plain causality.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttentionOptions {

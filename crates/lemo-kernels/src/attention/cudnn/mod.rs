@@ -62,7 +62,7 @@ fn applies(
         && options.sliding_window.is_none()
         && options.shifted_group.is_none()
         && q.meta.shape()[2] == k.meta.shape()[2]
-        && q.meta.shape()[2].is_multiple_of(128)
+        && q.meta.shape()[2].is_multiple_of(super::FUSED_ATTENTION_LENGTH_MULTIPLE)
         && head_dim.is_multiple_of(8)
         && head_dim <= 128
         && library_usable()
