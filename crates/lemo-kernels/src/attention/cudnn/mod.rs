@@ -75,8 +75,11 @@ fn data_type(dtype: DType) -> DataType {
     }
 }
 
+/// A tensor with the dims and strides cuDNN is given.
+type Operand = (CubeTensor<CudaRuntime>, [i64; 4], [i64; 4]);
+
 /// A tensor as cuDNN reads it: dims, strides (unit stride on the head dim, else made contiguous).
-fn operand(tensor: CubeTensor<CudaRuntime>) -> (CubeTensor<CudaRuntime>, [i64; 4], [i64; 4]) {
+fn operand(tensor: CubeTensor<CudaRuntime>) -> Operand {
     let tensor = if tensor.meta.strides()[3] == 1 {
         tensor
     } else {
@@ -100,6 +103,18 @@ fn empty(like: &CubeTensor<CudaRuntime>, dims: &[usize], dtype: DType) -> CubeTe
     )
 }
 
+/// `q, k, v` as cuDNN reads them, or `None` where cuDNN does not take them.
+fn operands<R: CubeRuntime>(
+    q: &CubeTensor<R>,
+    k: &CubeTensor<R>,
+    v: &CubeTensor<R>,
+    options: &AttentionOptions,
+) -> Option<[Operand; 3]> {
+    let [q, k, v] = [q, k, v].map(|t| downcast::<_, CubeTensor<CudaRuntime>>(t.clone()));
+    let (q, k, v) = (q?, k?, v?);
+    applies(&q, &k, options).then(|| [operand(q), operand(k), operand(v)])
+}
+
 /// Forward: `(out, lse)` as [`crate::attention::attention_with_lse`], or `None` where cuDNN does
 /// not apply (the caller runs the CubeCL kernels).
 pub(crate) fn try_forward<R: CubeRuntime>(
@@ -108,15 +123,11 @@ pub(crate) fn try_forward<R: CubeRuntime>(
     v: &CubeTensor<R>,
     options: &AttentionOptions,
 ) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
-    let q = downcast::<_, CubeTensor<CudaRuntime>>(q.clone())?;
-    let k = downcast::<_, CubeTensor<CudaRuntime>>(k.clone())?;
-    let v = downcast::<_, CubeTensor<CudaRuntime>>(v.clone())?;
-    if !applies(&q, &k, options) {
-        return None;
-    }
-    let (q, q_dims, q_strides) = operand(q);
-    let (k, k_dims, k_strides) = operand(k);
-    let (v, _, v_strides) = operand(v);
+    let [
+        (q, q_dims, q_strides),
+        (k, k_dims, k_strides),
+        (v, _, v_strides),
+    ] = operands(q, k, v, options)?;
     let [batch, q_heads, len, head_dim] = q_dims.map(|d| d as usize);
     let out = empty(&q, &[batch, q_heads, len, head_dim], q.dtype);
     let lse = empty(&q, &[batch, q_heads, len], DType::F32);
@@ -151,12 +162,14 @@ pub(crate) fn try_backward<R: CubeRuntime>(
     grad_out: &CubeTensor<R>,
     options: &AttentionOptions,
 ) -> Option<(CubeTensor<R>, CubeTensor<R>, CubeTensor<R>)> {
-    let q = downcast::<_, CubeTensor<CudaRuntime>>(q.clone())?;
-    let k = downcast::<_, CubeTensor<CudaRuntime>>(k.clone())?;
-    let v = downcast::<_, CubeTensor<CudaRuntime>>(v.clone())?;
-    if !applies(&q, &k, options) || lse.dtype != DType::F32 {
+    if lse.dtype != DType::F32 {
         return None;
     }
+    let [
+        (q, q_dims, q_strides),
+        (k, k_dims, k_strides),
+        (v, _, v_strides),
+    ] = operands(q, k, v, options)?;
     let dtype = q.dtype;
     let as_dtype = |t: &CubeTensor<R>| {
         let t = downcast::<_, CubeTensor<CudaRuntime>>(t.clone())?;
@@ -168,9 +181,6 @@ pub(crate) fn try_backward<R: CubeRuntime>(
     };
     let (out, grad_out) = (as_dtype(out)?, as_dtype(grad_out)?);
     let lse = into_contiguous(downcast::<_, CubeTensor<CudaRuntime>>(lse.clone())?);
-    let (q, q_dims, q_strides) = operand(q);
-    let (k, k_dims, k_strides) = operand(k);
-    let (v, _, v_strides) = operand(v);
     let (out, _, out_strides) = operand(out);
     let (grad_out, _, grad_out_strides) = operand(grad_out);
     let [batch, q_heads, len, head_dim] = q_dims.map(|d| d as usize);
