@@ -14,7 +14,6 @@ use super::descriptor::{Descriptor, check};
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct TensorId {
     pub uid: i64,
-    index: usize,
     pub dims: [i64; 4],
 }
 
@@ -52,15 +51,11 @@ impl GraphBuilder {
         }
         tensor.finalize()?;
         self.tensors.push(tensor);
-        Ok(TensorId {
-            uid,
-            index: self.tensors.len() - 1,
-            dims,
-        })
+        Ok(TensorId { uid, dims })
     }
 
-    /// A tensor the caller binds memory to, with the given strides.
-    pub fn input(
+    /// A tensor the caller binds memory to (an input or an output), with the given strides.
+    pub fn bound(
         &mut self,
         dims: [i64; 4],
         strides: [i64; 4],
@@ -93,6 +88,33 @@ impl GraphBuilder {
         self.tensor(dims, strides, data_type, true, false)
     }
 
+    /// The descriptor of a tensor of this graph (uids count from 1 in creation order).
+    fn tensor_descriptor(&self, tensor: TensorId) -> &Descriptor {
+        &self.tensors[tensor.uid as usize - 1]
+    }
+
+    /// An operation of `kind` reading and writing `tensors` and with the node `descriptor`
+    /// (`None`: the kind has none), with `extra` attributes set before it is finalized and added.
+    fn operation(
+        &mut self,
+        kind: Kind,
+        tensors: &[(Attribute, TensorId)],
+        descriptor: Option<(Attribute, Descriptor)>,
+        extra: impl FnOnce(&mut Descriptor) -> Result<(), String>,
+    ) -> Result<(), String> {
+        let mut operation = Descriptor::new(kind)?;
+        for &(attribute, tensor) in tensors {
+            operation.descriptor(attribute, self.tensor_descriptor(tensor))?;
+        }
+        if let Some((attribute, node)) = &descriptor {
+            operation.descriptor(*attribute, node)?;
+        }
+        extra(&mut operation)?;
+        operation.finalize()?;
+        self.operations.push(operation);
+        Ok(())
+    }
+
     /// `c = a b` over the last two dims, batched over the first two (f32 accumulation).
     pub fn matmul(&mut self, a: TensorId, b: TensorId, c: TensorId) -> Result<(), String> {
         let mut matmul = Descriptor::new(Kind::CUDNN_BACKEND_MATMUL_DESCRIPTOR)?;
@@ -101,24 +123,16 @@ impl GraphBuilder {
             DataType::CUDNN_DATA_FLOAT,
         )?;
         matmul.finalize()?;
-        let mut operation = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR)?;
-        operation
-            .descriptor(
-                Attribute::CUDNN_ATTR_OPERATION_MATMUL_ADESC,
-                &self.tensors[a.index],
-            )?
-            .descriptor(
-                Attribute::CUDNN_ATTR_OPERATION_MATMUL_BDESC,
-                &self.tensors[b.index],
-            )?
-            .descriptor(
-                Attribute::CUDNN_ATTR_OPERATION_MATMUL_CDESC,
-                &self.tensors[c.index],
-            )?
-            .descriptor(Attribute::CUDNN_ATTR_OPERATION_MATMUL_DESC, &matmul)?;
-        operation.finalize()?;
-        self.operations.push(operation);
-        Ok(())
+        self.operation(
+            Kind::CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR,
+            &[
+                (Attribute::CUDNN_ATTR_OPERATION_MATMUL_ADESC, a),
+                (Attribute::CUDNN_ATTR_OPERATION_MATMUL_BDESC, b),
+                (Attribute::CUDNN_ATTR_OPERATION_MATMUL_CDESC, c),
+            ],
+            Some((Attribute::CUDNN_ATTR_OPERATION_MATMUL_DESC, matmul)),
+            |_| Ok(()),
+        )
     }
 
     /// `y = mode(x[, b][, t])` element-wise with broadcasting, computed in `precision` (f32, or
@@ -142,38 +156,24 @@ impl GraphBuilder {
             pointwise.int64(Attribute::CUDNN_ATTR_POINTWISE_AXIS, axis)?;
         }
         pointwise.finalize()?;
-        let mut operation = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR)?;
-        operation
-            .descriptor(
+        let mut tensors = vec![(Attribute::CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x)];
+        tensors.extend(b.map(|b| (Attribute::CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b)));
+        tensors.extend(t.map(|t| (Attribute::CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t)));
+        tensors.push((Attribute::CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y));
+        self.operation(
+            Kind::CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR,
+            &tensors,
+            Some((
                 Attribute::CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR,
-                &pointwise,
-            )?
-            .descriptor(
-                Attribute::CUDNN_ATTR_OPERATION_POINTWISE_XDESC,
-                &self.tensors[x.index],
-            )?;
-        if let Some(b) = b {
-            operation.descriptor(
-                Attribute::CUDNN_ATTR_OPERATION_POINTWISE_BDESC,
-                &self.tensors[b.index],
-            )?;
-        }
-        if let Some(t) = t {
-            operation.descriptor(
-                Attribute::CUDNN_ATTR_OPERATION_POINTWISE_TDESC,
-                &self.tensors[t.index],
-            )?;
-        }
-        operation
-            .descriptor(
-                Attribute::CUDNN_ATTR_OPERATION_POINTWISE_YDESC,
-                &self.tensors[y.index],
-            )?
-            .float(Attribute::CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, 1.0)?
-            .float(Attribute::CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, 1.0)?;
-        operation.finalize()?;
-        self.operations.push(operation);
-        Ok(())
+                pointwise,
+            )),
+            |operation| {
+                operation
+                    .float(Attribute::CUDNN_ATTR_OPERATION_POINTWISE_ALPHA1, 1.0)?
+                    .float(Attribute::CUDNN_ATTR_OPERATION_POINTWISE_ALPHA2, 1.0)?;
+                Ok(())
+            },
+        )
     }
 
     /// `y = mode(x)`.
@@ -244,19 +244,15 @@ impl GraphBuilder {
 
     /// `y`: `x` seen through `y`'s dims, strides and dtype (a transposed view, a cast).
     pub fn reshape(&mut self, x: TensorId, y: TensorId) -> Result<(), String> {
-        let mut operation = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR)?;
-        operation
-            .descriptor(
-                Attribute::CUDNN_ATTR_OPERATION_RESHAPE_XDESC,
-                &self.tensors[x.index],
-            )?
-            .descriptor(
-                Attribute::CUDNN_ATTR_OPERATION_RESHAPE_YDESC,
-                &self.tensors[y.index],
-            )?;
-        operation.finalize()?;
-        self.operations.push(operation);
-        Ok(())
+        self.operation(
+            Kind::CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR,
+            &[
+                (Attribute::CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x),
+                (Attribute::CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y),
+            ],
+            None,
+            |_| Ok(()),
+        )
     }
 
     /// `y = reduce(x)` over the dims where `y` has extent 1 (f32).
@@ -272,20 +268,15 @@ impl GraphBuilder {
             DataType::CUDNN_DATA_FLOAT,
         )?;
         reduction.finalize()?;
-        let mut operation = Descriptor::new(Kind::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR)?;
-        operation
-            .descriptor(
-                Attribute::CUDNN_ATTR_OPERATION_REDUCTION_XDESC,
-                &self.tensors[x.index],
-            )?
-            .descriptor(
-                Attribute::CUDNN_ATTR_OPERATION_REDUCTION_YDESC,
-                &self.tensors[y.index],
-            )?
-            .descriptor(Attribute::CUDNN_ATTR_OPERATION_REDUCTION_DESC, &reduction)?;
-        operation.finalize()?;
-        self.operations.push(operation);
-        Ok(())
+        self.operation(
+            Kind::CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR,
+            &[
+                (Attribute::CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x),
+                (Attribute::CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y),
+            ],
+            Some((Attribute::CUDNN_ATTR_OPERATION_REDUCTION_DESC, reduction)),
+            |_| Ok(()),
+        )
     }
 
     /// The graph's execution plan: the first engine configuration cuDNN's heuristics offer that

@@ -86,12 +86,8 @@ fn operand(tensor: CubeTensor<CudaRuntime>) -> Operand {
         into_contiguous(tensor)
     };
     let dims: [usize; 4] = tensor.meta.shape().dims();
-    let strides = tensor.meta.strides();
-    (
-        tensor.clone(),
-        dims.map(|d| d as i64),
-        [0, 1, 2, 3].map(|i| strides[i] as i64),
-    )
+    let strides: [i64; 4] = [0, 1, 2, 3].map(|i| tensor.meta.strides()[i] as i64);
+    (tensor, dims.map(|d| d as i64), strides)
 }
 
 fn empty(like: &CubeTensor<CudaRuntime>, dims: &[usize], dtype: DType) -> CubeTensor<CudaRuntime> {

@@ -93,9 +93,9 @@ fn inputs(graph: &mut GraphBuilder, key: &GraphKey) -> Result<(Inputs, [i64; 4])
     let dtype = data_type(key.dtype);
     let [batch, _, len, head_dim] = key.q_dims;
     let kv_dims = [batch, key.kv_heads, len, head_dim];
-    let q = graph.input(key.q_dims, key.strides[0], dtype)?;
+    let q = graph.bound(key.q_dims, key.strides[0], dtype)?;
     let (kt_dims, kt_strides) = transposed(kv_dims, key.strides[1]);
-    let k_transposed = graph.input(kt_dims, kt_strides, dtype)?;
+    let k_transposed = graph.bound(kt_dims, kt_strides, dtype)?;
     let scale = graph.scalar(FLOAT)?;
     let hidden = graph.scalar(FLOAT)?;
     Ok((
@@ -122,7 +122,7 @@ fn forward_graph(handle: sys::cudnnHandle_t, key: &GraphKey) -> Result<Attention
     let mut graph = GraphBuilder::default();
     let dtype = data_type(key.dtype);
     let (inputs, kv_dims) = inputs(&mut graph, key)?;
-    let v = graph.input(kv_dims, key.strides[2], dtype)?;
+    let v = graph.bound(kv_dims, key.strides[2], dtype)?;
     let scores = scaled_scores(&mut graph, inputs.q, inputs.k_transposed, inputs.scale)?;
     let masked = causal(&mut graph, scores, inputs.hidden)?;
 
@@ -146,7 +146,7 @@ fn forward_graph(handle: sys::cudnnHandle_t, key: &GraphKey) -> Result<Attention
     )?;
     let log_sum = graph.intermediate(row_dims, FLOAT)?;
     graph.unary(Pointwise::CUDNN_POINTWISE_LOG, sum, log_sum)?;
-    let lse = graph.input(row_dims, contiguous(row_dims), FLOAT)?;
+    let lse = graph.bound(row_dims, contiguous(row_dims), FLOAT)?;
     graph.binary(Pointwise::CUDNN_POINTWISE_ADD, max, log_sum, lse)?;
     // The second product's left operand must have the inputs' dtype.
     let probabilities = graph.intermediate(masked.dims, dtype)?;
@@ -156,7 +156,7 @@ fn forward_graph(handle: sys::cudnnHandle_t, key: &GraphKey) -> Result<Attention
         sum,
         probabilities,
     )?;
-    let out = graph.input(key.q_dims, key.strides[3], dtype)?;
+    let out = graph.bound(key.q_dims, key.strides[3], dtype)?;
     graph.matmul(probabilities, v, out)?;
 
     Ok(AttentionGraph {
@@ -183,17 +183,17 @@ fn backward_graph(handle: sys::cudnnHandle_t, key: &GraphKey) -> Result<Attentio
     let (inputs, kv_dims) = inputs(&mut graph, key)?;
     let [batch, q_heads, len, head_dim] = key.q_dims;
     let (vt_dims, vt_strides) = transposed(kv_dims, key.strides[2]);
-    let v_transposed = graph.input(vt_dims, vt_strides, dtype)?;
-    let out = graph.input(key.q_dims, key.strides[3], dtype)?;
-    let grad_out = graph.input(key.q_dims, key.strides[4], dtype)?;
+    let v_transposed = graph.bound(vt_dims, vt_strides, dtype)?;
+    let out = graph.bound(key.q_dims, key.strides[3], dtype)?;
+    let grad_out = graph.bound(key.q_dims, key.strides[4], dtype)?;
     let row_dims = [batch, q_heads, len, 1];
-    let lse = graph.input(row_dims, contiguous(row_dims), FLOAT)?;
-    let grad_q = graph.input(key.q_dims, contiguous(key.q_dims), dtype)?;
-    let grad_k = graph.input(kv_dims, contiguous(kv_dims), dtype)?;
-    let grad_v = graph.input(kv_dims, contiguous(kv_dims), dtype)?;
+    let lse = graph.bound(row_dims, contiguous(row_dims), FLOAT)?;
+    let grad_q = graph.bound(key.q_dims, contiguous(key.q_dims), dtype)?;
+    let grad_k = graph.bound(kv_dims, contiguous(kv_dims), dtype)?;
+    let grad_v = graph.bound(kv_dims, contiguous(kv_dims), dtype)?;
     let one = graph.scalar(FLOAT)?;
-    let softmax_sum = graph.input(row_dims, contiguous(row_dims), FLOAT)?;
-    let dq_accum = graph.input(key.q_dims, contiguous(key.q_dims), FLOAT)?;
+    let softmax_sum = graph.bound(row_dims, contiguous(row_dims), FLOAT)?;
+    let dq_accum = graph.bound(key.q_dims, contiguous(key.q_dims), FLOAT)?;
 
     // D = rowsum(dO * O), through the (dropout) scale of one the engine's pattern expects.
     let products = graph.intermediate(key.q_dims, FLOAT)?;
