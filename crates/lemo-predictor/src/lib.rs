@@ -14,13 +14,15 @@
 //! The query and key predictors ([`scorer::Scorer`]) are three low-rank maps with ReLU between
 //! them, giving each token's log-score from its RMS-normalized row, pooled per token block
 //! (log of the mean score). Both kinds are trained offline on the frozen model's exact scores
-//! ([`training`]), pruned while their recall of the exactly kept blocks holds (elastic size
-//! transformation), and saved as safetensors with a JSON header ([`file`]).
+//! ([`training`]; the scorers of every layer at once, [`stacked`]), pruned while their recall
+//! of the exactly kept blocks holds (elastic size transformation), and saved as safetensors
+//! with a JSON header ([`file`]).
 
 pub mod file;
 pub mod predictor;
 pub mod scorer;
 pub mod sketch;
+pub mod stacked;
 pub mod training;
 
 pub use file::{Predictors, PredictorsError, PredictorsHeader};

@@ -93,10 +93,7 @@ impl<B: Backend> Scorer<B> {
     pub fn forward(&self, rows: Tensor<B, 4>) -> Tensor<B, 2> {
         let [batch, blocks, tokens, _] = rows.dims();
         let (_, _, out) = self.forward_with_activations(rows);
-        let per_token = out.reshape([batch, blocks, tokens]);
-        let largest = per_token.clone().max_dim(2).detach();
-        let log_sum = (per_token - largest.clone()).exp().sum_dim(2).log() + largest;
-        log_sum.reshape([batch, blocks]) - (tokens as f32).ln()
+        log_mean_exp_over_tokens(out.reshape([batch, blocks, tokens]))
     }
 
     /// Widths of the two hidden layers.
@@ -139,6 +136,15 @@ impl<B: Backend> Scorer<B> {
         );
         Self { first, second, out }
     }
+}
+
+/// `log mean_t exp(s_t)` over the last dimension of per-token log-scores `[batch, blocks,
+/// tokens]`, stably: `[batch, blocks]`.
+pub(crate) fn log_mean_exp_over_tokens<B: Backend>(per_token: Tensor<B, 3>) -> Tensor<B, 2> {
+    let [batch, blocks, tokens] = per_token.dims();
+    let largest = per_token.clone().max_dim(2).detach();
+    let log_sum = (per_token - largest.clone()).exp().sum_dim(2).log() + largest;
+    log_sum.reshape([batch, blocks]) - (tokens as f32).ln()
 }
 
 /// The RMS-normalized rows of `x: [batch, seq, hidden]` grouped by token block, f32

@@ -12,10 +12,12 @@ use lemo_kernels::LemoBackend;
 use lemo_models::CausalLm;
 use lemo_models::token_plan::{Record, TokenSparsity};
 use lemo_predictor::predictor::{DEFAULT_MLP_CHANNELS, DEFAULT_RANK};
+use lemo_predictor::stacked::{max_attention_epochs, train_attention_layers};
 use lemo_predictor::training::{
-    BlockSamples, Recall, Selection, TrainOptions, initial_sketch, recall, train_block,
+    BlockSamples, Recall, Selection, TrainOptions, TrainedBlock, initial_sketch, recall,
+    train_mlp_block,
 };
-use lemo_predictor::{BlockPredictor, LayerPredictors, Predictors, PredictorsHeader};
+use lemo_predictor::{LayerPredictors, Predictors, PredictorsHeader};
 use lemo_sparsity::Thresholds;
 use lemo_sparsity::calibration::Block;
 
@@ -230,48 +232,82 @@ pub fn train_predictors<B: LemoBackend>(
     let device = model.lm_head_weight().device();
     let mut header = PredictorsHeader::new(thresholds.clone(), args.rank);
     header.model = name;
+    let selection = |layer: usize, block: Block| {
+        threshold(&thresholds, layer, block).map(|threshold| Selection {
+            threshold,
+            min_keep: thresholds.min_keep,
+        })
+    };
+    // A fifth of the training sequences (at least one) decide what pruning may remove.
+    let split = |samples: &BlockSamples| {
+        let validation_count = (samples.sequences() / 5).max(1);
+        samples.split(samples.sequences() - validation_count)
+    };
+    let sparse_layers = |block: Block| -> Vec<(usize, &BlockSamples, Selection)> {
+        train_samples
+            .iter()
+            .enumerate()
+            .filter_map(|(layer, samples)| {
+                let samples = samples[block_index(block)].as_ref()?;
+                Some((layer, samples, selection(layer, block)?))
+            })
+            .collect()
+    };
+    let mut trained: Vec<[Option<TrainedBlock<B>>; 2]> =
+        (0..thresholds.num_layers).map(|_| [None, None]).collect();
+
+    // Every layer's attention predictors train together (one Adam step for all of them).
+    let attention = sparse_layers(Block::Attention);
+    if !attention.is_empty() {
+        let splits: Vec<(BlockSamples, BlockSamples)> = attention
+            .iter()
+            .map(|(_, samples, _)| split(samples))
+            .collect();
+        let fit: Vec<&BlockSamples> = splits.iter().map(|(fit, _)| fit).collect();
+        let validation: Vec<&BlockSamples> = splits.iter().map(|(_, v)| v).collect();
+        let selections: Vec<Selection> = attention.iter().map(|&(_, _, s)| s).collect();
+        let bar = progress(
+            max_attention_epochs(args.rank, &options) as u64,
+            "train-predictors: attention (every layer)",
+        );
+        let results = train_attention_layers::<Autodiff<B>>(
+            &fit,
+            &validation,
+            &selections,
+            args.rank,
+            &options,
+            &device,
+            &mut || bar.inc(1),
+        );
+        bar.finish_and_clear();
+        for (&(layer, _, _), result) in attention.iter().zip(results) {
+            trained[layer][block_index(Block::Attention)] = Some(result);
+        }
+    }
+    let mlp = sparse_layers(Block::Mlp);
+    let bar = progress(mlp.len() as u64, "train-predictors: MLP sketches");
+    for &(layer, samples, selection) in &mlp {
+        let Some(map) = model.mlp_input_map(layer) else {
+            bail!("layer {layer}'s MLP block runs dense: it has no predictor")
+        };
+        let (fit, validation) = split(samples);
+        let initial = initial_sketch(&map, &fit, args.mlp_channels, &device);
+        let result = train_mlp_block(initial, &fit, &validation, selection, &options, &device);
+        trained[layer][block_index(Block::Mlp)] = Some(result);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+
     let mut layers: Vec<LayerPredictors<B>> = Vec::with_capacity(thresholds.num_layers);
-    let sparse_blocks = train_samples.iter().flatten().flatten().count();
-    let bar = progress(sparse_blocks as u64, "train-predictors: training");
     let mut held_out_recalls: Vec<Recall> = Vec::new();
-    for (layer, samples) in train_samples.iter().enumerate() {
-        let mut trained = LayerPredictors {
+    for (layer, [attention, mlp]) in trained.into_iter().enumerate() {
+        let mut predictors = LayerPredictors {
             attention: None,
             mlp: None,
         };
-        for block in [Block::Attention, Block::Mlp] {
-            let (Some(samples), Some(threshold)) = (
-                &samples[block_index(block)],
-                threshold(&thresholds, layer, block),
-            ) else {
-                continue;
-            };
-            let selection = Selection {
-                threshold,
-                min_keep: thresholds.min_keep,
-            };
-            let validation_count = (samples.sequences() / 5).max(1);
-            let (fit, validation) = samples.split(samples.sequences() - validation_count);
-            let initial = match block {
-                Block::Attention => {
-                    BlockPredictor::untrained(block, thresholds.hidden_size, args.rank, &device)
-                }
-                Block::Mlp => {
-                    let Some(map) = model.mlp_input_map(layer) else {
-                        bail!("layer {layer}'s MLP block runs dense: it has no predictor")
-                    };
-                    initial_sketch::<Autodiff<B>>(&map, &fit, args.mlp_channels, &device)
-                }
-            };
-            let result = train_block::<Autodiff<B>>(
-                initial,
-                &fit,
-                &validation,
-                selection,
-                &options,
-                &device,
-                &mut || {},
-            );
+        for (block, result) in [(Block::Attention, attention), (Block::Mlp, mlp)] {
+            let Some(result) = result else { continue };
+            let selection = selection(layer, block).expect("a trained block has a threshold");
             let held_out = held_out_samples[layer][block_index(block)]
                 .as_ref()
                 .expect("held-out sequences have the same blocks");
@@ -285,14 +321,12 @@ pub fn train_predictors<B: LemoBackend>(
                 precision: measured.precision,
             });
             match block {
-                Block::Attention => trained.attention = Some(result.predictor),
-                Block::Mlp => trained.mlp = Some(result.predictor),
+                Block::Attention => predictors.attention = Some(result.predictor),
+                Block::Mlp => predictors.mlp = Some(result.predictor),
             }
-            bar.inc(1);
         }
-        layers.push(trained);
+        layers.push(predictors);
     }
-    bar.finish_and_clear();
     if held_out_recalls.is_empty() {
         bail!("these thresholds keep every block dense: there is nothing to predict");
     }
