@@ -166,6 +166,9 @@ impl<B: Backend> StackedRows<B> {
     }
 }
 
+/// Neuron masks `[layers, 1, rank]`, `[query, key][first, second]`.
+type Masks<B> = [[Tensor<B, 3>; 2]; 2];
+
 /// Which hidden neurons of each layer's scorers survive: `[query, key][first, second][layer]`.
 #[derive(Debug, Clone, PartialEq)]
 struct Alive([[Vec<Vec<usize>>; 2]; 2]);
@@ -190,20 +193,18 @@ impl Alive {
         ])
     }
 
-    /// `[layers, 1, rank]`: 1 on the surviving neurons of one scorer's hidden layers.
-    fn masks<B: Backend>(
-        &self,
-        scorer: usize,
-        rank: usize,
-        device: &B::Device,
-    ) -> [Tensor<B, 3>; 2] {
-        self.0[scorer].clone().map(|layers| {
-            let count = layers.len();
-            let mut values = vec![0.0f32; count * rank];
-            for (layer, alive) in layers.iter().enumerate() {
-                alive.iter().for_each(|&n| values[layer * rank + n] = 1.0);
-            }
-            Tensor::from_data(TensorData::new(values, [count, 1, rank]), device)
+    /// `[layers, 1, rank]` per scorer and hidden layer: 1 on the surviving neurons (built once
+    /// per round, not per step: an upload per step would cost more than the step's arithmetic).
+    fn masks<B: Backend>(&self, rank: usize, device: &B::Device) -> Masks<B> {
+        self.0.clone().map(|scorer| {
+            scorer.map(|layers| {
+                let count = layers.len();
+                let mut values = vec![0.0f32; count * rank];
+                for (layer, alive) in layers.iter().enumerate() {
+                    alive.iter().for_each(|&n| values[layer * rank + n] = 1.0);
+                }
+                Tensor::from_data(TensorData::new(values, [count, 1, rank]), device)
+            })
         })
     }
 
@@ -224,12 +225,11 @@ impl Alive {
 impl<B: Backend> StackedQueryKey<B> {
     /// Natural-log token-block scores `[layers * sequences, blocks]` (as
     /// [`BlockPredictor::log_scores`], every layer at once).
-    fn log_scores(&self, data: &StackedRows<B>, alive: &Alive, rank: usize) -> Tensor<B, 2> {
-        let device = data.rows.device();
+    fn log_scores(&self, data: &StackedRows<B>, masks: &Masks<B>) -> Tensor<B, 2> {
         let layers = data.rows.dims()[0];
         let pooled = |scorer: &StackedScorer<B>, index: usize| {
-            let (_, _, out) = scorer
-                .forward_with_activations(data.rows.clone(), alive.masks(index, rank, &device));
+            let (_, _, out) =
+                scorer.forward_with_activations(data.rows.clone(), masks[index].clone());
             log_mean_exp_over_tokens(out.reshape([
                 layers * data.sequences,
                 data.blocks,
@@ -241,9 +241,9 @@ impl<B: Backend> StackedQueryKey<B> {
 
     /// How often each surviving hidden neuron is zero on `data`, per scorer and hidden layer of
     /// every layer, in the order of `alive`.
-    fn zero_frequencies(&self, data: &StackedRows<B>, alive: &Alive, rank: usize) -> Frequencies {
-        let device = data.rows.device();
-        let layers = data.rows.dims()[0];
+    fn zero_frequencies(&self, data: &StackedRows<B>, masks: &Masks<B>) -> Frequencies {
+        let [layers, _, _] = data.rows.dims();
+        let rank = masks[0][0].dims()[2];
         let frequencies = |activation: Tensor<B, 3>| -> Vec<f32> {
             activation
                 .equal_elem(0.0)
@@ -258,8 +258,8 @@ impl<B: Backend> StackedQueryKey<B> {
             .into_iter()
             .enumerate()
             .map(|(index, scorer)| {
-                let (first, second, _) = scorer
-                    .forward_with_activations(data.rows.clone(), alive.masks(index, rank, &device));
+                let (first, second, _) =
+                    scorer.forward_with_activations(data.rows.clone(), masks[index].clone());
                 [first, second].map(|activation| {
                     let all = frequencies(activation);
                     (0..layers)
@@ -285,13 +285,12 @@ type Frequencies = Vec<[Vec<Vec<f32>>; 2]>;
 fn recalls<B: Backend>(
     model: &StackedQueryKey<B>,
     data: &StackedRows<B>,
-    alive: &Alive,
-    rank: usize,
+    masks: &Masks<B>,
     validation: &[&BlockSamples],
     selections: &[Selection],
 ) -> Vec<Recall> {
     let scores: Vec<f32> = model
-        .log_scores(data, alive, rank)
+        .log_scores(data, masks)
         .into_data()
         .convert::<f32>()
         .into_vec()
@@ -362,9 +361,9 @@ pub fn train_attention_layers<B: AutodiffBackend>(
         Tensor::cat(log_threshold, 0),
     );
     // Per layer: the mean over its sequences.
-    let layer_losses = |model: &StackedQueryKey<B>, alive: &Alive| {
+    let layer_losses = |model: &StackedQueryKey<B>, masks: &Masks<B>| {
         selection_loss(
-            model.log_scores(&data, alive, rank),
+            model.log_scores(&data, masks),
             exact.clone(),
             labels.clone(),
             log_threshold.clone(),
@@ -374,8 +373,9 @@ pub fn train_attention_layers<B: AutodiffBackend>(
     };
     let mut fit = |mut model: StackedQueryKey<B>, alive: &Alive, epochs: usize| {
         let mut optimizer = AdamConfig::new().init::<B, StackedQueryKey<B>>();
+        let masks = alive.masks(rank, device);
         for _ in 0..epochs {
-            let loss = layer_losses(&model, alive).sum();
+            let loss = layer_losses(&model, &masks).sum();
             let gradients = GradientsParams::from_grads(loss.backward(), &model);
             model = optimizer.step(options.learning_rate, model, gradients);
             on_epoch();
@@ -386,8 +386,7 @@ pub fn train_attention_layers<B: AutodiffBackend>(
         recalls(
             &model.valid(),
             &validation_data,
-            alive,
-            rank,
+            &alive.masks(rank, device),
             validation,
             selections,
         )
@@ -403,7 +402,9 @@ pub fn train_attention_layers<B: AutodiffBackend>(
     let mut kept = unpruned.clone();
     let mut pruning = vec![options.prune_every > 0 && options.prune_fraction > 0.0; layers];
     while pruning.iter().any(|&p| p) {
-        let frequencies = model.valid().zero_frequencies(&data.inner(), &alive, rank);
+        let frequencies = model
+            .valid()
+            .zero_frequencies(&data.inner(), &alive.masks(rank, device));
         let mut proposed = alive.clone();
         for (layer, prunes) in pruning.iter_mut().enumerate() {
             if !*prunes {
@@ -445,7 +446,7 @@ pub fn train_attention_layers<B: AutodiffBackend>(
         model = model.blend(&trained, take);
     }
 
-    let final_losses: Vec<f64> = layer_losses(&model, &alive)
+    let final_losses: Vec<f64> = layer_losses(&model, &alive.masks(rank, device))
         .into_data()
         .convert::<f64>()
         .into_vec()

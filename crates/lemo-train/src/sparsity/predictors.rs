@@ -221,6 +221,11 @@ pub fn train_predictors<B: LemoBackend>(
         "train-predictors: held-out scores",
     );
 
+    eprintln!(
+        "train-predictors: exact scores of {} sequences collected, {:.1}s",
+        train.len() + held_out.len(),
+        started.elapsed().as_secs_f64()
+    );
     let options = TrainOptions {
         epochs: args.epochs,
         learning_rate: args.predictor_lr,
@@ -283,6 +288,11 @@ pub fn train_predictors<B: LemoBackend>(
         for (&(layer, _, _), result) in attention.iter().zip(results) {
             trained[layer][block_index(Block::Attention)] = Some(result);
         }
+        eprintln!(
+            "train-predictors: attention predictors of {} layers trained, {:.1}s",
+            attention.len(),
+            started.elapsed().as_secs_f64()
+        );
     }
     let mlp = sparse_layers(Block::Mlp);
     let bar = progress(mlp.len() as u64, "train-predictors: MLP sketches");
@@ -297,6 +307,11 @@ pub fn train_predictors<B: LemoBackend>(
         bar.inc(1);
     }
     bar.finish_and_clear();
+    eprintln!(
+        "train-predictors: MLP sketches of {} layers fitted, {:.1}s",
+        mlp.len(),
+        started.elapsed().as_secs_f64()
+    );
 
     let mut layers: Vec<LayerPredictors<B>> = Vec::with_capacity(thresholds.num_layers);
     let mut held_out_recalls: Vec<Recall> = Vec::new();
