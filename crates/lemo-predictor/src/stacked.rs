@@ -314,12 +314,10 @@ fn recalls<B: Backend>(
 pub fn max_attention_epochs(rank: usize, options: &TrainOptions) -> usize {
     let mut rounds = 0;
     let mut width = rank;
-    while options.prune_every > 0 && options.prune_fraction > 0.0 {
-        let next = surviving_count(width, options.prune_fraction);
-        if next == width {
-            break;
+    if options.prune_every > 0 && options.prune_fraction > 0.0 {
+        while surviving_count(width, options.prune_fraction) < width {
+            (width, rounds) = (surviving_count(width, options.prune_fraction), rounds + 1);
         }
-        (width, rounds) = (next, rounds + 1);
     }
     options.epochs + rounds * options.prune_every
 }
@@ -411,10 +409,10 @@ pub fn train_attention_layers<B: AutodiffBackend>(
                 continue;
             }
             let mut changed = false;
-            for scorer in 0..2 {
-                for hidden_layer in 0..2 {
-                    let neurons = &mut proposed.0[scorer][hidden_layer][layer];
-                    let frequency = &frequencies[scorer][hidden_layer][layer];
+            for (scorer, scorer_frequencies) in proposed.0.iter_mut().zip(&frequencies) {
+                for (hidden_layer, layer_frequencies) in scorer.iter_mut().zip(scorer_frequencies) {
+                    let neurons = &mut hidden_layer[layer];
+                    let frequency = &layer_frequencies[layer];
                     let uselessness: Vec<f32> = neurons.iter().map(|&n| frequency[n]).collect();
                     let keep = survivors(&uselessness, options.prune_fraction);
                     changed |= keep.len() < neurons.len();

@@ -510,6 +510,24 @@ mod tests {
     }
 
     #[test]
+    fn the_epoch_bound_counts_every_pruning_round_down_to_four_neurons() {
+        // Widths 16 -> 12 -> 9 -> 7 -> 6 -> 5 -> 4: six rounds.
+        let options = TrainOptions::default();
+        assert_eq!(
+            crate::stacked::max_attention_epochs(16, &options),
+            options.epochs + 6 * options.prune_every
+        );
+        let no_pruning = TrainOptions {
+            prune_every: 0,
+            ..options
+        };
+        assert_eq!(
+            crate::stacked::max_attention_epochs(16, &no_pruning),
+            no_pruning.epochs
+        );
+    }
+
+    #[test]
     fn survivors_drop_the_neurons_most_often_zero_and_keep_four() {
         assert_eq!(
             survivors(&[0.1, 0.9, 0.5, 0.0, 1.0, 0.2, 0.3, 0.4], 0.25),
