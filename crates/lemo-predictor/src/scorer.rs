@@ -6,6 +6,16 @@ use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Tensor, TensorData};
 
+/// A dense map's initial values: uniform `U(-k, k)`, `k = 1 / sqrt(inputs)`.
+pub(crate) fn initial_distribution(inputs: usize) -> Distribution {
+    let k = 1.0 / (inputs as f64).sqrt();
+    Distribution::Uniform(-k, k)
+}
+
+fn dense_params(inputs: usize, outputs: usize) -> usize {
+    inputs * outputs + outputs
+}
+
 /// A dense map `x W + b` with `W: [inputs, outputs]`; its own type rather than `burn::nn::Linear`
 /// so that pruning can rebuild it from selected rows and columns.
 #[derive(Module, Debug)]
@@ -17,8 +27,7 @@ pub struct Dense<B: Backend> {
 impl<B: Backend> Dense<B> {
     /// Uniform `U(-k, k)`, `k = 1 / sqrt(inputs)` (PyTorch's default for a linear layer).
     pub fn new(inputs: usize, outputs: usize, device: &B::Device) -> Self {
-        let k = 1.0 / (inputs as f64).sqrt();
-        let uniform = Distribution::Uniform(-k, k);
+        let uniform = initial_distribution(inputs);
         Self {
             weight: Param::from_tensor(Tensor::random([inputs, outputs], uniform, device)),
             bias: Param::from_tensor(Tensor::random([outputs], uniform, device)),
@@ -52,7 +61,7 @@ impl<B: Backend> Dense<B> {
 
     pub fn num_params(&self) -> usize {
         let [inputs, outputs] = self.weight.dims();
-        inputs * outputs + outputs
+        dense_params(inputs, outputs)
     }
 }
 
@@ -103,6 +112,13 @@ impl<B: Backend> Scorer<B> {
 
     pub fn num_params(&self) -> usize {
         self.first.num_params() + self.second.num_params() + self.out.num_params()
+    }
+
+    /// Parameters of a scorer of `hidden` inputs and hidden widths `widths`.
+    pub fn params_of(hidden: usize, widths: [usize; 2]) -> usize {
+        dense_params(hidden, widths[0])
+            + dense_params(widths[0], widths[1])
+            + dense_params(widths[1], 1)
     }
 
     /// The scorer with only the hidden neurons `keep[0]` of the first layer and `keep[1]` of

@@ -12,10 +12,10 @@ use burn::module::{AutodiffModule, Module, Param};
 use burn::optim::{AdamConfig, GradientsParams, Optimizer};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Distribution, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 
 use crate::predictor::{BlockPredictor, QueryKey, suffix_log_mean_exp};
-use crate::scorer::{Dense, Scorer, log_mean_exp_over_tokens};
+use crate::scorer::{Dense, Scorer, initial_distribution, log_mean_exp_over_tokens};
 use crate::training::{
     BlockSamples, Recall, Selection, TrainOptions, TrainedBlock, agreement, log_thresholds,
     selection_loss, surviving_count, survivors,
@@ -33,8 +33,7 @@ struct StackedDense<B: Backend> {
 impl<B: Backend> StackedDense<B> {
     /// Each layer's map initialized as [`Dense::new`].
     fn new(layers: usize, inputs: usize, outputs: usize, device: &B::Device) -> Self {
-        let k = 1.0 / (inputs as f64).sqrt();
-        let uniform = Distribution::Uniform(-k, k);
+        let uniform = initial_distribution(inputs);
         Self {
             weight: Param::from_tensor(Tensor::random([layers, inputs, outputs], uniform, device)),
             bias: Param::from_tensor(Tensor::random([layers, 1, outputs], uniform, device)),
@@ -166,13 +165,6 @@ impl<B: Backend> StackedRows<B> {
     }
 }
 
-/// Neuron masks `[layers, 1, rank]`, `[query, key][first, second]`.
-type Masks<B> = [[Tensor<B, 3>; 2]; 2];
-
-/// Which hidden neurons of each layer's scorers survive: `[query, key][first, second][layer]`.
-#[derive(Debug, Clone, PartialEq)]
-struct Alive([[Vec<Vec<usize>>; 2]; 2]);
-
 impl<B: AutodiffBackend> StackedRows<B> {
     fn inner(&self) -> StackedRows<B::InnerBackend> {
         StackedRows {
@@ -183,6 +175,13 @@ impl<B: AutodiffBackend> StackedRows<B> {
         }
     }
 }
+
+/// Neuron masks `[layers, 1, rank]`, `[query, key][first, second]`.
+type Masks<B> = [[Tensor<B, 3>; 2]; 2];
+
+/// Which hidden neurons of each layer's scorers survive: `[query, key][first, second][layer]`.
+#[derive(Debug, Clone, PartialEq)]
+struct Alive([[Vec<Vec<usize>>; 2]; 2]);
 
 impl Alive {
     fn all(layers: usize, rank: usize) -> Self {
@@ -239,8 +238,8 @@ impl<B: Backend> StackedQueryKey<B> {
         pooled(&self.key, 1) + suffix_log_mean_exp(pooled(&self.query, 0))
     }
 
-    /// How often each surviving hidden neuron is zero on `data`, per scorer and hidden layer of
-    /// every layer, in the order of `alive`.
+    /// How often each hidden neuron is zero on `data` (the full width; masked neurons always
+    /// are), per scorer and hidden layer of every layer.
     fn zero_frequencies(&self, data: &StackedRows<B>, masks: &Masks<B>) -> Frequencies {
         let [layers, _, _] = data.rows.dims();
         let rank = masks[0][0].dims()[2];
@@ -450,7 +449,7 @@ pub fn train_attention_layers<B: AutodiffBackend>(
         .into_vec()
         .expect("f64 losses");
     let model = model.valid();
-    let params_before = 2 * Scorer::<B>::new(hidden, rank, device).num_params();
+    let params_before = 2 * Scorer::<B>::params_of(hidden, [rank, rank]);
     (0..layers)
         .map(|layer| TrainedBlock {
             predictor: BlockPredictor::Attention(QueryKey {
