@@ -216,11 +216,7 @@ impl<'a> TokenSparsity<'a> {
                 plan,
                 record,
             } => {
-                let layer_thresholds = thresholds.layers[layer];
-                let threshold = match block {
-                    Block::Attention => layer_thresholds.attention,
-                    Block::Mlp => layer_thresholds.mlp,
-                };
+                let threshold = thresholds.layers[layer].block(block);
                 *plan.layer_mut(layer).block_mut(block) = None;
                 if threshold.is_none() && *record == Record::Nothing {
                     return None;

@@ -1,5 +1,6 @@
 //! A model's trained predictors: safetensors (f32; attention
-//! `layers.{l}.attention.{query|key}.{first|second|out}.{weight|bias}`, MLP sketch
+//! `layers.{l}.attention.{query|key}.{first|second|out}.{weight|bias}`, the `out` maps as wide
+//! as the block matrix's rank, MLP sketch
 //! `layers.{l}.mlp.{gate|up|up_bias|log_weights}`, the gate absent for OPT) with a JSON header under the metadata key `lemo_predictors` ([`PredictorsHeader`]: the model,
 //! the block size, the thresholds they select with, each block's widths and recall).
 //!
@@ -53,6 +54,15 @@ pub struct BlockReport {
     /// Kept token blocks on held-out sequences: found / exactly kept, and found / predicted.
     pub recall: f64,
     pub precision: f64,
+    /// Fractions of the held-out blocks the predictions and the exact scores keep.
+    #[serde(default)]
+    pub kept: f64,
+    #[serde(default)]
+    pub exact_kept: f64,
+    /// The threshold the exact scores select with; the header's thresholds are those matched
+    /// to the predicted scores (`lemo_predictor::agreement::matched_threshold`).
+    #[serde(default)]
+    pub exact_threshold: f32,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -286,6 +296,8 @@ impl Predictors {
         let hidden = self.header.hidden_size;
         for (l, layer) in self.header.thresholds.layers.iter().enumerate() {
             if layer.attention.is_some() {
+                // The query scorer's components, which the key scorer's must match.
+                let mut components = None;
                 for role in ["query", "key"] {
                     let mut inputs = hidden;
                     for map in SCORER_MAPS {
@@ -295,10 +307,11 @@ impl Predictors {
                         let consistent = weight.len() == 2
                             && weight[0] == inputs
                             && bias == [weight[1]]
-                            && (map != "out" || weight[1] == 1);
+                            && (map != "out" || *components.get_or_insert(weight[1]) == weight[1]);
                         if !consistent {
                             return Err(format!(
-                                "{name} has weight {weight:?} and bias {bias:?} after a width of {inputs}"
+                                "{name} has weight {weight:?} and bias {bias:?} after a width of {inputs} (and the query scorer's {} components)",
+                                components.unwrap_or(0)
                             ));
                         }
                         inputs = weight[1];
@@ -460,7 +473,7 @@ mod tests {
                 mlp: None,
             },
             LayerPredictors {
-                attention: Some(BlockPredictor::untrained(Block::Attention, 8, 3, device)),
+                attention: Some(BlockPredictor::Attention(QueryKey::new(8, 3, 2, device))),
                 mlp: Some(BlockPredictor::untrained(Block::Mlp, 8, 3, device)),
             },
         ]

@@ -18,6 +18,7 @@
 //! of the exactly kept blocks holds (elastic size transformation), and saved as safetensors
 //! with a JSON header ([`file`]).
 
+pub mod agreement;
 pub mod file;
 pub mod predictor;
 pub mod scorer;

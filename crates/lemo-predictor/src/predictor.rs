@@ -1,18 +1,20 @@
 //! A layer's predictors and what they predict: token-block log-scores of its attention block
-//! (`log I(K_n) + log mean_{m >= n} I(Q_m)`, the column mean of the rank-one block matrix
-//! `I(B_mn) = I(Q_m) I(K_n)` over the query blocks that see key block `n`) and of its MLP block
-//! (a sketch of the MLP's own channels, [`crate::sketch`]).
+//! (`log sum_c I_c(K_n) mean_{m >= n} I_c(Q_m)`, the column mean of the block matrix
+//! `I(B_mn) = sum_c I_c(Q_m) I_c(K_n)`, of rank `c`, over the query blocks that see key block
+//! `n`) and of its MLP block (a sketch of the MLP's own channels, [`crate::sketch`]).
 
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use lemo_sparsity::calibration::Block;
 
-use crate::scorer::{Scorer, block_token_rows};
+use crate::scorer::{Scorer, block_token_rows, log_mean_exp_over_tokens};
 use crate::sketch::MlpSketch;
 
 /// Initial hidden width of the query and key scorers.
 pub const DEFAULT_RANK: usize = 64;
+/// Rank of the block matrix the query and key scorers approximate (their log-scores per token).
+pub const DEFAULT_COMPONENTS: usize = 1;
 /// Initial channels of an MLP sketch (at most the MLP's own).
 pub const DEFAULT_MLP_CHANNELS: usize = 128;
 
@@ -21,6 +23,35 @@ pub const DEFAULT_MLP_CHANNELS: usize = 128;
 pub struct QueryKey<B: Backend> {
     pub query: Scorer<B>,
     pub key: Scorer<B>,
+}
+
+impl<B: Backend> QueryKey<B> {
+    pub fn new(hidden: usize, rank: usize, components: usize, device: &B::Device) -> Self {
+        Self {
+            query: Scorer::new(hidden, rank, components, device),
+            key: Scorer::new(hidden, rank, components, device),
+        }
+    }
+}
+
+/// Token-block log-scores `[batch, blocks]` from the query and key scorers' per-token
+/// log-scores `[batch, blocks, tokens, components]`: each pooled over its block's tokens, then
+/// `log sum_c exp(k_nc + log mean_{m >= n} exp(q_mc))`.
+pub(crate) fn attention_log_scores<B: Backend>(
+    query: Tensor<B, 4>,
+    key: Tensor<B, 4>,
+) -> Tensor<B, 2> {
+    let [batch, blocks, _, components] = key.dims();
+    // `[batch, blocks, components]` to one row of blocks per sequence and component.
+    let per_component = |per_token: Tensor<B, 4>| {
+        log_mean_exp_over_tokens(per_token)
+            .swap_dims(1, 2)
+            .reshape([batch * components, blocks])
+    };
+    let terms = (per_component(key) + suffix_log_mean_exp(per_component(query)))
+        .reshape([batch, components, blocks]);
+    let largest = terms.clone().max_dim(1).detach();
+    ((terms - largest.clone()).exp().sum_dim(1).log() + largest).reshape([batch, blocks])
 }
 
 /// The predictor of one block of a layer.
@@ -34,14 +65,13 @@ pub enum BlockPredictor<B: Backend> {
 
 impl<B: Backend> BlockPredictor<B> {
     /// An untrained predictor of `block` for a model of width `hidden`: scorers of width
-    /// `rank`, or a sketch of `rank` random channels (trained MLP sketches start from the
-    /// model's own channels, [`crate::sketch::MlpInputMap::sketch`]).
+    /// `rank` and [`DEFAULT_COMPONENTS`], or a sketch of `rank` random channels (trained MLP
+    /// sketches start from the model's own channels, [`crate::sketch::MlpInputMap::sketch`]).
     pub fn untrained(block: Block, hidden: usize, rank: usize, device: &B::Device) -> Self {
         match block {
-            Block::Attention => Self::Attention(QueryKey {
-                query: Scorer::new(hidden, rank, device),
-                key: Scorer::new(hidden, rank, device),
-            }),
+            Block::Attention => {
+                Self::Attention(QueryKey::new(hidden, rank, DEFAULT_COMPONENTS, device))
+            }
             Block::Mlp => Self::Mlp(MlpSketch::random(hidden, rank, device)),
         }
     }
@@ -59,7 +89,7 @@ impl<B: Backend> BlockPredictor<B> {
     pub fn log_scores(&self, rows: Tensor<B, 4>) -> Tensor<B, 2> {
         match self {
             Self::Attention(QueryKey { query, key }) => {
-                key.forward(rows.clone()) + suffix_log_mean_exp(query.forward(rows))
+                attention_log_scores(query.forward(rows.clone()), key.forward(rows))
             }
             Self::Mlp(sketch) => sketch.forward(rows),
         }
@@ -143,36 +173,43 @@ mod tests {
     type B = NdArray<f32>;
 
     #[test]
-    fn attention_scores_are_column_means_of_the_causal_outer_product() {
+    fn attention_scores_are_column_means_of_the_causal_block_matrix() {
         let device = Default::default();
-        let predictor = BlockPredictor::<B>::untrained(Block::Attention, 8, 4, &device);
-        let BlockPredictor::Attention(scorers) = &predictor else {
-            unreachable!("an attention predictor")
-        };
-        let rows = Tensor::<B, 4>::random([2, 5, 3, 8], Distribution::Normal(0.0, 1.0), &device);
+        let (blocks, components) = (5, 2);
+        let scorers = QueryKey::<B>::new(8, 4, components, &device);
+        let rows =
+            Tensor::<B, 4>::random([2, blocks, 3, 8], Distribution::Normal(0.0, 1.0), &device);
+        let predictor = BlockPredictor::Attention(scorers.clone());
         let scores: Vec<f32> = predictor
             .log_scores(rows.clone())
             .exp()
             .into_data()
             .to_vec()
             .unwrap();
-        let exp = |scorer: &Scorer<B>| -> Vec<f32> {
+        // Each scorer's block scores `[sequence][block][component]`: token scores averaged.
+        let block_scores = |scorer: &Scorer<B>| -> Vec<f32> {
             scorer
                 .forward(rows.clone())
                 .exp()
+                .mean_dim(2)
                 .into_data()
                 .to_vec()
                 .unwrap()
         };
-        let (query, key) = (exp(&scorers.query), exp(&scorers.key));
+        let (query, key) = (block_scores(&scorers.query), block_scores(&scorers.key));
+        let at = |v: &[f32], sequence: usize, block: usize, component: usize| {
+            v[(sequence * blocks + block) * components + component]
+        };
         for sequence in 0..2 {
-            let q = &query[sequence * 5..(sequence + 1) * 5];
-            let k = &key[sequence * 5..(sequence + 1) * 5];
-            for n in 0..5 {
-                // Block matrix I(B_mn) = q_m k_n for m >= n; key block n's score is its column
-                // mean over the 5 - n query blocks that see it.
-                let column: f32 = (n..5).map(|m| q[m] * k[n]).sum::<f32>() / (5 - n) as f32;
-                let got = scores[sequence * 5 + n];
+            for n in 0..blocks {
+                // Block matrix I(B_mn) = sum_c q_mc k_nc for m >= n; key block n's score is its
+                // column mean over the blocks - n query blocks that see it.
+                let column: f32 = (n..blocks)
+                    .flat_map(|m| (0..components).map(move |c| (m, c)))
+                    .map(|(m, c)| at(&query, sequence, m, c) * at(&key, sequence, n, c))
+                    .sum::<f32>()
+                    / (blocks - n) as f32;
+                let got = scores[sequence * blocks + n];
                 assert!(
                     (got - column).abs() <= 1e-4 * column.abs(),
                     "{got} vs {column}"

@@ -1,5 +1,6 @@
 //! One predictor: three low-rank matrices with ReLU between them, from each token's normalized
-//! embedding to a log-score, pooled per token block; and the token rows it reads.
+//! embedding to its log-scores (one per component), pooled per token block; and the token rows
+//! it reads.
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::relu;
@@ -65,8 +66,9 @@ impl<B: Backend> Dense<B> {
     }
 }
 
-/// `hidden -> width[0] -> width[1] -> 1` with ReLU after the first two maps: one log-score per
-/// token, and a token block's log-score the log of its tokens' mean score.
+/// `hidden -> width[0] -> width[1] -> components` with ReLU after the first two maps: log-scores
+/// per token and component, and a token block's log-score the log of its tokens' mean score
+/// ([`log_mean_exp_over_tokens`]).
 #[derive(Module, Debug)]
 pub struct Scorer<B: Backend> {
     pub first: Dense<B>,
@@ -75,16 +77,16 @@ pub struct Scorer<B: Backend> {
 }
 
 impl<B: Backend> Scorer<B> {
-    pub fn new(hidden: usize, rank: usize, device: &B::Device) -> Self {
+    pub fn new(hidden: usize, rank: usize, components: usize, device: &B::Device) -> Self {
         Self {
             first: Dense::new(hidden, rank, device),
             second: Dense::new(rank, rank, device),
-            out: Dense::new(rank, 1, device),
+            out: Dense::new(rank, components, device),
         }
     }
 
     /// The two hidden activations (after ReLU) of `x: [..., hidden]`, and the log-scores
-    /// `[...]` (the last dimension dropped).
+    /// `[..., components]`.
     pub fn forward_with_activations<const D: usize>(
         &self,
         x: Tensor<B, D>,
@@ -95,14 +97,12 @@ impl<B: Backend> Scorer<B> {
         (first, second, out)
     }
 
-    /// Token-block log-scores `[batch, blocks]` of token rows `[batch, blocks, tokens, hidden]`
-    /// ([`block_token_rows`]): `log mean_t exp(s_t)` over each block's tokens. A block's exact
-    /// score pools its tokens (a mean for the MLP, a maximum for attention, which large
-    /// per-token log-scores approach), so the scorer reads tokens, not a block average.
-    pub fn forward(&self, rows: Tensor<B, 4>) -> Tensor<B, 2> {
-        let [batch, blocks, tokens, _] = rows.dims();
-        let (_, _, out) = self.forward_with_activations(rows);
-        log_mean_exp_over_tokens(out.reshape([batch, blocks, tokens]))
+    /// Per-token log-scores `[batch, blocks, tokens, components]` of token rows
+    /// `[batch, blocks, tokens, hidden]` ([`block_token_rows`]). A block's exact score pools
+    /// its tokens (a mean for the MLP, a maximum for attention, which large per-token
+    /// log-scores approach), so the scorer reads tokens, not a block average.
+    pub fn forward(&self, rows: Tensor<B, 4>) -> Tensor<B, 4> {
+        self.forward_with_activations(rows).2
     }
 
     /// Widths of the two hidden layers.
@@ -110,15 +110,21 @@ impl<B: Backend> Scorer<B> {
         [self.first.weight.dims()[1], self.second.weight.dims()[1]]
     }
 
+    /// Log-scores per token: the rank of the block matrix the scorer pair approximates.
+    pub fn components(&self) -> usize {
+        self.out.weight.dims()[1]
+    }
+
     pub fn num_params(&self) -> usize {
         self.first.num_params() + self.second.num_params() + self.out.num_params()
     }
 
-    /// Parameters of a scorer of `hidden` inputs and hidden widths `widths`.
-    pub fn params_of(hidden: usize, widths: [usize; 2]) -> usize {
+    /// Parameters of a scorer of `hidden` inputs, hidden widths `widths` and `components`
+    /// outputs.
+    pub fn params_of(hidden: usize, widths: [usize; 2], components: usize) -> usize {
         dense_params(hidden, widths[0])
             + dense_params(widths[0], widths[1])
-            + dense_params(widths[1], 1)
+            + dense_params(widths[1], components)
     }
 
     /// The scorer with only the hidden neurons `keep[0]` of the first layer and `keep[1]` of
@@ -154,13 +160,13 @@ impl<B: Backend> Scorer<B> {
     }
 }
 
-/// `log mean_t exp(s_t)` over the last dimension of per-token log-scores `[batch, blocks,
-/// tokens]`, stably: `[batch, blocks]`.
-pub(crate) fn log_mean_exp_over_tokens<B: Backend>(per_token: Tensor<B, 3>) -> Tensor<B, 2> {
-    let [batch, blocks, tokens] = per_token.dims();
+/// `log mean_t exp(s_t)` over the tokens of per-token log-scores `[batch, blocks, tokens,
+/// components]`, stably: `[batch, blocks, components]`.
+pub(crate) fn log_mean_exp_over_tokens<B: Backend>(per_token: Tensor<B, 4>) -> Tensor<B, 3> {
+    let [batch, blocks, tokens, components] = per_token.dims();
     let largest = per_token.clone().max_dim(2).detach();
     let log_sum = (per_token - largest.clone()).exp().sum_dim(2).log() + largest;
-    log_sum.reshape([batch, blocks]) - (tokens as f32).ln()
+    log_sum.reshape([batch, blocks, components]) - (tokens as f32).ln()
 }
 
 /// The RMS-normalized rows of `x: [batch, seq, hidden]` grouped by token block, f32
@@ -247,15 +253,18 @@ mod tests {
     #[test]
     fn a_block_log_score_is_the_log_mean_of_its_token_scores() {
         let device = Default::default();
-        let scorer = Scorer::<B>::new(3, 4, &device);
-        let rows = Tensor::<B, 4>::random([2, 3, 4, 3], Distribution::Normal(0.0, 1.0), &device);
-        let (_, _, per_token) = scorer.forward_with_activations(rows.clone());
-        let per_token: Vec<f32> = per_token.into_data().to_vec().unwrap();
-        let pooled: Vec<f32> = scorer.forward(rows).into_data().to_vec().unwrap();
-        for (block, got) in pooled.iter().enumerate() {
-            let mean = per_token[block * 4..(block + 1) * 4]
-                .iter()
-                .map(|v| v.exp())
+        // Two sequences of three blocks of four tokens, two components.
+        let per_token =
+            Tensor::<B, 4>::random([2, 3, 4, 2], Distribution::Normal(0.0, 3.0), &device);
+        let values: Vec<f32> = per_token.clone().into_data().to_vec().unwrap();
+        let pooled: Vec<f32> = log_mean_exp_over_tokens(per_token)
+            .into_data()
+            .to_vec()
+            .unwrap();
+        for (index, got) in pooled.iter().enumerate() {
+            let (block, component) = (index / 2, index % 2);
+            let mean = (0..4)
+                .map(|token| values[(block * 4 + token) * 2 + component].exp())
                 .sum::<f32>()
                 / 4.0;
             assert!((got - mean.ln()).abs() < 1e-4, "{got} vs {}", mean.ln());
@@ -265,7 +274,7 @@ mod tests {
     #[test]
     fn a_pruned_scorer_equals_the_full_one_when_the_removed_neurons_are_silent() {
         let device = Default::default();
-        let scorer = Scorer::<B>::new(6, 4, &device);
+        let scorer = Scorer::<B>::new(6, 4, 2, &device);
         // Silence neuron 1 of the first layer and neuron 2 of the second: their pre-activations
         // are forced negative by a large negative bias.
         let silence = |dense: &Dense<B>, neuron: usize| {
@@ -281,7 +290,8 @@ mod tests {
         };
         let pruned = scorer.pruned([&[0, 2, 3], &[0, 1, 3]]);
         assert_eq!(pruned.widths(), [3, 3]);
-        assert_eq!(pruned.num_params(), 6 * 3 + 3 + 3 * 3 + 3 + 3 + 1);
+        assert_eq!(pruned.num_params(), 6 * 3 + 3 + 3 * 3 + 3 + 3 * 2 + 2);
+        assert_eq!(pruned.num_params(), Scorer::<B>::params_of(6, [3, 3], 2));
         let x = Tensor::<B, 4>::random([2, 5, 3, 6], Distribution::Normal(0.0, 1.0), &device);
         let full: Vec<f32> = scorer.forward(x.clone()).into_data().to_vec().unwrap();
         let small: Vec<f32> = pruned.forward(x).into_data().to_vec().unwrap();

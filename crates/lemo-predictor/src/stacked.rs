@@ -14,11 +14,12 @@ use burn::tensor::activation::relu;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
-use crate::predictor::{BlockPredictor, QueryKey, suffix_log_mean_exp};
-use crate::scorer::{Dense, Scorer, initial_distribution, log_mean_exp_over_tokens};
+use crate::agreement::{Recall, Selection, agreement};
+use crate::predictor::{BlockPredictor, QueryKey, attention_log_scores};
+use crate::scorer::{Dense, Scorer, initial_distribution};
 use crate::training::{
-    BlockSamples, Recall, Selection, TrainOptions, TrainedBlock, agreement, log_thresholds,
-    selection_loss, surviving_count, survivors,
+    BlockSamples, TrainOptions, TrainedBlock, log_thresholds, selection_loss, surviving_count,
+    survivors,
 };
 
 /// `x W_l + b_l` for every layer `l` at once.
@@ -85,16 +86,22 @@ struct StackedScorer<B: Backend> {
 }
 
 impl<B: Backend> StackedScorer<B> {
-    fn new(layers: usize, hidden: usize, rank: usize, device: &B::Device) -> Self {
+    fn new(
+        layers: usize,
+        hidden: usize,
+        rank: usize,
+        components: usize,
+        device: &B::Device,
+    ) -> Self {
         Self {
             first: StackedDense::new(layers, hidden, rank, device),
             second: StackedDense::new(layers, rank, rank, device),
-            out: StackedDense::new(layers, rank, 1, device),
+            out: StackedDense::new(layers, rank, components, device),
         }
     }
 
-    /// The two masked hidden activations and the per-token log-scores `[layers, rows, 1]` of
-    /// `x: [layers, rows, hidden]`.
+    /// The two masked hidden activations and the per-token log-scores `[layers, rows,
+    /// components]` of `x: [layers, rows, hidden]`.
     fn forward_with_activations(
         &self,
         x: Tensor<B, 3>,
@@ -226,16 +233,18 @@ impl<B: Backend> StackedQueryKey<B> {
     /// [`BlockPredictor::log_scores`], every layer at once).
     fn log_scores(&self, data: &StackedRows<B>, masks: &Masks<B>) -> Tensor<B, 2> {
         let layers = data.rows.dims()[0];
-        let pooled = |scorer: &StackedScorer<B>, index: usize| {
+        let per_token = |scorer: &StackedScorer<B>, index: usize| {
             let (_, _, out) =
                 scorer.forward_with_activations(data.rows.clone(), masks[index].clone());
-            log_mean_exp_over_tokens(out.reshape([
+            let components = out.dims()[2];
+            out.reshape([
                 layers * data.sequences,
                 data.blocks,
                 data.tokens,
-            ]))
+                components,
+            ])
         };
-        pooled(&self.key, 1) + suffix_log_mean_exp(pooled(&self.query, 0))
+        attention_log_scores(per_token(&self.query, 0), per_token(&self.key, 1))
     }
 
     /// How often each hidden neuron is zero on `data` (the full width; masked neurons always
@@ -321,8 +330,8 @@ pub fn max_attention_epochs(rank: usize, options: &TrainOptions) -> usize {
     options.epochs + rounds * options.prune_every
 }
 
-/// Trains the attention predictors (query and key scorers of width `rank`) of several layers at
-/// once: `train[l]`, `validation[l]` and `selections[l]` are layer `l`'s samples (the same
+/// Trains the attention predictors (query and key scorers of width `rank` and `components`
+/// log-scores per token) of several layers at once: `train[l]`, `validation[l]` and `selections[l]` are layer `l`'s samples (the same
 /// sequences for every layer) and kept-set rule. `options.epochs` full-batch Adam steps on the
 /// sum of the layers' selection losses; then rounds of elastic size transformation: in each
 /// layer still pruning, each hidden layer of each scorer loses the `options.prune_fraction` of
@@ -335,6 +344,7 @@ pub fn train_attention_layers<B: AutodiffBackend>(
     validation: &[&BlockSamples],
     selections: &[Selection],
     rank: usize,
+    components: usize,
     options: &TrainOptions,
     device: &B::Device,
     on_epoch: &mut dyn FnMut(),
@@ -391,8 +401,8 @@ pub fn train_attention_layers<B: AutodiffBackend>(
 
     let mut alive = Alive::all(layers, rank);
     let initial = StackedQueryKey {
-        query: StackedScorer::new(layers, hidden, rank, device),
-        key: StackedScorer::new(layers, hidden, rank, device),
+        query: StackedScorer::new(layers, hidden, rank, components, device),
+        key: StackedScorer::new(layers, hidden, rank, components, device),
     };
     let mut model = fit(initial, &alive, options.epochs);
     let unpruned = validation_recalls(&model, &alive);
@@ -449,7 +459,7 @@ pub fn train_attention_layers<B: AutodiffBackend>(
         .into_vec()
         .expect("f64 losses");
     let model = model.valid();
-    let params_before = 2 * Scorer::<B>::params_of(hidden, [rank, rank]);
+    let params_before = 2 * Scorer::<B>::params_of(hidden, [rank, rank], components);
     (0..layers)
         .map(|layer| TrainedBlock {
             predictor: BlockPredictor::Attention(QueryKey {

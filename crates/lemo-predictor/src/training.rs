@@ -13,8 +13,8 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
-use lemo_sparsity::KeptRows;
 
+use crate::agreement::{Recall, Selection, recall};
 use crate::predictor::BlockPredictor;
 use crate::sketch::{MlpInputMap, MlpSketch};
 
@@ -103,73 +103,6 @@ impl BlockSamples {
             Tensor::from_data(TensorData::new(logs, shape), device),
             Tensor::from_data(TensorData::new(labels, shape), device),
         )
-    }
-}
-
-/// How a block selects its kept token blocks from scores (see `KeptRows::from_block_scores`).
-#[derive(Debug, Clone, Copy)]
-pub struct Selection {
-    pub threshold: f32,
-    pub min_keep: f32,
-}
-
-impl Selection {
-    /// Kept token-block indices of each sequence of `scores` `[sequences, blocks]`.
-    pub(crate) fn kept_blocks(&self, scores: &[f32], blocks: usize) -> Vec<Vec<u32>> {
-        scores
-            .chunks(blocks)
-            .map(|s| {
-                // Blocks of one token: the kept rows are the kept block indices.
-                KeptRows::from_block_scores(&[s], 1, blocks, self.threshold, self.min_keep).rows
-            })
-            .collect()
-    }
-}
-
-/// Kept-block agreement of predicted with exact scores.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Recall {
-    /// Exactly kept blocks the prediction keeps, over the exactly kept blocks.
-    pub recall: f64,
-    /// Predicted blocks exactly kept, over the predicted blocks.
-    pub precision: f64,
-}
-
-/// Recall and precision of `predictor`'s kept blocks against the exact ones on `samples`.
-pub fn recall<B: Backend>(
-    predictor: &BlockPredictor<B>,
-    samples: &BlockSamples,
-    selection: Selection,
-    device: &B::Device,
-) -> Recall {
-    let predicted: Vec<f32> = predictor
-        .log_scores(samples.token_rows::<B>(device))
-        .into_data()
-        .convert::<f32>()
-        .into_vec()
-        .expect("f32 scores");
-    agreement(&predicted, samples, selection)
-}
-
-/// Recall and precision of the kept blocks of `predicted_log_scores` (`[sequences, blocks]`,
-/// natural log) against the exact ones of `samples`.
-pub(crate) fn agreement(
-    predicted_log_scores: &[f32],
-    samples: &BlockSamples,
-    selection: Selection,
-) -> Recall {
-    let predicted: Vec<f32> = predicted_log_scores.iter().map(|v| v.exp()).collect();
-    let predicted = selection.kept_blocks(&predicted, samples.blocks);
-    let exact = selection.kept_blocks(&samples.scores, samples.blocks);
-    let (mut found, mut exact_count, mut predicted_count) = (0usize, 0usize, 0usize);
-    for (p, e) in predicted.iter().zip(&exact) {
-        found += p.iter().filter(|b| e.contains(b)).count();
-        exact_count += e.len();
-        predicted_count += p.len();
-    }
-    Recall {
-        recall: found as f64 / exact_count.max(1) as f64,
-        precision: found as f64 / predicted_count.max(1) as f64,
     }
 }
 
@@ -369,8 +302,8 @@ mod tests {
     const MLP_CHANNELS: usize = 48;
 
     /// Sequences of blocks of 4 tokens and their exact token-block scores: attention, the
-    /// rank-one block matrix of two log-mean-exp pooled linear per-token scores (what the
-    /// scorers can learn); MLP, the mean `|silu(x G) * (x U)|` of a random SwiGLU map (every
+    /// rank-two block matrix of linear per-token query and key log-scores, two each (what
+    /// scorers of two components can learn, [`crate::predictor::attention_log_scores`]); MLP, the mean `|silu(x G) * (x U)|` of a random SwiGLU map (every
     /// channel), returned with the map.
     fn samples(block: Block, sequences: usize, blocks: usize) -> (BlockSamples, MlpInputMap<B>) {
         let device = Default::default();
@@ -380,13 +313,11 @@ mod tests {
             Distribution::Normal(0.0, 1.0),
             &device,
         );
-        let pooled = |weights: Tensor<B, 2>| {
-            let per_token = x
-                .clone()
+        let per_token = |weights: Tensor<B, 2>| {
+            x.clone()
                 .reshape([sequences * blocks * tokens, HIDDEN])
                 .matmul(weights)
-                .reshape([sequences, blocks, tokens]);
-            (per_token.exp().mean_dim(2).log()).reshape([sequences, blocks])
+                .reshape([sequences, blocks, tokens, 2])
         };
         let normal = Distribution::Normal(0.0, 0.5);
         // Channel scales spread over two orders of magnitude, as a trained MLP's are.
@@ -403,9 +334,9 @@ mod tests {
                 .sketch(&(0..MLP_CHANNELS).collect::<Vec<_>>())
                 .forward(x.clone()),
             Block::Attention => {
-                let u = Tensor::<B, 2>::random([HIDDEN, 1], normal, &device);
-                let w = Tensor::<B, 2>::random([HIDDEN, 1], normal, &device);
-                pooled(u) + crate::predictor::suffix_log_mean_exp(pooled(w))
+                let query = Tensor::<B, 2>::random([HIDDEN, 2], normal, &device);
+                let key = Tensor::<B, 2>::random([HIDDEN, 2], normal, &device);
+                crate::predictor::attention_log_scores(per_token(query), per_token(key))
             }
         };
         let mut out = BlockSamples::new(blocks, tokens, HIDDEN);
@@ -441,10 +372,7 @@ mod tests {
         );
     }
 
-    const SELECTION: Selection = Selection {
-        threshold: 1.0,
-        min_keep: 0.1,
-    };
+    const SELECTION: Selection = Selection::new(1.0, 0.1);
 
     fn options(seed: u64) -> TrainOptions {
         TrainOptions {
@@ -473,7 +401,8 @@ mod tests {
             &train,
             &validation,
             &[SELECTION; 2],
-            16,
+            24,
+            2,
             &options,
             &device,
             &mut || {},
@@ -534,18 +463,5 @@ mod tests {
             vec![0, 2, 3, 5, 6, 7]
         );
         assert_eq!(survivors(&[1.0; 5], 0.5), vec![1, 2, 3, 4]);
-    }
-
-    #[test]
-    fn kept_blocks_are_block_indices_with_the_first_and_last_always_kept() {
-        let selection = Selection {
-            threshold: 1.0,
-            min_keep: 0.0,
-        };
-        // Exact keeps blocks 0, 1, 3 (the first and last always); a prediction that keeps 0, 2, 3.
-        let exact = [0.1, 5.0, 0.2, 0.3];
-        assert_eq!(selection.kept_blocks(&exact, 4), vec![vec![0, 1, 3]]);
-        let predicted = [0.1, 0.2, 5.0, 0.3];
-        assert_eq!(selection.kept_blocks(&predicted, 4), vec![vec![0, 2, 3]]);
     }
 }

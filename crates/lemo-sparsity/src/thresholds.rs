@@ -4,6 +4,8 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::calibration::Block;
+
 /// What a thresholds file cannot be used for, in one line.
 #[derive(Debug, thiserror::Error)]
 pub enum ThresholdsError {
@@ -23,6 +25,22 @@ pub enum ThresholdsError {
 pub struct LayerThresholds {
     pub attention: Option<f32>,
     pub mlp: Option<f32>,
+}
+
+impl LayerThresholds {
+    pub fn block(&self, block: Block) -> Option<f32> {
+        match block {
+            Block::Attention => self.attention,
+            Block::Mlp => self.mlp,
+        }
+    }
+
+    pub fn block_mut(&mut self, block: Block) -> &mut Option<f32> {
+        match block {
+            Block::Attention => &mut self.attention,
+            Block::Mlp => &mut self.mlp,
+        }
+    }
 }
 
 /// What calibration measured with the thresholds it wrote.

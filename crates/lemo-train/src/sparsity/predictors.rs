@@ -11,11 +11,11 @@ use clap::Args;
 use lemo_kernels::LemoBackend;
 use lemo_models::CausalLm;
 use lemo_models::token_plan::{Record, TokenSparsity};
-use lemo_predictor::predictor::{DEFAULT_MLP_CHANNELS, DEFAULT_RANK};
+use lemo_predictor::agreement::{Recall, Selection, matched_threshold, recall};
+use lemo_predictor::predictor::{DEFAULT_COMPONENTS, DEFAULT_MLP_CHANNELS, DEFAULT_RANK};
 use lemo_predictor::stacked::{max_attention_epochs, train_attention_layers};
 use lemo_predictor::training::{
-    BlockSamples, Recall, Selection, TrainOptions, TrainedBlock, initial_sketch, recall,
-    train_mlp_block,
+    BlockSamples, TrainOptions, TrainedBlock, initial_sketch, train_mlp_block,
 };
 use lemo_predictor::{LayerPredictors, Predictors, PredictorsHeader};
 use lemo_sparsity::Thresholds;
@@ -47,6 +47,10 @@ pub struct TrainPredictorsArgs {
     /// Initial hidden width of the attention predictors (query and key scorers).
     #[arg(long, default_value_t = DEFAULT_RANK)]
     pub rank: usize,
+    /// Rank of the block matrix the attention predictors approximate: log-scores per token of
+    /// the query and key scorers, whose products are summed.
+    #[arg(long, default_value_t = DEFAULT_COMPONENTS)]
+    pub components: usize,
     /// Initial channels of each MLP predictor: the MLP's own channels it evaluates, chosen on
     /// the training data (capped at the MLP's width).
     #[arg(long, default_value_t = DEFAULT_MLP_CHANNELS)]
@@ -78,14 +82,6 @@ fn block_index(block: Block) -> usize {
     }
 }
 
-fn threshold(thresholds: &Thresholds, layer: usize, block: Block) -> Option<f32> {
-    let t = thresholds.layers[layer];
-    match block {
-        Block::Attention => t.attention,
-        Block::Mlp => t.mlp,
-    }
-}
-
 /// Exact token-block scores and `tokens_per_block` normalized token rows per token block of the
 /// input of every token-eliminating block of `thresholds`, one dense pass per sequence.
 fn collect<B: LemoBackend>(
@@ -114,7 +110,7 @@ fn collect<B: LemoBackend>(
         let plan = sparsity.into_plan().unwrap_or_default();
         for (layer, recorded) in plan.scores.iter().enumerate() {
             for block in [Block::Attention, Block::Mlp] {
-                if threshold(thresholds, layer, block).is_none() {
+                if thresholds.layers[layer].block(block).is_none() {
                     continue;
                 }
                 let record = recorded.block(block).expect("every block is recorded");
@@ -151,6 +147,9 @@ pub fn train_predictors<B: LemoBackend>(
     let inspect = &args.inspect;
     if args.sequences < 2 || args.eval_sequences == 0 {
         bail!("--sequences must be at least 2 and --eval-sequences at least 1");
+    }
+    if args.components == 0 || args.rank == 0 {
+        bail!("--components and --rank must be at least 1");
     }
     let (train, held_out) = match &args.eval_data {
         Some(eval_data) => (
@@ -238,10 +237,9 @@ pub fn train_predictors<B: LemoBackend>(
     let mut header = PredictorsHeader::new(thresholds.clone(), args.rank);
     header.model = name;
     let selection = |layer: usize, block: Block| {
-        threshold(&thresholds, layer, block).map(|threshold| Selection {
-            threshold,
-            min_keep: thresholds.min_keep,
-        })
+        thresholds.layers[layer]
+            .block(block)
+            .map(|threshold| Selection::new(threshold, thresholds.min_keep))
     };
     // A fifth of the training sequences (at least one) decide what pruning may remove.
     let split = |samples: &BlockSamples| {
@@ -280,6 +278,7 @@ pub fn train_predictors<B: LemoBackend>(
             &validation,
             &selections,
             args.rank,
+            args.components,
             &options,
             &device,
             &mut || bar.inc(1),
@@ -322,11 +321,23 @@ pub fn train_predictors<B: LemoBackend>(
         };
         for (block, result) in [(Block::Attention, attention), (Block::Mlp, mlp)] {
             let Some(result) = result else { continue };
-            let selection = selection(layer, block).expect("a trained block has a threshold");
+            let exact = selection(layer, block).expect("a trained block has a threshold");
+            let samples = train_samples[layer][block_index(block)]
+                .as_ref()
+                .expect("a trained block has samples");
+            // Predicted scores select with the threshold that keeps, on the training
+            // sequences, as many blocks as the exact scores keep.
+            let matched = exact.with_predicted_threshold(matched_threshold(
+                &result.predictor,
+                samples,
+                exact,
+                &device,
+            ));
+            *header.thresholds.layers[layer].block_mut(block) = Some(matched.predicted_threshold);
             let held_out = held_out_samples[layer][block_index(block)]
                 .as_ref()
                 .expect("held-out sequences have the same blocks");
-            let measured = recall(&result.predictor, held_out, selection, &device);
+            let measured = recall(&result.predictor, held_out, matched, &device);
             held_out_recalls.push(measured);
             *header.layers[layer].block_mut(block) = Some(lemo_predictor::file::BlockReport {
                 widths: result.predictor.widths(),
@@ -334,6 +345,9 @@ pub fn train_predictors<B: LemoBackend>(
                 params_after: result.predictor.num_params(),
                 recall: measured.recall,
                 precision: measured.precision,
+                kept: measured.kept,
+                exact_kept: measured.exact_kept,
+                exact_threshold: exact.threshold,
             });
             match block {
                 Block::Attention => predictors.attention = Some(result.predictor),
@@ -368,15 +382,26 @@ pub fn train_predictors<B: LemoBackend>(
 
 /// The per-layer table of recall, precision and size, and the means.
 fn print_report(header: &PredictorsHeader) {
-    eprintln!("layer  block      recall  precision  params before -> after");
+    eprintln!(
+        "layer  block      recall  precision  kept (exact)     threshold (exact)  params before -> after"
+    );
     let (mut before, mut after) = (0usize, 0usize);
     for (layer, report) in header.layers.iter().enumerate() {
-        for (name, block) in [("attention", &report.attention), ("mlp", &report.mlp)] {
+        for (name, kind, block) in [
+            ("attention", Block::Attention, &report.attention),
+            ("mlp", Block::Mlp, &report.mlp),
+        ] {
             if let Some(b) = block {
+                let threshold = header.thresholds.layers[layer]
+                    .block(kind)
+                    .unwrap_or(f32::NAN);
                 eprintln!(
-                    "{layer:>5}  {name:<9}  {:>5.1}%  {:>8.1}%  {:>13} -> {}",
+                    "{layer:>5}  {name:<9}  {:>5.1}%  {:>8.1}%  {:>5.1}% ({:>5.1}%)  {threshold:>7.3} ({:>7.3})  {:>13} -> {}",
                     100.0 * b.recall,
                     100.0 * b.precision,
+                    100.0 * b.kept,
+                    100.0 * b.exact_kept,
+                    b.exact_threshold,
                     b.params_before,
                     b.params_after
                 );

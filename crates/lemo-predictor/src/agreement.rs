@@ -1,0 +1,254 @@
+//! How the blocks a predictor keeps compare with the blocks exact scores keep: recall and
+//! precision, and the threshold at which predicted scores keep as many blocks as exact ones.
+
+use burn::tensor::backend::Backend;
+use lemo_sparsity::KeptRows;
+
+use crate::predictor::BlockPredictor;
+use crate::training::BlockSamples;
+
+/// How a block selects its kept token blocks from exact and from predicted scores (see
+/// `KeptRows::from_block_scores`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Selection {
+    /// The layer's threshold for exact scores.
+    pub threshold: f32,
+    /// The threshold predicted scores select with: the exact one while the predictors train,
+    /// then the one matched to their spread ([`matched_threshold`]).
+    pub predicted_threshold: f32,
+    pub min_keep: f32,
+}
+
+impl Selection {
+    /// The same threshold for exact and predicted scores.
+    pub const fn new(threshold: f32, min_keep: f32) -> Self {
+        Self {
+            threshold,
+            predicted_threshold: threshold,
+            min_keep,
+        }
+    }
+
+    pub fn with_predicted_threshold(self, predicted_threshold: f32) -> Self {
+        Self {
+            predicted_threshold,
+            ..self
+        }
+    }
+
+    /// Kept token-block indices of each sequence of `scores` `[sequences, blocks]` at
+    /// `threshold`.
+    fn kept_blocks(&self, scores: &[f32], blocks: usize, threshold: f32) -> Vec<Vec<u32>> {
+        scores
+            .chunks(blocks)
+            .map(|s| {
+                // Blocks of one token: the kept rows are the kept block indices.
+                KeptRows::from_block_scores(&[s], 1, blocks, threshold, self.min_keep).rows
+            })
+            .collect()
+    }
+
+    pub(crate) fn exact_kept_blocks(&self, scores: &[f32], blocks: usize) -> Vec<Vec<u32>> {
+        self.kept_blocks(scores, blocks, self.threshold)
+    }
+
+    pub(crate) fn predicted_kept_blocks(&self, scores: &[f32], blocks: usize) -> Vec<Vec<u32>> {
+        self.kept_blocks(scores, blocks, self.predicted_threshold)
+    }
+}
+
+/// Kept-block agreement of predicted with exact scores.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Recall {
+    /// Exactly kept blocks the prediction keeps, over the exactly kept blocks.
+    pub recall: f64,
+    /// Predicted blocks exactly kept, over the predicted blocks.
+    pub precision: f64,
+    /// Fractions of the blocks the prediction and the exact scores keep.
+    pub kept: f64,
+    pub exact_kept: f64,
+}
+
+/// Natural-log token-block scores `[sequences, blocks]` that `predictor` gives `samples`.
+fn predicted_log_scores<B: Backend>(
+    predictor: &BlockPredictor<B>,
+    samples: &BlockSamples,
+    device: &B::Device,
+) -> Vec<f32> {
+    predictor
+        .log_scores(samples.token_rows::<B>(device))
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .expect("f32 scores")
+}
+
+/// Recall and precision of `predictor`'s kept blocks against the exact ones on `samples`.
+pub fn recall<B: Backend>(
+    predictor: &BlockPredictor<B>,
+    samples: &BlockSamples,
+    selection: Selection,
+    device: &B::Device,
+) -> Recall {
+    agreement(
+        &predicted_log_scores(predictor, samples, device),
+        samples,
+        selection,
+    )
+}
+
+/// The threshold at which `predictor`'s scores keep as many blocks over `samples`' sequences
+/// as the exact scores keep at `selection`'s threshold ([`threshold_matching`]).
+pub fn matched_threshold<B: Backend>(
+    predictor: &BlockPredictor<B>,
+    samples: &BlockSamples,
+    selection: Selection,
+    device: &B::Device,
+) -> f32 {
+    threshold_matching(
+        &predicted_log_scores(predictor, samples, device),
+        samples,
+        selection,
+    )
+}
+
+/// Recall and precision of the kept blocks of `predicted_log_scores` (`[sequences, blocks]`,
+/// natural log) against the exact ones of `samples`.
+pub(crate) fn agreement(
+    predicted_log_scores: &[f32],
+    samples: &BlockSamples,
+    selection: Selection,
+) -> Recall {
+    let predicted = relative_scores(predicted_log_scores, samples.blocks);
+    let predicted = selection.predicted_kept_blocks(&predicted, samples.blocks);
+    let exact = selection.exact_kept_blocks(&samples.scores, samples.blocks);
+    let (mut found, mut exact_count, mut predicted_count) = (0usize, 0usize, 0usize);
+    for (p, e) in predicted.iter().zip(&exact) {
+        found += p.iter().filter(|b| e.contains(b)).count();
+        exact_count += e.len();
+        predicted_count += p.len();
+    }
+    let all_blocks = (samples.sequences() * samples.blocks).max(1) as f64;
+    Recall {
+        recall: found as f64 / exact_count.max(1) as f64,
+        precision: found as f64 / predicted_count.max(1) as f64,
+        kept: predicted_count as f64 / all_blocks,
+        exact_kept: exact_count as f64 / all_blocks,
+    }
+}
+
+/// Scores `exp(l - max)` of natural-log scores, per sequence of `blocks`: the ratios selection
+/// reads, without overflow.
+fn relative_scores(log_scores: &[f32], blocks: usize) -> Vec<f32> {
+    log_scores
+        .chunks(blocks)
+        .flat_map(|sequence| {
+            let largest = sequence.iter().copied().fold(f32::MIN, f32::max);
+            sequence.iter().map(move |&l| (l - largest).exp())
+        })
+        .collect()
+}
+
+/// The threshold at which `predicted_log_scores` (`[sequences, blocks]`, natural log) keep as
+/// many blocks over `samples`' sequences as the exact scores keep at `selection`'s threshold.
+/// A predictor fitted by regression spreads its scores less than the exact ones (it shrinks
+/// toward the mean where it is unsure), so at the exact threshold it keeps more blocks than the
+/// exact selection; at the matched threshold a token-sparse pass keeps the fraction its
+/// thresholds were calibrated for. Bisection on the log of the threshold: the kept count falls
+/// as the threshold rises.
+fn threshold_matching(
+    predicted_log_scores: &[f32],
+    samples: &BlockSamples,
+    selection: Selection,
+) -> f32 {
+    let blocks = samples.blocks;
+    let predicted = relative_scores(predicted_log_scores, blocks);
+    let kept = |threshold: f32| -> usize {
+        selection
+            .kept_blocks(&predicted, blocks, threshold)
+            .iter()
+            .map(Vec::len)
+            .sum()
+    };
+    let target: usize = selection
+        .exact_kept_blocks(&samples.scores, blocks)
+        .iter()
+        .map(Vec::len)
+        .sum();
+    // Below e^-30 every block passes; above `blocks` times the mean none does.
+    let (mut low, mut high) = (-30.0f32, (blocks as f32).ln() + 1.0);
+    for _ in 0..60 {
+        let middle = 0.5 * (low + high);
+        if kept(middle.exp()) > target {
+            low = middle;
+        } else {
+            high = middle;
+        }
+    }
+    // The closer of the two counts, the smaller kept set on a tie.
+    if target - kept(high.exp()).min(target) <= kept(low.exp()).saturating_sub(target) {
+        high.exp()
+    } else {
+        low.exp()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn::backend::NdArray;
+
+    #[test]
+    fn kept_blocks_are_block_indices_with_the_first_and_last_always_kept() {
+        let selection = Selection::new(1.0, 0.0).with_predicted_threshold(0.9);
+        // Exact keeps blocks 0, 1, 3 (the first and last always); a prediction that keeps 0, 2, 3.
+        let exact = [0.1, 5.0, 0.2, 0.3];
+        assert_eq!(selection.exact_kept_blocks(&exact, 4), vec![vec![0, 1, 3]]);
+        let predicted = [0.1, 0.2, 5.0, 0.3];
+        assert_eq!(
+            selection.predicted_kept_blocks(&predicted, 4),
+            vec![vec![0, 2, 3]]
+        );
+        // Each kind selects with its own threshold: block 2 (1.4, the mean 1.5) is under the
+        // exact bar (1.0 x 1.5) and over the predicted one (0.9 x 1.5).
+        let scores = [0.1, 0.3, 1.4, 4.2];
+        assert_eq!(selection.exact_kept_blocks(&scores, 4), vec![vec![0, 3]]);
+        assert_eq!(
+            selection.predicted_kept_blocks(&scores, 4),
+            vec![vec![0, 2, 3]]
+        );
+    }
+
+    #[test]
+    fn a_matched_threshold_keeps_as_many_blocks_as_the_exact_scores() {
+        // Predicted log-scores half as spread as the exact ones, in the same order: at the exact
+        // threshold the prediction keeps extra blocks; at the matched one it keeps as many as
+        // the exact selection (so recall equals precision), and more of them are right.
+        let device = Default::default();
+        lemo_test_support::seed_backend::<NdArray<f32>>(&device);
+        let (sequences, blocks) = (6, 40);
+        let logs: Vec<f32> =
+            lemo_test_support::random::<NdArray<f32>, 1>([sequences * blocks], &device)
+                .mul_scalar(1.5)
+                .into_data()
+                .to_vec()
+                .unwrap();
+        let mut samples = BlockSamples::new(blocks, 1, 1);
+        let exact: Vec<f32> = logs.iter().map(|l| l.exp()).collect();
+        samples.push(&vec![0.0; sequences * blocks], &exact);
+        let predicted: Vec<f32> = logs.iter().map(|l| 0.5 * l).collect();
+        let selection = Selection::new(1.0, 0.1);
+        let at_exact = agreement(&predicted, &samples, selection);
+        let threshold = threshold_matching(&predicted, &samples, selection);
+        let matched = agreement(
+            &predicted,
+            &samples,
+            selection.with_predicted_threshold(threshold),
+        );
+        println!("exact threshold {at_exact:?}; matched threshold {threshold}: {matched:?}");
+        assert!(at_exact.precision < at_exact.recall - 0.05, "{at_exact:?}");
+        assert_eq!(matched.kept, matched.exact_kept, "equal kept counts");
+        assert_eq!(matched.recall, matched.precision);
+        assert!(matched.precision > at_exact.precision + 0.05, "{matched:?}");
+    }
+}
