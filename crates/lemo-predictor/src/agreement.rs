@@ -70,7 +70,7 @@ pub struct Recall {
 }
 
 /// Natural-log token-block scores `[sequences, blocks]` that `predictor` gives `samples`.
-fn predicted_log_scores<B: Backend>(
+pub fn predicted_log_scores<B: Backend>(
     predictor: &BlockPredictor<B>,
     samples: &BlockSamples,
     device: &B::Device,
@@ -91,21 +91,6 @@ pub fn recall<B: Backend>(
     device: &B::Device,
 ) -> Recall {
     agreement(
-        &predicted_log_scores(predictor, samples, device),
-        samples,
-        selection,
-    )
-}
-
-/// The threshold at which `predictor`'s scores keep as many blocks over `samples`' sequences
-/// as the exact scores keep at `selection`'s threshold ([`threshold_matching`]).
-pub fn matched_threshold<B: Backend>(
-    predictor: &BlockPredictor<B>,
-    samples: &BlockSamples,
-    selection: Selection,
-    device: &B::Device,
-) -> f32 {
-    threshold_matching(
         &predicted_log_scores(predictor, samples, device),
         samples,
         selection,
@@ -150,18 +135,18 @@ fn relative_scores(log_scores: &[f32], blocks: usize) -> Vec<f32> {
 }
 
 /// The threshold at which `predicted_log_scores` (`[sequences, blocks]`, natural log) keep as
-/// many blocks over `samples`' sequences as the exact scores keep at `selection`'s threshold.
+/// many blocks over the sequences as `exact_scores` keep at `selection`'s threshold.
 /// A predictor fitted by regression spreads its scores less than the exact ones (it shrinks
 /// toward the mean where it is unsure), so at the exact threshold it keeps more blocks than the
 /// exact selection; at the matched threshold a token-sparse pass keeps the fraction its
 /// thresholds were calibrated for. Bisection on the log of the threshold: the kept count falls
 /// as the threshold rises.
-fn threshold_matching(
+pub fn matched_threshold(
     predicted_log_scores: &[f32],
-    samples: &BlockSamples,
+    exact_scores: &[f32],
+    blocks: usize,
     selection: Selection,
 ) -> f32 {
-    let blocks = samples.blocks;
     let predicted = relative_scores(predicted_log_scores, blocks);
     let kept = |threshold: f32| -> usize {
         selection
@@ -171,7 +156,7 @@ fn threshold_matching(
             .sum()
     };
     let target: usize = selection
-        .exact_kept_blocks(&samples.scores, blocks)
+        .exact_kept_blocks(exact_scores, blocks)
         .iter()
         .map(Vec::len)
         .sum();
@@ -239,7 +224,7 @@ mod tests {
         let predicted: Vec<f32> = logs.iter().map(|l| 0.5 * l).collect();
         let selection = Selection::new(1.0, 0.1);
         let at_exact = agreement(&predicted, &samples, selection);
-        let threshold = threshold_matching(&predicted, &samples, selection);
+        let threshold = matched_threshold(&predicted, &exact, blocks, selection);
         let matched = agreement(
             &predicted,
             &samples,

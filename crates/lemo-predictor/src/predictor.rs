@@ -36,22 +36,31 @@ impl<B: Backend> QueryKey<B> {
 
 /// Token-block log-scores `[batch, blocks]` from the query and key scorers' per-token
 /// log-scores `[batch, blocks, tokens, components]`: each pooled over its block's tokens, then
-/// `log sum_c exp(k_nc + log mean_{m >= n} exp(q_mc))`.
+/// `log sum_c exp(k_nc + log mean_{m >= n} exp(q_mc))`. Every reduction runs over the last
+/// dimension (one component at a time), the layout CubeCL's fused reductions handle on every
+/// backend.
 pub(crate) fn attention_log_scores<B: Backend>(
     query: Tensor<B, 4>,
     key: Tensor<B, 4>,
 ) -> Tensor<B, 2> {
-    let [batch, blocks, _, components] = key.dims();
-    // `[batch, blocks, components]` to one row of blocks per sequence and component.
-    let per_component = |per_token: Tensor<B, 4>| {
-        log_mean_exp_over_tokens(per_token)
-            .swap_dims(1, 2)
-            .reshape([batch * components, blocks])
+    let [batch, blocks, tokens, components] = key.dims();
+    let pooled = |per_token: &Tensor<B, 4>, component: usize| {
+        log_mean_exp_over_tokens(
+            per_token
+                .clone()
+                .narrow(3, component, 1)
+                .reshape([batch, blocks, tokens]),
+        )
     };
-    let terms = (per_component(key) + suffix_log_mean_exp(per_component(query)))
-        .reshape([batch, components, blocks]);
-    let largest = terms.clone().max_dim(1).detach();
-    ((terms - largest.clone()).exp().sum_dim(1).log() + largest).reshape([batch, blocks])
+    let terms: Vec<Tensor<B, 2>> = (0..components)
+        .map(|c| pooled(&key, c) + suffix_log_mean_exp(pooled(&query, c)))
+        .collect();
+    if components == 1 {
+        return terms.into_iter().next().expect("one component");
+    }
+    let terms = Tensor::stack::<3>(terms, 2);
+    let largest = terms.clone().max_dim(2).detach();
+    ((terms - largest.clone()).exp().sum_dim(2).log() + largest).reshape([batch, blocks])
 }
 
 /// The predictor of one block of a layer.

@@ -160,13 +160,13 @@ impl<B: Backend> Scorer<B> {
     }
 }
 
-/// `log mean_t exp(s_t)` over the tokens of per-token log-scores `[batch, blocks, tokens,
-/// components]`, stably: `[batch, blocks, components]`.
-pub(crate) fn log_mean_exp_over_tokens<B: Backend>(per_token: Tensor<B, 4>) -> Tensor<B, 3> {
-    let [batch, blocks, tokens, components] = per_token.dims();
+/// `log mean_t exp(s_t)` over the last dimension of per-token log-scores `[batch, blocks,
+/// tokens]`, stably: `[batch, blocks]`.
+pub(crate) fn log_mean_exp_over_tokens<B: Backend>(per_token: Tensor<B, 3>) -> Tensor<B, 2> {
+    let [batch, blocks, tokens] = per_token.dims();
     let largest = per_token.clone().max_dim(2).detach();
     let log_sum = (per_token - largest.clone()).exp().sum_dim(2).log() + largest;
-    log_sum.reshape([batch, blocks, components]) - (tokens as f32).ln()
+    log_sum.reshape([batch, blocks]) - (tokens as f32).ln()
 }
 
 /// The RMS-normalized rows of `x: [batch, seq, hidden]` grouped by token block, f32

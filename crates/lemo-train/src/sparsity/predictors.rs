@@ -11,7 +11,9 @@ use clap::Args;
 use lemo_kernels::LemoBackend;
 use lemo_models::CausalLm;
 use lemo_models::token_plan::{Record, TokenSparsity};
-use lemo_predictor::agreement::{Recall, Selection, matched_threshold, recall};
+use lemo_predictor::agreement::{
+    Recall, Selection, matched_threshold, predicted_log_scores, recall,
+};
 use lemo_predictor::predictor::{DEFAULT_COMPONENTS, DEFAULT_MLP_CHANNELS, DEFAULT_RANK};
 use lemo_predictor::stacked::{max_attention_epochs, train_attention_layers};
 use lemo_predictor::training::{
@@ -72,6 +74,9 @@ pub struct TrainPredictorsArgs {
     pub recall_tolerance: f64,
 }
 
+/// Training sequences (at most) that the thresholds for predicted scores are matched on.
+const MATCHING_SEQUENCES: usize = 8;
+
 /// Training data of every block of every layer (`[attention, mlp]`, `None` where dense).
 type LayerSamples = [Option<BlockSamples>; 2];
 
@@ -83,13 +88,14 @@ fn block_index(block: Block) -> usize {
 }
 
 /// Exact token-block scores and `tokens_per_block` normalized token rows per token block of the
-/// input of every token-eliminating block of `thresholds`, one dense pass per sequence.
+/// input of every token-eliminating block of `thresholds`, one dense pass per sequence (with a
+/// progress bar titled `what`, if given).
 fn collect<B: LemoBackend>(
     model: &CausalLm<B>,
     thresholds: &Thresholds,
     sequences: &[Vec<u32>],
     tokens_per_block: usize,
-    what: &str,
+    what: Option<&str>,
 ) -> Vec<LayerSamples> {
     let device = model.lm_head_weight().device();
     let observe = Thresholds {
@@ -101,7 +107,10 @@ fn collect<B: LemoBackend>(
         )
     };
     let mut samples: Vec<LayerSamples> = vec![[None, None]; thresholds.num_layers];
-    let bar = progress(sequences.len() as u64, what);
+    let bar = match what {
+        Some(what) => progress(sequences.len() as u64, what),
+        None => indicatif::ProgressBar::hidden(),
+    };
     for sequence in sequences {
         let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
         let mut sparsity =
@@ -210,14 +219,14 @@ pub fn train_predictors<B: LemoBackend>(
         &thresholds,
         &train,
         tokens_per_block,
-        "train-predictors: exact scores",
+        Some("train-predictors: exact scores"),
     );
     let held_out_samples = collect(
         model,
         &thresholds,
         &held_out,
         block_size,
-        "train-predictors: held-out scores",
+        Some("train-predictors: held-out scores"),
     );
 
     eprintln!(
@@ -312,6 +321,40 @@ pub fn train_predictors<B: LemoBackend>(
         started.elapsed().as_secs_f64()
     );
 
+    // Predicted scores select with the thresholds that keep, on training sequences, as many
+    // blocks as the exact scores keep. They are matched on sequences read with every token, as
+    // the predictors read them when used: pooled over a subset of each block's tokens (the
+    // training samples), scores spread more and would keep fewer blocks.
+    let matching = &train[..train.len().min(MATCHING_SEQUENCES)];
+    let mut scores: Vec<[(Vec<f32>, Vec<f32>); 2]> = (0..thresholds.num_layers)
+        .map(|_| Default::default())
+        .collect();
+    let bar = progress(
+        matching.len() as u64,
+        "train-predictors: thresholds for predicted scores",
+    );
+    for sequence in matching {
+        let samples = collect(
+            model,
+            &thresholds,
+            std::slice::from_ref(sequence),
+            block_size,
+            None,
+        );
+        for (layer, blocks) in samples.iter().enumerate() {
+            for (index, samples) in blocks.iter().enumerate() {
+                let (Some(samples), Some(result)) = (samples, &trained[layer][index]) else {
+                    continue;
+                };
+                let (predicted, exact) = &mut scores[layer][index];
+                predicted.extend(predicted_log_scores(&result.predictor, samples, &device));
+                exact.extend_from_slice(&samples.scores);
+            }
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+
     let mut layers: Vec<LayerPredictors<B>> = Vec::with_capacity(thresholds.num_layers);
     let mut held_out_recalls: Vec<Recall> = Vec::new();
     for (layer, [attention, mlp]) in trained.into_iter().enumerate() {
@@ -322,16 +365,15 @@ pub fn train_predictors<B: LemoBackend>(
         for (block, result) in [(Block::Attention, attention), (Block::Mlp, mlp)] {
             let Some(result) = result else { continue };
             let exact = selection(layer, block).expect("a trained block has a threshold");
-            let samples = train_samples[layer][block_index(block)]
+            let (predicted_scores, exact_scores) = &scores[layer][block_index(block)];
+            let blocks = held_out_samples[layer][block_index(block)]
                 .as_ref()
-                .expect("a trained block has samples");
-            // Predicted scores select with the threshold that keeps, on the training
-            // sequences, as many blocks as the exact scores keep.
+                .map_or(1, |samples| samples.blocks);
             let matched = exact.with_predicted_threshold(matched_threshold(
-                &result.predictor,
-                samples,
+                predicted_scores,
+                exact_scores,
+                blocks,
                 exact,
-                &device,
             ));
             *header.thresholds.layers[layer].block_mut(block) = Some(matched.predicted_threshold);
             let held_out = held_out_samples[layer][block_index(block)]
