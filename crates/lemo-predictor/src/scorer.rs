@@ -66,6 +66,15 @@ impl<B: Backend> Dense<B> {
     }
 }
 
+/// The size of a query or key scorer before pruning.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ScorerShape {
+    /// Width of both hidden layers.
+    pub rank: usize,
+    /// Log-scores per token: the rank of the block matrix a query and key pair approximates.
+    pub components: usize,
+}
+
 /// `hidden -> width[0] -> width[1] -> components` with ReLU after the first two maps: log-scores
 /// per token and component, and a token block's log-score the log of its tokens' mean score
 /// ([`log_mean_exp_over_tokens`]).
@@ -253,18 +262,17 @@ mod tests {
     #[test]
     fn a_block_log_score_is_the_log_mean_of_its_token_scores() {
         let device = Default::default();
-        // Two sequences of three blocks of four tokens, two components.
-        let per_token =
-            Tensor::<B, 4>::random([2, 3, 4, 2], Distribution::Normal(0.0, 3.0), &device);
+        // Two sequences of three blocks of four tokens.
+        let per_token = Tensor::<B, 3>::random([2, 3, 4], Distribution::Normal(0.0, 3.0), &device);
         let values: Vec<f32> = per_token.clone().into_data().to_vec().unwrap();
         let pooled: Vec<f32> = log_mean_exp_over_tokens(per_token)
             .into_data()
             .to_vec()
             .unwrap();
-        for (index, got) in pooled.iter().enumerate() {
-            let (block, component) = (index / 2, index % 2);
-            let mean = (0..4)
-                .map(|token| values[(block * 4 + token) * 2 + component].exp())
+        for (block, got) in pooled.iter().enumerate() {
+            let mean = values[block * 4..(block + 1) * 4]
+                .iter()
+                .map(|v| v.exp())
                 .sum::<f32>()
                 / 4.0;
             assert!((got - mean.ln()).abs() < 1e-4, "{got} vs {}", mean.ln());

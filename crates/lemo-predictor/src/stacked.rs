@@ -16,7 +16,7 @@ use burn::tensor::{Tensor, TensorData};
 
 use crate::agreement::{Recall, Selection, agreement};
 use crate::predictor::{BlockPredictor, QueryKey, attention_log_scores};
-use crate::scorer::{Dense, Scorer, initial_distribution};
+use crate::scorer::{Dense, Scorer, ScorerShape, initial_distribution};
 use crate::training::{
     BlockSamples, TrainOptions, TrainedBlock, log_thresholds, selection_loss, surviving_count,
     survivors,
@@ -330,8 +330,8 @@ pub fn max_attention_epochs(rank: usize, options: &TrainOptions) -> usize {
     options.epochs + rounds * options.prune_every
 }
 
-/// Trains the attention predictors (query and key scorers of width `rank` and `components`
-/// log-scores per token) of several layers at once: `train[l]`, `validation[l]` and `selections[l]` are layer `l`'s samples (the same
+/// Trains the attention predictors (query and key scorers of `shape`) of several layers at
+/// once: `train[l]`, `validation[l]` and `selections[l]` are layer `l`'s samples (the same
 /// sequences for every layer) and kept-set rule. `options.epochs` full-batch Adam steps on the
 /// sum of the layers' selection losses; then rounds of elastic size transformation: in each
 /// layer still pruning, each hidden layer of each scorer loses the `options.prune_fraction` of
@@ -343,12 +343,12 @@ pub fn train_attention_layers<B: AutodiffBackend>(
     train: &[&BlockSamples],
     validation: &[&BlockSamples],
     selections: &[Selection],
-    rank: usize,
-    components: usize,
+    shape: ScorerShape,
     options: &TrainOptions,
     device: &B::Device,
     on_epoch: &mut dyn FnMut(),
 ) -> Vec<TrainedBlock<B::InnerBackend>> {
+    let ScorerShape { rank, components } = shape;
     let layers = train.len();
     assert!(layers > 0 && validation.len() == layers && selections.len() == layers);
     B::seed(device, options.seed);

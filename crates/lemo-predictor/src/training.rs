@@ -401,8 +401,10 @@ mod tests {
             &train,
             &validation,
             &[SELECTION; 2],
-            24,
-            2,
+            crate::scorer::ScorerShape {
+                rank: 24,
+                components: 2,
+            },
             &options,
             &device,
             &mut || {},

@@ -423,6 +423,15 @@ fn trained_predictors_drive_a_lemo_evaluation_and_bad_ones_are_refused() {
         .header;
     assert_eq!((header.block_size, header.seq_len), (8, 32));
     assert!(header.layers[0].attention.is_none() && header.layers[1].attention.is_some());
+    // Each block reports the exact threshold beside the matched one the header selects with.
+    let report = header.layers[1].attention.as_ref().unwrap();
+    assert!(
+        report.exact_threshold > 0.0
+            && header.thresholds.layers[1].attention.is_some()
+            && (0.0..=1.0).contains(&report.kept)
+            && (0.0..=1.0).contains(&report.exact_kept),
+        "{report:?}"
+    );
 
     let eval = |extra: &[&str]| -> Vec<String> {
         [

@@ -15,6 +15,7 @@ use lemo_predictor::agreement::{
     Recall, Selection, matched_threshold, predicted_log_scores, recall,
 };
 use lemo_predictor::predictor::{DEFAULT_COMPONENTS, DEFAULT_MLP_CHANNELS, DEFAULT_RANK};
+use lemo_predictor::scorer::ScorerShape;
 use lemo_predictor::stacked::{max_attention_epochs, train_attention_layers};
 use lemo_predictor::training::{
     BlockSamples, TrainOptions, TrainedBlock, initial_sketch, train_mlp_block,
@@ -286,8 +287,10 @@ pub fn train_predictors<B: LemoBackend>(
             &fit,
             &validation,
             &selections,
-            args.rank,
-            args.components,
+            ScorerShape {
+                rank: args.rank,
+                components: args.components,
+            },
             &options,
             &device,
             &mut || bar.inc(1),
