@@ -92,7 +92,8 @@ pub struct PredictorsHeader {
     pub block_size: usize,
     /// The initial hidden width of the query and key scorers.
     pub rank: usize,
-    /// The thresholds the predicted scores select with (those they were trained at).
+    /// The thresholds the predicted scores select with: matched to their spread, so that they
+    /// keep as many blocks as the exact scores keep at the exact thresholds (in `layers`).
     pub thresholds: Thresholds,
     pub layers: Vec<LayerReport>,
     /// Mean recall and precision over the token-eliminating blocks, and the held-out data.

@@ -402,7 +402,7 @@ mod tests {
             &validation,
             &[SELECTION; 2],
             crate::scorer::ScorerShape {
-                rank: 24,
+                rank: 32,
                 components: 2,
             },
             &options,
