@@ -369,13 +369,10 @@ pub fn train_predictors<B: LemoBackend>(
             let Some(result) = result else { continue };
             let exact = selection(layer, block).expect("a trained block has a threshold");
             let (predicted_scores, exact_scores) = &scores[layer][block_index(block)];
-            let blocks = held_out_samples[layer][block_index(block)]
-                .as_ref()
-                .map_or(1, |samples| samples.blocks);
             let matched = exact.with_predicted_threshold(matched_threshold(
                 predicted_scores,
                 exact_scores,
-                blocks,
+                seq_len.div_ceil(block_size),
                 exact,
             ));
             *header.thresholds.layers[layer].block_mut(block) = Some(matched.predicted_threshold);
