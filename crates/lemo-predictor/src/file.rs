@@ -101,6 +101,11 @@ pub struct PredictorsHeader {
     pub precision: f64,
     pub held_out_sequences: usize,
     pub seq_len: usize,
+    /// The linear RoPE position interpolation the model ran at (1: its own positions); a run
+    /// at another one gives the predictors other embeddings than they learned from. Absent
+    /// from files written before it was recorded.
+    #[serde(default)]
+    pub position_interpolation: Option<f64>,
 }
 
 impl PredictorsHeader {
@@ -119,6 +124,7 @@ impl PredictorsHeader {
             precision: 0.0,
             held_out_sequences: 0,
             seq_len: 0,
+            position_interpolation: None,
         }
     }
 }

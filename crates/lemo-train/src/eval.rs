@@ -71,16 +71,23 @@ impl BackendJob for EvalJob {
             Some(settings) => {
                 model.check_token_elimination(seq_len)?;
                 let beside_adapter = self.setup.adapter.as_ref().map(|a| a.join(THRESHOLDS_FILE));
-                Some(crate::sparsity::elimination(settings, &config, || {
-                    let path = beside_adapter
+                let interpolation = self.setup.position_interpolation(&config)?;
+                let interpolation = Some(interpolation.map_or(1.0, |(factor, _)| factor));
+                Some(crate::sparsity::elimination(
+                    settings,
+                    &config,
+                    interpolation,
+                    || {
+                        let path = beside_adapter
                         .filter(|p| p.exists())
                         .context("eval --method lemo needs --thresholds FILE (written by `train --method lemo` beside its adapter, or by `calibrate`) or --predictors FILE")?;
-                    eprintln!(
-                        "lemo: token elimination with the thresholds of {}",
-                        path.display()
-                    );
-                    read_thresholds(&path, &config)
-                })?)
+                        eprintln!(
+                            "lemo: token elimination with the thresholds of {}",
+                            path.display()
+                        );
+                        read_thresholds(&path, &config)
+                    },
+                )?)
             }
             None => None,
         };

@@ -154,6 +154,36 @@ pub struct ModelSetup {
     pub precision: PrecisionKind,
 }
 
+impl ModelSetup {
+    /// The linear RoPE interpolation factor this setup runs `config` at, and where it comes
+    /// from: `--target-context`, else the scaling recorded with the adapter; `None`: the model's
+    /// own positions.
+    pub fn position_interpolation(&self, config: &ModelConfig) -> Result<Option<(f64, String)>> {
+        if let Some(target) = self.target_context {
+            return Ok(interpolated_rope(config, target)?
+                .map(|(_, factor)| (factor, format!("--target-context {target}"))));
+        }
+        let info = match &self.adapter {
+            Some(dir) => TrainingInfo::read(dir)?,
+            None => None,
+        };
+        Ok(info
+            .as_ref()
+            .and_then(TrainingInfo::linear_factor)
+            .map(|factor| (factor, "recorded with the adapter".to_string())))
+    }
+
+    /// The longest sequence the model addresses under this setup; refuses `seq_len` past it,
+    /// as `train` does (positions past the trained context without interpolation are ones the
+    /// model never saw).
+    pub fn check_seq_len(&self, config: &ModelConfig, seq_len: usize) -> Result<()> {
+        let extended = self
+            .position_interpolation(config)?
+            .map(|(factor, _)| (config.max_position_embeddings() as f64 * factor) as usize);
+        check_seq_len(config, seq_len, self.target_context.or(extended))
+    }
+}
+
 /// Loads `path` with `setup` applied; says on stderr what was applied.
 pub fn load<B: LemoBackend>(
     path: &Path,
@@ -161,22 +191,9 @@ pub fn load<B: LemoBackend>(
     device: &B::Device,
 ) -> Result<(CausalLm<B>, ModelConfig)> {
     let (mut model, config) = CausalLm::<B>::from_path(path, device, setup.precision.policy())?;
-    let info = match &setup.adapter {
-        Some(dir) => TrainingInfo::read(dir)?,
-        None => None,
-    };
-    if let Some(target) = setup.target_context {
-        if let Some((rope, factor)) = interpolated_rope(&config, target)? {
-            model = model.with_rope(&rope)?;
-            eprintln!(
-                "rope: linear position interpolation, factor {factor} (--target-context {target})"
-            );
-        }
-    } else if let Some(factor) = info.as_ref().and_then(TrainingInfo::linear_factor) {
+    if let Some((factor, source)) = setup.position_interpolation(&config)? {
         model = with_linear_factor(model, &config, factor)?;
-        eprintln!(
-            "rope: linear position interpolation, factor {factor} (recorded with the adapter)"
-        );
+        eprintln!("rope: linear position interpolation, factor {factor} ({source})");
     }
     if let Some(dir) = &setup.adapter {
         let (with_adapter, lora) = model

@@ -422,6 +422,7 @@ fn trained_predictors_drive_a_lemo_evaluation_and_bad_ones_are_refused() {
         .unwrap()
         .header;
     assert_eq!((header.block_size, header.seq_len), (8, 32));
+    assert_eq!(header.position_interpolation, Some(1.0));
     assert!(header.layers[0].attention.is_none() && header.layers[1].attention.is_some());
     // Each block reports the exact threshold beside the matched one the header selects with.
     let report = header.layers[1].attention.as_ref().unwrap();
@@ -446,6 +447,29 @@ fn trained_predictors_drive_a_lemo_evaluation_and_bad_ones_are_refused() {
     };
     let json = stdout_json(&lemo_owned(&eval(&["--predictors", file, "--json"])));
     assert!(json["keep_attention"].as_f64().unwrap() < 1.0, "{json}");
+    // A run at other positions than the predictors learned from is told so.
+    let interpolated = lemo_owned(&eval(&["--predictors", file, "--target-context", "256"]));
+    let stderr = String::from_utf8_lossy(&interpolated.stderr);
+    assert!(
+        interpolated.status.success() && stderr.contains("interpolates x2"),
+        "{stderr}"
+    );
+    // Predictors learn from the positions a run uses: past the trained context only with
+    // --target-context.
+    assert_clean_error(
+        &[
+            "train-predictors",
+            "--model",
+            model,
+            "--data",
+            data,
+            "--seq-len",
+            "256",
+            "--device",
+            "cpu",
+        ],
+        "--seq-len 256 is past the 128 positions this model addresses",
+    );
     assert_clean_error_owned(
         &eval(&["--scores", "predicted"]),
         "--scores predicted needs --predictors FILE",

@@ -129,10 +129,13 @@ pub fn check_coverage(predictors: &Predictors, path: &Path, thresholds: &Thresho
 }
 
 /// The thresholds given by `--thresholds`, else those the predictors were trained with, else
-/// `otherwise()` (calibration, a run folder's file...), with the predictors.
+/// `otherwise()` (calibration, a run folder's file...), with the predictors. A run whose model
+/// runs at `position_interpolation` (its linear RoPE factor; `None`: not a question, as for
+/// `bench`) is warned when the predictors learned from another one.
 pub fn elimination(
     settings: &SparsitySettings,
     config: &ModelConfig,
+    position_interpolation: Option<f64>,
     otherwise: impl FnOnce() -> Result<Thresholds>,
 ) -> Result<Elimination> {
     let predictors = read_predictors(settings, config)?;
@@ -149,6 +152,16 @@ pub fn elimination(
             predictors.num_params(),
             100.0 * predictors.header.recall
         );
+        if let (Some(trained), Some(run)) = (
+            predictors.header.position_interpolation,
+            position_interpolation,
+        ) && (trained - run).abs() > 1e-9
+        {
+            eprintln!(
+                "lemo: warning: {} learned from the model at RoPE position interpolation x{trained}, this run interpolates x{run}: its kept fractions will be off (train the predictors with this run's --target-context)",
+                path.display()
+            );
+        }
     }
     Ok(Elimination {
         thresholds,
@@ -189,7 +202,7 @@ pub fn bench_elimination<B: Backend>(
         scores: untrained.then_some(ScoreSource::Exact).or(settings.scores),
         ..settings.clone()
     };
-    let mut elimination = elimination(&exact, config, || Ok(keep_exactly(config, settings)))?;
+    let mut elimination = elimination(&exact, config, None, || Ok(keep_exactly(config, settings)))?;
     if untrained {
         let (rank, channels) = (DEFAULT_RANK, DEFAULT_MLP_CHANNELS);
         let layers: Vec<LayerPredictors<B>> = elimination

@@ -119,6 +119,7 @@ impl BackendJob for InspectJob {
             .seq_len
             .or(args.target_context)
             .unwrap_or(config.max_position_embeddings());
+        setup.check_seq_len(&config, seq_len)?;
         model.check_token_elimination(seq_len)?;
         let read = || {
             let count = self.settings.calibration_sequences;
@@ -127,7 +128,11 @@ impl BackendJob for InspectJob {
         let name = args.model.display().to_string();
         match self.task {
             Task::TrainPredictors(predictor_args) => {
-                train_predictors(&predictor_args, &self.settings, &model, &config, seq_len)
+                let interpolation = setup
+                    .position_interpolation(&config)?
+                    .map_or(1.0, |(factor, _)| factor);
+                let (settings, args) = (&self.settings, &predictor_args);
+                train_predictors(args, settings, &model, &config, seq_len, interpolation)
             }
             Task::Calibrate => {
                 let sequences = read()?;

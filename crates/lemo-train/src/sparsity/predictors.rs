@@ -145,13 +145,15 @@ fn collect<B: LemoBackend>(
     samples
 }
 
-/// Runs `train-predictors` on backend `B`; returns the predictors file.
+/// Runs `train-predictors` on backend `B` over sequences of `seq_len` tokens, the model's
+/// positions interpolated by `position_interpolation` (1: none); returns the predictors file.
 pub fn train_predictors<B: LemoBackend>(
     args: &TrainPredictorsArgs,
     settings: &SparsitySettings,
     model: &CausalLm<B>,
     config: &lemo_models::ModelConfig,
     seq_len: usize,
+    position_interpolation: f64,
 ) -> Result<PathBuf> {
     let started = Instant::now();
     let inspect = &args.inspect;
@@ -406,6 +408,7 @@ pub fn train_predictors<B: LemoBackend>(
     header.precision = held_out_recalls.iter().map(|r| r.precision).sum::<f64>() / count;
     header.held_out_sequences = held_out.len();
     header.seq_len = seq_len;
+    header.position_interpolation = Some(position_interpolation);
     print_report(&header);
     let predictors = Predictors::new(header, &layers);
     let out = inspect

@@ -196,7 +196,8 @@ fn elimination<B: LemoBackend>(
     model.check_token_elimination(setup.seq_len)?;
     let settings = config.sparsity();
     let saved = config.out.join(THRESHOLDS_FILE);
-    let elimination = sparsity::elimination(&settings, &setup.model_config, || {
+    let interpolation = Some(setup.info.linear_factor().unwrap_or(1.0));
+    let elimination = sparsity::elimination(&settings, &setup.model_config, interpolation, || {
         if setup.resumed.is_some() && saved.exists() {
             return sparsity::read_thresholds(&saved, &setup.model_config);
         }
