@@ -67,6 +67,11 @@ pub struct Recall {
     /// Fractions of the blocks the prediction and the exact scores keep.
     pub kept: f64,
     pub exact_kept: f64,
+    /// Exact informativeness the predicted kept blocks hold, over the most that as many blocks
+    /// (the first and last among them, as selection always keeps) could hold: 1 when they are
+    /// the best ones, and near 1 when the blocks missed score about as well as those taken in
+    /// their place, which recall does not tell apart from missing the most informative ones.
+    pub captured: f64,
 }
 
 /// Natural-log token-block scores `[sequences, blocks]` that `predictor` gives `samples`.
@@ -108,10 +113,20 @@ pub(crate) fn agreement(
     let predicted = selection.predicted_kept_blocks(&predicted, samples.blocks);
     let exact = selection.exact_kept_blocks(&samples.scores, samples.blocks);
     let (mut found, mut exact_count, mut predicted_count) = (0usize, 0usize, 0usize);
-    for (p, e) in predicted.iter().zip(&exact) {
+    let (mut held, mut most) = (0.0f64, 0.0f64);
+    let exact_scores = samples.scores.chunks(samples.blocks);
+    for ((p, e), scores) in predicted.iter().zip(&exact).zip(exact_scores) {
         found += p.iter().filter(|b| e.contains(b)).count();
         exact_count += e.len();
         predicted_count += p.len();
+        // Relative to the sequence's mean, so that every sequence weighs the same.
+        let mean = scores.iter().map(|&v| v as f64).sum::<f64>() / scores.len().max(1) as f64;
+        let relative = |block: usize| scores[block] as f64 / mean.max(f64::MIN_POSITIVE);
+        held += p.iter().map(|&b| relative(b as usize)).sum::<f64>();
+        most += best_blocks(scores, p.len())
+            .into_iter()
+            .map(relative)
+            .sum::<f64>();
     }
     let all_blocks = (samples.sequences() * samples.blocks).max(1) as f64;
     Recall {
@@ -119,7 +134,21 @@ pub(crate) fn agreement(
         precision: found as f64 / predicted_count.max(1) as f64,
         kept: predicted_count as f64 / all_blocks,
         exact_kept: exact_count as f64 / all_blocks,
+        captured: if most > 0.0 { held / most } else { 1.0 },
     }
+}
+
+/// The `count` blocks of the highest `scores` among those holding the first and the last block.
+fn best_blocks(scores: &[f32], count: usize) -> Vec<usize> {
+    let last = scores.len().saturating_sub(1);
+    let mut rest: Vec<usize> = (1..last).collect();
+    rest.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]));
+    let ends: Vec<usize> = if last > 0 { vec![0, last] } else { vec![0] };
+    let take = count.saturating_sub(ends.len());
+    ends.into_iter()
+        .chain(rest.into_iter().take(take))
+        .take(count)
+        .collect()
 }
 
 /// Scores `exp(l - max)` of natural-log scores, per sequence of `blocks`: the ratios selection
@@ -205,6 +234,29 @@ mod tests {
     }
 
     #[test]
+    fn captured_informativeness_tells_near_ties_from_misses() {
+        // Exact scores alternate between the even and the odd blocks; the exact selection keeps
+        // the higher-scoring even ones and the last block, {0, 2, 4, 6, 7}. The prediction keeps
+        // {0, 1, 3, 5, 7}: recall 2/5 whatever the scores. Against even blocks scoring 3 and odd
+        // ones 1 it holds 7 of the 13 the best five blocks hold; against 1.01 and 1 it holds
+        // nearly all of it, as the blocks it swapped are as informative.
+        let predicted = [0.0f32, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0];
+        let measure = |even: f32, odd: f32| {
+            let exact: Vec<f32> = (0..8)
+                .map(|b| if b % 2 == 0 { even } else { odd })
+                .collect();
+            let mut samples = BlockSamples::new(8, 1, 1);
+            samples.push(&[0.0; 8], &exact);
+            agreement(&predicted, &samples, Selection::new(1.0, 0.0))
+        };
+        let (miss, tie) = (measure(3.0, 1.0), measure(1.01, 1.0));
+        println!("clear miss {miss:?}; near tie {tie:?}");
+        assert_eq!((miss.recall, tie.recall), (0.4, 0.4));
+        assert!((miss.captured - 7.0 / 13.0).abs() < 1e-6, "{miss:?}");
+        assert!(tie.captured > 0.99, "{tie:?}");
+    }
+
+    #[test]
     fn a_matched_threshold_keeps_as_many_blocks_as_the_exact_scores() {
         // Predicted log-scores half as spread as the exact ones, in the same order: at the exact
         // threshold the prediction keeps extra blocks; at the matched one it keeps as many as
@@ -234,6 +286,8 @@ mod tests {
         assert!(at_exact.precision < at_exact.recall - 0.05, "{at_exact:?}");
         assert_eq!(matched.kept, matched.exact_kept, "equal kept counts");
         assert_eq!(matched.recall, matched.precision);
+        // Predictions in the exact order keep the best blocks for their count.
+        assert!((matched.captured - 1.0).abs() < 1e-9, "{matched:?}");
         assert!(matched.precision > at_exact.precision + 0.05, "{matched:?}");
     }
 }

@@ -63,6 +63,10 @@ pub struct BlockReport {
     /// to the predicted scores (`lemo_predictor::agreement::matched_threshold`).
     #[serde(default)]
     pub exact_threshold: f32,
+    /// Exact informativeness the predicted kept blocks hold over the most as many blocks could
+    /// (`lemo_predictor::agreement::Recall::captured`).
+    #[serde(default)]
+    pub captured: f64,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -99,6 +103,9 @@ pub struct PredictorsHeader {
     /// Mean recall and precision over the token-eliminating blocks, and the held-out data.
     pub recall: f64,
     pub precision: f64,
+    /// Mean informativeness captured over the token-eliminating blocks.
+    #[serde(default)]
+    pub captured: f64,
     pub held_out_sequences: usize,
     pub seq_len: usize,
     /// The linear RoPE position interpolation the model ran at (1: its own positions); a run
@@ -122,6 +129,7 @@ impl PredictorsHeader {
             thresholds,
             recall: 0.0,
             precision: 0.0,
+            captured: 0.0,
             held_out_sequences: 0,
             seq_len: 0,
             position_interpolation: None,

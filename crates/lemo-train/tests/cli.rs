@@ -430,7 +430,9 @@ fn trained_predictors_drive_a_lemo_evaluation_and_bad_ones_are_refused() {
         report.exact_threshold > 0.0
             && header.thresholds.layers[1].attention.is_some()
             && (0.0..=1.0).contains(&report.kept)
-            && (0.0..=1.0).contains(&report.exact_kept),
+            && (0.0..=1.0).contains(&report.exact_kept)
+            && report.captured > 0.0
+            && report.captured <= 1.0 + 1e-9,
         "{report:?}"
     );
 

@@ -392,6 +392,7 @@ pub fn train_predictors<B: LemoBackend>(
                 kept: measured.kept,
                 exact_kept: measured.exact_kept,
                 exact_threshold: exact.threshold,
+                captured: measured.captured,
             });
             match block {
                 Block::Attention => predictors.attention = Some(result.predictor),
@@ -406,6 +407,7 @@ pub fn train_predictors<B: LemoBackend>(
     let count = held_out_recalls.len() as f64;
     header.recall = held_out_recalls.iter().map(|r| r.recall).sum::<f64>() / count;
     header.precision = held_out_recalls.iter().map(|r| r.precision).sum::<f64>() / count;
+    header.captured = held_out_recalls.iter().map(|r| r.captured).sum::<f64>() / count;
     header.held_out_sequences = held_out.len();
     header.seq_len = seq_len;
     header.position_interpolation = Some(position_interpolation);
@@ -428,7 +430,7 @@ pub fn train_predictors<B: LemoBackend>(
 /// The per-layer table of recall, precision and size, and the means.
 fn print_report(header: &PredictorsHeader) {
     eprintln!(
-        "layer  block      recall  precision  kept (exact)     threshold (exact)  params before -> after"
+        "layer  block      recall  precision  captured  kept (exact)     threshold (exact)  params before -> after"
     );
     let (mut before, mut after) = (0usize, 0usize);
     for (layer, report) in header.layers.iter().enumerate() {
@@ -441,9 +443,10 @@ fn print_report(header: &PredictorsHeader) {
                     .block(kind)
                     .unwrap_or(f32::NAN);
                 eprintln!(
-                    "{layer:>5}  {name:<9}  {:>5.1}%  {:>8.1}%  {:>5.1}% ({:>5.1}%)  {threshold:>7.3} ({:>7.3})  {:>13} -> {}",
+                    "{layer:>5}  {name:<9}  {:>5.1}%  {:>8.1}%  {:>7.1}%  {:>5.1}% ({:>5.1}%)  {threshold:>7.3} ({:>7.3})  {:>13} -> {}",
                     100.0 * b.recall,
                     100.0 * b.precision,
+                    100.0 * b.captured,
                     100.0 * b.kept,
                     100.0 * b.exact_kept,
                     b.exact_threshold,
@@ -456,9 +459,10 @@ fn print_report(header: &PredictorsHeader) {
         }
     }
     eprintln!(
-        "mean held-out recall {:.2}%, precision {:.2}% ({} sequences of {} tokens); parameters {before} -> {after} ({:.1}% removed)",
+        "mean held-out recall {:.2}%, precision {:.2}%, informativeness captured {:.2}% ({} sequences of {} tokens); parameters {before} -> {after} ({:.1}% removed)",
         100.0 * header.recall,
         100.0 * header.precision,
+        100.0 * header.captured,
         header.held_out_sequences,
         header.seq_len,
         100.0 * (1.0 - after as f64 / before.max(1) as f64)
