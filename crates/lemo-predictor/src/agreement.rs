@@ -258,6 +258,7 @@ mod tests {
 
     #[test]
     fn a_matched_threshold_keeps_as_many_blocks_as_the_exact_scores() {
+        let _generator = lemo_test_support::exclusive_generator();
         // Predicted log-scores half as spread as the exact ones, in the same order: at the exact
         // threshold the prediction keeps extra blocks; at the matched one it keeps as many as
         // the exact selection (so recall equals precision), and more of them are right.

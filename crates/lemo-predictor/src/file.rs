@@ -496,6 +496,7 @@ mod tests {
 
     #[test]
     fn a_written_file_reads_back_to_the_same_predictions() {
+        let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         let layers = layers(&device);
         let predictors = Predictors::new(header(), &layers);
@@ -535,6 +536,7 @@ mod tests {
 
     #[test]
     fn a_damaged_file_is_a_one_line_error() {
+        let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.safetensors");

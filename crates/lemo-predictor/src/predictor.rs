@@ -183,6 +183,7 @@ mod tests {
 
     #[test]
     fn attention_scores_are_column_means_of_the_causal_block_matrix() {
+        let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         let (blocks, components) = (5, 2);
         let scorers = QueryKey::<B>::new(8, 4, components, &device);
@@ -229,6 +230,7 @@ mod tests {
 
     #[test]
     fn token_block_scores_keep_the_ratios_and_put_the_largest_at_one() {
+        let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         let predictor = BlockPredictor::<B>::untrained(Block::Mlp, 8, 4, &device);
         let x = Tensor::<B, 3>::random([1, 40, 8], Distribution::Normal(0.0, 1.0), &device);

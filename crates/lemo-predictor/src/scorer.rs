@@ -223,6 +223,7 @@ mod tests {
 
     #[test]
     fn token_rows_are_normalized_grouped_by_block_and_subsampled_evenly() {
+        let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         // Five rows of two channels, blocks of two: [0, 1], [2, 3], [4, pad].
         let rows = [3.0, 4.0, 6.0, 8.0, 1.0, 0.0, 0.0, -2.0, 5.0, 5.0];
@@ -261,6 +262,7 @@ mod tests {
 
     #[test]
     fn a_block_log_score_is_the_log_mean_of_its_token_scores() {
+        let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         // Two sequences of three blocks of four tokens.
         let per_token = Tensor::<B, 3>::random([2, 3, 4], Distribution::Normal(0.0, 3.0), &device);
@@ -281,6 +283,7 @@ mod tests {
 
     #[test]
     fn a_pruned_scorer_equals_the_full_one_when_the_removed_neurons_are_silent() {
+        let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         let scorer = Scorer::<B>::new(6, 4, 2, &device);
         // Silence neuron 1 of the first layer and neuron 2 of the second: their pre-activations

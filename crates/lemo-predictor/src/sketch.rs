@@ -421,6 +421,7 @@ mod tests {
 
     #[test]
     fn a_sketch_of_every_channel_gives_the_exact_scores_up_to_the_channel_count() {
+        let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         for gated in [true, false] {
             let map = map(gated, 6, 10);
@@ -442,6 +443,7 @@ mod tests {
 
     #[test]
     fn selection_picks_the_channels_that_drive_the_scores() {
+        let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         // Channel 3's up column is large: it decides which blocks score high.
         let mut map = map(true, 5, 8);
@@ -461,6 +463,7 @@ mod tests {
 
     #[test]
     fn fitting_recovers_the_weights_that_made_the_scores() {
+        let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         let sketch = map(true, 6, 5).sketch(&[0, 1, 2, 3, 4]);
         let rows = Tensor::<B, 4>::random([4, 8, 3, 6], Distribution::Normal(0.0, 1.0), &device);
@@ -486,6 +489,7 @@ mod tests {
 
     #[test]
     fn pruning_keeps_the_chosen_channels_and_their_weights() {
+        let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         let sketch = map(true, 4, 6).sketch(&[0, 2, 3, 5]);
         let pruned = sketch.pruned(&[1, 3]);

@@ -23,6 +23,19 @@ pub fn seed() -> u64 {
     seed
 }
 
+/// Held by every test of a crate that draws from a backend's generator (one per process, shared
+/// by the test threads) where what it asserts depends on the values drawn, such as a training
+/// run reaching some recall: without it, draws of tests running in parallel interleave, and a
+/// seed no longer reproduces the data. Tests that draw but assert identities need it only when
+/// a seeded test of the same crate runs beside them.
+pub fn exclusive_generator() -> std::sync::MutexGuard<'static, ()> {
+    static GENERATOR: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // A failed test poisons the lock; the generator is still usable.
+    GENERATOR
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Seeds `B`'s generator on `device` with [`seed`] and returns the seed.
 pub fn seed_backend<B: Backend>(device: &B::Device) -> u64 {
     let seed = seed();
