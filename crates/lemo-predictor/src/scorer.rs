@@ -223,7 +223,6 @@ mod tests {
 
     #[test]
     fn token_rows_are_normalized_grouped_by_block_and_subsampled_evenly() {
-        let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         // Five rows of two channels, blocks of two: [0, 1], [2, 3], [4, pad].
         let rows = [3.0, 4.0, 6.0, 8.0, 1.0, 0.0, 0.0, -2.0, 5.0, 5.0];

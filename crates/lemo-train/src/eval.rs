@@ -71,8 +71,7 @@ impl BackendJob for EvalJob {
             Some(settings) => {
                 model.check_token_elimination(seq_len)?;
                 let beside_adapter = self.setup.adapter.as_ref().map(|a| a.join(THRESHOLDS_FILE));
-                let interpolation = self.setup.position_interpolation(&config)?;
-                let interpolation = Some(interpolation.map_or(1.0, |(factor, _)| factor));
+                let interpolation = Some(self.setup.interpolation_factor(&config)?);
                 Some(crate::sparsity::elimination(
                     settings,
                     &config,

@@ -173,13 +173,20 @@ impl ModelSetup {
             .map(|factor| (factor, "recorded with the adapter".to_string())))
     }
 
-    /// The longest sequence the model addresses under this setup; refuses `seq_len` past it,
-    /// as `train` does (positions past the trained context without interpolation are ones the
+    /// [`Self::position_interpolation`]'s factor alone, 1 for the model's own positions.
+    pub fn interpolation_factor(&self, config: &ModelConfig) -> Result<f64> {
+        Ok(self
+            .position_interpolation(config)?
+            .map_or(1.0, |(factor, _)| factor))
+    }
+
+    /// Refuses `seq_len` past the longest sequence the model addresses under this setup, as
+    /// `train` does (positions past the trained context without interpolation are ones the
     /// model never saw).
     pub fn check_seq_len(&self, config: &ModelConfig, seq_len: usize) -> Result<()> {
-        let extended = self
-            .position_interpolation(config)?
-            .map(|(factor, _)| (config.max_position_embeddings() as f64 * factor) as usize);
+        let factor = self.interpolation_factor(config)?;
+        let extended =
+            (factor > 1.0).then(|| (config.max_position_embeddings() as f64 * factor) as usize);
         check_seq_len(config, seq_len, self.target_context.or(extended))
     }
 }

@@ -128,9 +128,7 @@ impl BackendJob for InspectJob {
         let name = args.model.display().to_string();
         match self.task {
             Task::TrainPredictors(predictor_args) => {
-                let interpolation = setup
-                    .position_interpolation(&config)?
-                    .map_or(1.0, |(factor, _)| factor);
+                let interpolation = setup.interpolation_factor(&config)?;
                 let (settings, args) = (&self.settings, &predictor_args);
                 train_predictors(args, settings, &model, &config, seq_len, interpolation)
             }
