@@ -13,6 +13,7 @@ use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElemen
 
 use crate::backend::CpuBackend;
 use crate::memory::{self, MemoryStats};
+use crate::recomputed_rows::{self, FrozenMlp};
 use crate::{fused, gemm, known_value, loss, precision, token_movement};
 
 /// Gradients the segment-based loss computes while it runs: `(d hidden, d weight)` of the summed
@@ -41,6 +42,16 @@ pub trait ComputeBackend: Backend {
     /// `value`, differentiated as `graph`; see [`known_value::with_value`].
     fn lemo_with_value(_graph: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
         value
+    }
+
+    /// `x`, whose backward pass adds `mlp`'s input gradient into the rows `rows`, recomputed
+    /// there; see [`recomputed_rows::with_recomputed_rows`].
+    fn lemo_with_recomputed_rows(
+        x: FloatTensor<Self>,
+        _rows: IntTensor<Self>,
+        _mlp: FrozenMlp<Self>,
+    ) -> FloatTensor<Self> {
+        x
     }
 
     /// `scale * (x A^T) B^T` in the adapter's dtype, returned in `x`'s; see
@@ -381,6 +392,14 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
 
     fn lemo_with_value(graph: FloatTensor<Self>, value: FloatTensor<Self>) -> FloatTensor<Self> {
         known_value::autodiff::with_value::<B, C>(graph, value)
+    }
+
+    fn lemo_with_recomputed_rows(
+        x: FloatTensor<Self>,
+        rows: IntTensor<Self>,
+        mlp: FrozenMlp<Self>,
+    ) -> FloatTensor<Self> {
+        recomputed_rows::autodiff::with_recomputed_rows::<B, C>(x, rows, mlp)
     }
 
     fn lemo_lora_delta(

@@ -35,6 +35,7 @@ pub mod known_value;
 pub mod loss;
 pub mod memory;
 pub mod precision;
+pub mod recomputed_rows;
 pub mod token_movement;
 
 pub use attention::AttentionOptions;

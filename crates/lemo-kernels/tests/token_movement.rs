@@ -3,40 +3,16 @@
 //! random kept rows per sequence; and the in-place update of the residual stream.
 
 use burn::backend::Autodiff;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor};
 use lemo_kernels::WgpuBackend;
 use lemo_kernels::token_movement::{self, reference};
-use lemo_test_support::{HostRng, assert_close, random, seed_backend as seed};
+use lemo_test_support::{HostRng, assert_close, random, random_rows, seed_backend as seed};
 
 type B = Autodiff<WgpuBackend>;
 
 /// RMSNorm's tolerance (f32, reductions in another order); moved rows must match exactly.
 const NORM_TOLERANCE: f32 = 1e-4;
 const EXACT: f32 = 0.0;
-
-/// `kept` strictly increasing positions in `0..seq` for each of `batch` sequences, each
-/// sequence its own, `[batch, kept]`.
-fn kept_rows(
-    rng: &mut HostRng,
-    batch: usize,
-    seq: usize,
-    kept: usize,
-    device: &burn::tensor::Device<B>,
-) -> Tensor<B, 2, Int> {
-    let mut rows = Vec::with_capacity(batch * kept);
-    for _ in 0..batch {
-        let mut positions: Vec<usize> = (0..seq).collect();
-        for i in 0..kept {
-            let j = i + rng.below(seq - i);
-            positions.swap(i, j);
-        }
-        let mut chosen = positions[..kept].to_vec();
-        chosen.sort_unstable();
-        rows.extend(chosen.into_iter().map(|row| row as i32));
-    }
-    println!("rows {rows:?}");
-    Tensor::from_data(TensorData::new(rows, [batch, kept]), device)
-}
 
 /// Inputs of one case: `x [batch, seq, hidden]`, kept rows, a weight near 1.
 struct Case {
@@ -50,7 +26,7 @@ impl Case {
     fn new(batch: usize, seq: usize, hidden: usize, kept: usize) -> Self {
         let device = Default::default();
         let mut rng = HostRng::new(seed::<B>(&device));
-        let rows = kept_rows(&mut rng, batch, seq, kept, &device);
+        let rows = random_rows(&mut rng, batch, seq, kept, &device);
         Self {
             x: random([batch, seq, hidden], &device).require_grad(),
             rows,

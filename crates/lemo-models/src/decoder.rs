@@ -11,10 +11,11 @@ use std::ops::Range;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{IndexingUpdateOp, Int, Tensor};
+use burn::tensor::{Int, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::known_value::with_value;
 use lemo_kernels::loss::segment_cross_entropy;
+use lemo_kernels::recomputed_rows::{FrozenMlp, with_recomputed_rows};
 use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
 
 use lemo_predictor::MlpInputMap;
@@ -22,8 +23,7 @@ use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 
 use crate::cache::{KvCache, LayerCache};
-use crate::dropped_rows::{DroppedRows, DroppedRowsJacobian};
-use crate::token_plan::TokenSparsity;
+use crate::token_plan::{DroppedRows, TokenSparsity};
 
 pub trait Decoder<B: Backend> {
     /// What every layer of one pass shares (Llama: the rotary tables of the pass's positions).
@@ -95,12 +95,27 @@ pub struct BlockPass<B: Backend> {
     pub products: Vec<Tensor<B, 3>>,
 }
 
-/// A token-sparse block: its kept rows `[batch, kept]`, its pass over every row, and what its
-/// backward pass does on the other rows.
+/// A token-sparse block: its kept rows `[batch, kept]`, its pass over every row, and the rows it
+/// drops `[batch, seq - kept]` where its backward pass reaches them.
 pub struct SparseBlock<B: Backend> {
     pub rows: Tensor<B, 2, Int>,
     pub pass: BlockPass<B>,
-    pub dropped_rows: DroppedRows,
+    /// The dropped rows, when the block's backward pass recomputes them (MLP blocks with
+    /// [`DroppedRows::Exact`]) and there are any.
+    pub dropped: Option<Tensor<B, 2, Int>>,
+}
+
+impl<B: Backend> SparseBlock<B> {
+    /// A block of `kept` rows; with `recomputed`, its backward pass reaches its dropped rows
+    /// (see [`Self::mlp_residual`]).
+    pub fn new(kept: &KeptRows, pass: BlockPass<B>, recomputed: bool) -> Self {
+        let device = pass.output.device();
+        Self {
+            rows: kept.to_tensor(&device),
+            dropped: (recomputed && !kept.is_all()).then(|| kept.complement().to_tensor(&device)),
+            pass,
+        }
+    }
 }
 
 impl<B: LemoBackend> SparseBlock<B> {
@@ -108,36 +123,23 @@ impl<B: LemoBackend> SparseBlock<B> {
     /// block's output on the kept rows, added into those rows: the gradient reaches the block
     /// through its kept rows only.
     pub fn residual(&self, x: Tensor<B, 3>, graph: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.residual_with(x, graph, None)
+        let value = x.clone().detach() + self.pass.output.clone();
+        with_value(scatter_add_rows(x, self.rows.clone(), graph), value)
     }
 
-    /// [`Self::residual`] whose backward pass also reaches the dropped rows through `dropped`,
-    /// a stand-in for the block's input Jacobian there.
-    pub fn residual_with(
+    /// [`Self::residual`] of an MLP block, whose backward pass also reaches the dropped rows
+    /// through `mlp`'s exact input gradient, recomputed there, when the block keeps them.
+    pub fn mlp_residual(
         &self,
         x: Tensor<B, 3>,
         graph: Tensor<B, 3>,
-        dropped: Option<DroppedRowsJacobian<B>>,
+        mlp: impl FnOnce() -> FrozenMlp<B>,
     ) -> Tensor<B, 3> {
-        let value = x.clone().detach() + self.pass.output.clone();
-        let mut graph = scatter_add_rows(x.clone(), self.rows.clone(), graph);
-        if let Some(dropped) = dropped {
-            graph = graph + dropped.graph(x);
-        }
-        with_value(graph, value)
-    }
-
-    /// `[batch, seq, 1]`: 1 on the rows the block drops, 0 on those it keeps (f32).
-    pub fn dropped_mask(&self, seq: usize) -> Tensor<B, 3> {
-        let [batch, kept] = self.rows.dims();
-        let device = self.rows.device();
-        let kept_mask = Tensor::<B, 2>::zeros([batch, seq], &device).scatter(
-            1,
-            self.rows.clone(),
-            Tensor::ones([batch, kept], &device),
-            IndexingUpdateOp::Add,
-        );
-        kept_mask.neg().add_scalar(1.0).unsqueeze_dim(2)
+        let x = match &self.dropped {
+            Some(dropped) => with_recomputed_rows(x, dropped.clone(), mlp()),
+            None => x,
+        };
+        self.residual(x, graph)
     }
 
     /// The kept rows of the pass's `index`-th product, `[batch, kept, width]`.
@@ -156,19 +158,13 @@ pub fn layer<B: Backend, D: Decoder<B>>(
     cache: Option<&mut LayerCache<B>>,
     sparsity: &mut TokenSparsity,
 ) -> Tensor<B, 3> {
-    let device = h.device();
-    let dropped_rows = sparsity.dropped_rows();
-    let sparse_block = |(kept, pass): (KeptRows, BlockPass<B>)| SparseBlock {
-        rows: kept.to_tensor::<B>(&device),
-        pass,
-        dropped_rows,
-    };
+    let recomputed = sparsity.dropped_rows() == DroppedRows::Exact;
     let input = h.clone().detach();
     let sparse = sparsity
         .block(index, Block::Attention, &input, |block_size| {
             decoder.attention_pass(index, input.clone(), shared, block_size)
         })
-        .map(sparse_block);
+        .map(|(kept, pass)| SparseBlock::new(&kept, pass, false));
     drop(input);
     let a = decoder.attention_block(index, h, shared, sparse, cache);
     let input = a.clone().detach();
@@ -176,7 +172,7 @@ pub fn layer<B: Backend, D: Decoder<B>>(
         .block(index, Block::Mlp, &input, |block_size| {
             decoder.mlp_pass(index, input.clone(), block_size)
         })
-        .map(sparse_block);
+        .map(|(kept, pass)| SparseBlock::new(&kept, pass, recomputed));
     drop(input);
     decoder.mlp_block(index, a, sparse)
 }

@@ -5,7 +5,6 @@ pub mod adapter;
 pub mod cache;
 pub mod config;
 pub mod decoder;
-pub mod dropped_rows;
 pub mod embedding;
 pub mod error;
 pub mod export;

@@ -14,7 +14,8 @@ use std::ops::Range;
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Int, Tensor, backend::Backend};
 use lemo_kernels::attention::{attention, attention_with_lse, attention_with_value};
-use lemo_kernels::fused::{swiglu, swiglu_slopes};
+use lemo_kernels::fused::swiglu;
+use lemo_kernels::recomputed_rows::{FrozenMlp, MlpActivation};
 use lemo_kernels::{AttentionOptions, LemoBackend};
 use lemo_predictor::MlpInputMap;
 use lemo_sparsity::informativeness;
@@ -23,7 +24,6 @@ use crate::Result;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::LlamaConfig;
 use crate::decoder::{BlockPass, Decoder, SparseBlock};
-use crate::dropped_rows::DroppedRowsJacobian;
 use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::RmsNorm;
@@ -155,34 +155,14 @@ impl<B: LemoBackend> LlamaMlp<B> {
             .forward_with_base(swiglu(gate, up), product(2))
     }
 
-    /// The stand-in for this MLP's input Jacobian on the rows `sparse` drops (see
-    /// [`DroppedRowsJacobian`]): SwiGLU's slopes are `silu'(gate) * up` through `gate` and
-    /// `silu(gate)` through `up`.
-    fn dropped_rows_jacobian(
-        &self,
-        norm: &RmsNorm<B>,
-        a: Tensor<B, 3>,
-        sparse: &SparseBlock<B>,
-    ) -> Option<DroppedRowsJacobian<B>> {
-        let slopes = |sample: Tensor<B, 1, Int>| {
-            let rows = |i: usize| {
-                let product: Tensor<B, 3> = sparse.pass.products[i].clone();
-                product.select(1, sample.clone())
-            };
-            let (through_gate, through_up) = swiglu_slopes(rows(0), rows(1));
-            vec![
-                (through_gate, self.gate_proj.weight.val()),
-                (through_up, self.up_proj.weight.val()),
-            ]
-        };
-        DroppedRowsJacobian::mlp(
-            sparse,
-            || norm.inverse_scale(a),
-            Some(norm.weight.val()),
-            slopes,
-            self.down_proj.weight.val(),
-            false,
-        )
+    /// This MLP after `norm`, frozen, as its dropped rows' recomputed backward pass reads it.
+    fn frozen(&self, norm: &RmsNorm<B>) -> FrozenMlp<B> {
+        FrozenMlp {
+            norm: norm.frozen(),
+            activation: MlpActivation::SwiGlu,
+            inputs: vec![self.gate_proj.frozen(), self.up_proj.frozen()],
+            output: self.down_proj.frozen(),
+        }
     }
 
     /// The block on every row of `x` outside the graph, with the token-block informativeness
@@ -251,8 +231,7 @@ impl<B: LemoBackend> LlamaLayer<B> {
             Some(sparse) => {
                 let x = norm.forward_rows(a.clone(), sparse.rows.clone());
                 let out = self.mlp.forward(x, Some(&sparse));
-                let dropped = self.mlp.dropped_rows_jacobian(norm, a.clone(), &sparse);
-                sparse.residual_with(a, out, dropped)
+                sparse.mlp_residual(a, out, || self.mlp.frozen(norm))
             }
         }
     }

@@ -11,6 +11,7 @@ use lemo_kernels::ComputeBackend;
 use lemo_kernels::gemm::matmul;
 use lemo_kernels::known_value::matmul_with_value;
 use lemo_kernels::precision::lora_delta;
+use lemo_kernels::recomputed_rows::FrozenLinear;
 
 use crate::weights::seeded_random;
 
@@ -130,6 +131,22 @@ impl<B: Backend> Linear<B> {
 }
 
 impl<B: ComputeBackend> Linear<B> {
+    /// This layer's parameters as the frozen map a recomputed backward pass reads.
+    pub fn frozen(&self) -> FrozenLinear<B> {
+        let primitive = |t: Tensor<B, 2>| t.into_primitive().tensor();
+        FrozenLinear {
+            weight: primitive(self.weight.val()),
+            bias: self
+                .bias
+                .as_ref()
+                .map(|b| b.val().into_primitive().tensor()),
+            lora: self
+                .lora
+                .as_ref()
+                .map(|l| (primitive(l.a.val()), primitive(l.b.val()), l.scaling)),
+        }
+    }
+
     /// Folds the adapter into the base weight: `W + scaling * B A`, summed in f32 and stored in
     /// the weight's dtype.
     pub fn merge_lora(mut self) -> Self {

@@ -5,6 +5,7 @@ use burn::module::{Module, Param};
 use burn::tensor::{DType, Int, Tensor, backend::Backend};
 use lemo_kernels::ComputeBackend;
 use lemo_kernels::fused::rms_norm;
+use lemo_kernels::recomputed_rows::FrozenNorm;
 use lemo_kernels::token_movement::gather_rms_norm;
 
 /// `x / sqrt(mean(x^2) + eps) * weight` (Llama).
@@ -24,17 +25,18 @@ impl<B: Backend> RmsNorm<B> {
 }
 
 impl<B: ComputeBackend> RmsNorm<B> {
+    /// This norm as the frozen one a recomputed backward pass reads.
+    pub fn frozen(&self) -> FrozenNorm<B> {
+        FrozenNorm::Rms {
+            weight: self.weight.val().into_primitive().tensor(),
+            eps: self.eps,
+        }
+    }
+
     /// The fused kernel; a trainable (f32) weight is cast to `x`'s dtype on use.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let weight = self.weight.val().cast(x.dtype());
         rms_norm(x, weight, self.eps as f32)
-    }
-
-    /// `1 / sqrt(mean(x^2) + eps)` of each row of `x: [batch, seq, hidden]`, `[batch, seq, 1]`
-    /// f32, outside the graph.
-    pub fn inverse_scale(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = x.detach().cast(DType::F32);
-        x.square().mean_dim(2).add_scalar(self.eps).sqrt().recip()
     }
 
     /// The norm of the rows `rows: [batch, kept]` of `x: [batch, seq, hidden]`, read from `x`
@@ -64,17 +66,14 @@ impl<B: Backend> LayerNorm<B> {
         }
     }
 
-    /// `1 / sqrt(var(x) + eps)` of each row of `x: [batch, seq, hidden]`, `[batch, seq, 1]` f32,
-    /// outside the graph.
-    pub fn inverse_scale(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let x = x.detach().cast(DType::F32);
-        let centered = x.clone() - x.mean_dim(2);
-        centered
-            .square()
-            .mean_dim(2)
-            .add_scalar(self.eps)
-            .sqrt()
-            .recip()
+    /// This norm as the frozen one a recomputed backward pass reads.
+    pub fn frozen(&self) -> FrozenNorm<B> {
+        let vector = |p: &Param<Tensor<B, 1>>| p.val().into_primitive().tensor();
+        FrozenNorm::Layer {
+            weight: self.weight.as_ref().map(vector),
+            bias: self.bias.as_ref().map(vector),
+            eps: self.eps,
+        }
     }
 
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {

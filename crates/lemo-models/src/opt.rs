@@ -22,11 +22,11 @@ use crate::Result;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::OptConfig;
 use crate::decoder::{BlockPass, Decoder, SparseBlock};
-use crate::dropped_rows::DroppedRowsJacobian;
 use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::LayerNorm;
 use crate::weights::Loader;
+use lemo_kernels::recomputed_rows::{FrozenMlp, MlpActivation};
 
 const LAYER_NORM_EPS: f64 = 1e-5;
 
@@ -145,8 +145,7 @@ impl<B: LemoBackend> OptLayer<B> {
             (Some(sparse), true) => {
                 let x = ln2.forward(gather_rows(a.clone(), sparse.rows.clone()));
                 let out = self.mlp(x, Some(&sparse));
-                let dropped = self.dropped_rows_jacobian(a.clone(), &sparse);
-                sparse.residual_with(a, out, dropped)
+                sparse.mlp_residual(a, out, || self.frozen_mlp())
             }
             (Some(_), false) => panic!("{POST_NORM_DENSE}"),
         }
@@ -160,26 +159,14 @@ impl<B: LemoBackend> OptLayer<B> {
         self.fc2.forward_with_base(hidden, product(1))
     }
 
-    /// The stand-in for the pre-norm MLP's input Jacobian on the rows `sparse` drops (see
-    /// [`DroppedRowsJacobian`]): ReLU's slope is 1 where `fc1` is positive.
-    fn dropped_rows_jacobian(
-        &self,
-        a: Tensor<B, 3>,
-        sparse: &SparseBlock<B>,
-    ) -> Option<DroppedRowsJacobian<B>> {
-        let norm = &self.final_layer_norm;
-        let slopes = |sample: Tensor<B, 1, Int>| {
-            let fc1: Tensor<B, 3> = sparse.pass.products[0].clone().select(1, sample);
-            vec![(fc1.greater_elem(0.0).float(), self.fc1.weight.val())]
-        };
-        DroppedRowsJacobian::mlp(
-            sparse,
-            || norm.inverse_scale(a),
-            norm.weight.as_ref().map(|w| w.val()),
-            slopes,
-            self.fc2.weight.val(),
-            true,
-        )
+    /// The pre-norm MLP, frozen, as its dropped rows' recomputed backward pass reads it.
+    fn frozen_mlp(&self) -> FrozenMlp<B> {
+        FrozenMlp {
+            norm: self.final_layer_norm.frozen(),
+            activation: MlpActivation::Relu,
+            inputs: vec![self.fc1.frozen()],
+            output: self.fc2.frozen(),
+        }
     }
 
     /// The MLP on every row of `x` outside the graph, with the informativeness of its ReLU

@@ -15,7 +15,6 @@ use lemo_sparsity::calibration::Block;
 use lemo_sparsity::{KeptRows, Thresholds};
 
 use crate::decoder::BlockPass;
-use crate::dropped_rows::DroppedRows;
 
 /// The kept rows of one layer's two blocks; `None` is a dense block.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -77,6 +76,18 @@ pub enum Record {
     ScoresAndTokenRows {
         tokens_per_block: usize,
     },
+}
+
+/// What the backward pass of a token-sparse MLP block does on the rows it drops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DroppedRows {
+    /// The block's exact input gradient there, recomputed from those rows
+    /// ([`lemo_kernels::recomputed_rows`]): the MLP's backward pass is the dense one, and only
+    /// the dropped rows' input (not their activations) is saved.
+    #[default]
+    Exact,
+    /// The residual alone: cheaper, further from the dense gradient.
+    Residual,
 }
 
 /// What a token-sparse forward pass chose, layer by layer.

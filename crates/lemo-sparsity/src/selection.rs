@@ -114,6 +114,29 @@ impl KeptRows {
         self.kept == self.seq
     }
 
+    /// The rows each sequence does not keep, in the same layout (`kept` then counts them).
+    pub fn complement(&self) -> Self {
+        let mut rows = Vec::with_capacity(self.batch * (self.seq - self.kept));
+        for sequence in 0..self.batch {
+            let kept = &self.rows[sequence * self.kept..(sequence + 1) * self.kept];
+            let mut next = kept.iter().peekable();
+            for row in 0..self.seq as u32 {
+                match next.peek() {
+                    Some(&&k) if k == row => {
+                        next.next();
+                    }
+                    _ => rows.push(row),
+                }
+            }
+        }
+        Self {
+            rows,
+            batch: self.batch,
+            kept: self.seq - self.kept,
+            seq: self.seq,
+        }
+    }
+
     /// Kept rows over all rows.
     pub fn fraction(&self) -> f64 {
         self.kept as f64 / self.seq.max(1) as f64
@@ -176,6 +199,19 @@ mod tests {
         let scores = [0.1, 5.0, 0.2, 3.0, 0.3];
         assert_eq!(kept_blocks(&scores, 1.0), vec![0, 1, 3, 4]);
         assert_eq!(kept_blocks(&scores, f32::INFINITY), vec![0, 4]);
+    }
+
+    #[test]
+    fn the_complement_holds_each_sequence_s_other_rows() {
+        let kept = KeptRows {
+            rows: vec![0, 2, 3, 1, 2, 4],
+            batch: 2,
+            kept: 3,
+            seq: 5,
+        };
+        let dropped = kept.complement();
+        assert_eq!((dropped.kept, dropped.rows), (2, vec![1, 4, 0, 3]));
+        assert!(KeptRows::all(2, 5).complement().rows.is_empty());
     }
 
     #[test]

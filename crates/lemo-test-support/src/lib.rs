@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Distribution, ElementConversion, Tensor};
+use burn::tensor::{Distribution, ElementConversion, Int, Tensor, TensorData};
 
 /// The seed tests use unless `LEMO_TEST_SEED` says otherwise.
 pub const DEFAULT_SEED: u64 = 20_251_120;
@@ -68,6 +68,30 @@ impl HostRng {
     pub fn below(&mut self, n: usize) -> usize {
         (self.next_u64() % n as u64) as usize
     }
+}
+
+/// `count` strictly increasing positions in `0..seq` for each of `batch` sequences, each
+/// sequence its own (`[batch, count]`, printed): kept or dropped rows of a token-sparse block.
+pub fn random_rows<B: Backend>(
+    rng: &mut HostRng,
+    batch: usize,
+    seq: usize,
+    count: usize,
+    device: &B::Device,
+) -> Tensor<B, 2, Int> {
+    let mut rows = Vec::with_capacity(batch * count);
+    for _ in 0..batch {
+        let mut positions: Vec<usize> = (0..seq).collect();
+        for i in 0..count {
+            let j = i + rng.below(seq - i);
+            positions.swap(i, j);
+        }
+        let mut chosen = positions[..count].to_vec();
+        chosen.sort_unstable();
+        rows.extend(chosen.into_iter().map(|row| row as i32));
+    }
+    println!("rows {rows:?}");
+    Tensor::from_data(TensorData::new(rows, [batch, count]), device)
 }
 
 /// `max |actual - expected| / max |expected|`.

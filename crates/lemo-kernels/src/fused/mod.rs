@@ -9,7 +9,7 @@ pub mod swiglu;
 
 pub use rms_norm::rms_norm;
 pub use rope::{rope, rope_tables};
-pub use swiglu::{swiglu, swiglu_slopes};
+pub use swiglu::swiglu;
 
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::tensor::CubeTensor;

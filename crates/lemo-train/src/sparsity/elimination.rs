@@ -6,7 +6,7 @@ use std::path::Path;
 use anyhow::{Result, bail};
 use burn::tensor::backend::Backend;
 use lemo_models::ModelConfig;
-use lemo_models::dropped_rows::DroppedRows;
+use lemo_models::token_plan::DroppedRows;
 use lemo_models::token_plan::TokenSparsity;
 use lemo_predictor::predictor::{DEFAULT_MLP_CHANNELS, DEFAULT_RANK};
 use lemo_predictor::{BlockPredictor, LayerPredictors, Predictors, PredictorsHeader};
@@ -30,11 +30,12 @@ pub enum ScoreSource {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum MlpDroppedRows {
-    /// Through a linear stand-in for the MLP's Jacobian (each channel's slope averaged over the
-    /// dropped rows) and the residual: closer to the dense gradient (held-out perplexity gap to
-    /// lora 9.8% -> 6.0% on SmolLM2-135M at keep 0.5), 8-11% of a Llama-2-7B step and 1 GiB.
+    /// The MLP's exact input gradient, recomputed from the dropped rows in the backward pass
+    /// (only their input is saved): the MLP's backward pass is the dense one. Runs recorded
+    /// with the earlier linear stand-in ("stand-in") resume with it.
     #[default]
-    StandIn,
+    #[serde(alias = "stand-in")]
+    Exact,
     /// Through the residual alone: faster, further from the dense gradient.
     Residual,
 }
@@ -42,7 +43,7 @@ pub enum MlpDroppedRows {
 impl MlpDroppedRows {
     fn model(self) -> DroppedRows {
         match self {
-            MlpDroppedRows::StandIn => DroppedRows::StandIn,
+            MlpDroppedRows::Exact => DroppedRows::Exact,
             MlpDroppedRows::Residual => DroppedRows::Residual,
         }
     }

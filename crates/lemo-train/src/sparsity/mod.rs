@@ -86,7 +86,7 @@ impl Default for SparsitySettings {
             calibration_rounds: 0,
             predictors: None,
             scores: None,
-            mlp_dropped_rows: MlpDroppedRows::StandIn,
+            mlp_dropped_rows: MlpDroppedRows::Exact,
         }
     }
 }
@@ -146,9 +146,9 @@ pub struct SparsityArgs {
     /// Token-block scores: exact, or predicted [default: predicted with --predictors, else exact].
     #[arg(long, value_enum)]
     pub scores: Option<ScoreSource>,
-    /// The backward pass of an MLP block on the rows it drops: through a linear stand-in for
-    /// its Jacobian (closer to the dense gradient, ~10% of a step), or the residual alone
-    /// [default: stand-in].
+    /// The backward pass of an MLP block on the rows it drops: the MLP's exact input gradient,
+    /// recomputed from those rows (the dense gradient, at the cost of the block's forward pass on
+    /// them), or the residual alone [default: exact].
     #[arg(long, value_enum)]
     pub mlp_dropped_rows: Option<MlpDroppedRows>,
 }

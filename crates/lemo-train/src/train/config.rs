@@ -97,7 +97,7 @@ pub struct TrainConfig {
     pub predictors: Option<PathBuf>,
     /// lemo: exact or predicted scores; unset: predicted with `predictors`.
     pub scores: Option<ScoreSource>,
-    /// lemo: the MLP blocks' backward pass on their dropped rows ("stand-in" or "residual").
+    /// lemo: the MLP blocks' backward pass on their dropped rows ("exact" or "residual").
     pub mlp_dropped_rows: MlpDroppedRows,
     /// Rows of the vocabulary projection per segment of the segment-based loss.
     pub loss_segment: usize,

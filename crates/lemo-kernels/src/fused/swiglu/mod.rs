@@ -18,19 +18,3 @@ pub fn swiglu<B: ComputeBackend, const D: usize>(
         up.into_primitive().tensor(),
     )))
 }
-
-/// The element-wise slopes of `silu(gate) * up`: `silu'(gate) * up` through `gate` and
-/// `silu(gate)` through `up` (the backward pass with a gradient of ones; not differentiable).
-pub fn swiglu_slopes<B: ComputeBackend, const D: usize>(
-    gate: Tensor<B, D>,
-    up: Tensor<B, D>,
-) -> (Tensor<B, D>, Tensor<B, D>) {
-    let ones = gate.ones_like();
-    let (through_gate, through_up) = B::lemo_swiglu_backward(
-        gate.into_primitive().tensor(),
-        up.into_primitive().tensor(),
-        ones.into_primitive().tensor(),
-    );
-    let wrap = |t| Tensor::from_primitive(TensorPrimitive::Float(t));
-    (wrap(through_gate), wrap(through_up))
-}
