@@ -628,6 +628,13 @@ fn main() -> ExitCode {
         } else {
             eprintln!("error: {rank}internal failure: {first_line}");
         }
+        // For a bug report: where it failed, and how it got there.
+        if std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0") {
+            if let Some(location) = info.location() {
+                eprintln!("  at {location}");
+            }
+            eprintln!("{}", std::backtrace::Backtrace::force_capture());
+        }
     }));
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,

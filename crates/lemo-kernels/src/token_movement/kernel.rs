@@ -116,12 +116,14 @@ pub(crate) fn gather_rms_norm_backward<R: CubeRuntime>(
     let target = match grad_x {
         Some(grad_x) if grad_x.dtype == saved.dtype => exclusive(grad_x),
         Some(grad_x) => into_contiguous(cast(grad_x, saved.dtype)),
-        None => zeros_client(
+        // The pool may pitch a new tensor's rows (row widths it does not align); the row map
+        // addresses rows contiguously.
+        None => into_contiguous(zeros_client(
             saved.client.clone(),
             saved.device.clone(),
             Shape::from([batch, seq, hidden]),
             saved.dtype,
-        ),
+        )),
     };
     assert_eq!(
         target.meta.shape().as_slice(),

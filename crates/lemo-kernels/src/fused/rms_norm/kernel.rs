@@ -299,7 +299,10 @@ pub(crate) fn backward_rows<R: CubeRuntime>(
         Some((map, target)) => {
             assert!(
                 target.is_contiguous() && target.dtype == x.dtype,
-                "RMSNorm gradient target must be contiguous in the input's dtype"
+                "RMSNorm gradient target must be contiguous in the input's dtype ({:?}, {}contiguous; input {:?})",
+                target.dtype,
+                if target.is_contiguous() { "" } else { "not " },
+                x.dtype
             );
             (Some(map), target)
         }
