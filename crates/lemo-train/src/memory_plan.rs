@@ -10,7 +10,8 @@
 //! - activations per token and layer: `ACTIVATION_SCALE * (10 hidden + 5 intermediate)`
 //!   elements at the activation precision (the inputs of the norms, projections, attention and
 //!   MLP products a LoRA step saves); without checkpointing every layer keeps them (`lemo`: the
-//!   kept fraction of them, plus the residual row every token keeps), with checkpointing only
+//!   kept fraction of them, plus the residual row every token keeps and the input rows each MLP
+//!   block drops, from which its backward pass recomputes them), with checkpointing only
 //!   each layer's input is kept and `RECOMPUTE_LAYERS` layers' worth is live during the
 //!   recomputation;
 //! - fixed: the CUDA context, library workspaces and pool slack.
@@ -157,10 +158,13 @@ pub fn predict(input: &PlanInput) -> MemoryPlan {
         (Method::Lemo, checkpointing) => {
             let sparse = (dims.layers - input.dense_layers as f64).max(0.0);
             let kept_layers = dims.layers - sparse + sparse * input.target_keep;
+            // The MLP blocks also save the input rows they drop, which their backward pass
+            // recomputes from (with checkpointing, for one layer at a time: negligible).
+            let dropped_mlp_rows = sparse * (1.0 - input.target_keep) * residual;
             let activations = if checkpointing {
                 dims.layers * residual + RECOMPUTE_LAYERS * layer * input.target_keep
             } else {
-                kept_layers * layer + dims.layers * residual
+                kept_layers * layer + dims.layers * residual + dropped_mlp_rows
             };
             let bf16_weights = dims.parameters() * 2.0;
             (activations, LEMO_WORKSPACE_PER_WEIGHT_GIB * bf16_weights)
