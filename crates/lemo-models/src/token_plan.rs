@@ -264,7 +264,7 @@ impl<'a> TokenSparsity<'a> {
                         block_size,
                         seq,
                         t,
-                        thresholds.min_keep,
+                        thresholds.min_keep_of(block),
                         FUSED_ATTENTION_LENGTH_MULTIPLE,
                     )
                 });

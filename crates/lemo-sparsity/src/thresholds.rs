@@ -68,6 +68,10 @@ pub struct Thresholds {
     pub block_size: usize,
     /// The least fraction of a sequence's blocks any block keeps, whatever the scores.
     pub min_keep: f32,
+    /// Floors of the attention and the MLP blocks that replace `min_keep` when they differ
+    /// (fixed kept fractions per kind of block, as `bench` runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_min_keep: Option<[f32; 2]>,
     /// The kept fraction calibration aimed at.
     pub target_keep: Option<f64>,
     pub layers: Vec<LayerThresholds>,
@@ -85,9 +89,19 @@ impl Thresholds {
             hidden_size,
             block_size: 64,
             min_keep: 1.0,
+            block_min_keep: None,
             target_keep: None,
             layers: vec![LayerThresholds::default(); num_layers],
             measured: None,
+        }
+    }
+
+    /// The least fraction of a sequence's blocks a `block` keeps.
+    pub fn min_keep_of(&self, block: Block) -> f32 {
+        match (self.block_min_keep, block) {
+            (Some([attention, _]), Block::Attention) => attention,
+            (Some([_, mlp]), Block::Mlp) => mlp,
+            (None, _) => self.min_keep,
         }
     }
 

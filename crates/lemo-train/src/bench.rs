@@ -162,7 +162,7 @@ fn plan_input(
         lora_targets: lora.target_modules.clone(),
         train_extras: lora.train_embeddings || lora.train_norms,
         loss_segment: LOSS_SEGMENT,
-        target_keep: job.sparsity.target_keep,
+        target_keep: job.sparsity.mean_keep(),
         dense_layers: job.sparsity.dense_layers.len(),
     }
 }

@@ -503,3 +503,73 @@ fn lemo_owned(args: &[String]) -> Output {
 fn assert_clean_error_owned(args: &[String], needle: &str) {
     assert_clean_error(&args.iter().map(String::as_str).collect::<Vec<_>>(), needle);
 }
+
+/// `calibrate --attention-keep A --mlp-keep M` meets each kind of block's own kept fraction
+/// (kept rows in multiples of 128, the fused attention's lengths), records their mean
+/// as the target, and refuses a fraction outside (0, 1] with one line.
+#[test]
+fn calibration_meets_separate_attention_and_mlp_fractions() {
+    let fixture = models_fixture("llama_gqa_tied");
+    let model = fixture.to_str().unwrap();
+    let dir = scratch("keep-split");
+    let data = dir.join("ids.jsonl");
+    let documents: Vec<String> = (0..4u64)
+        .map(|d| {
+            let ids: Vec<u64> = (0..520u64).map(|i| (d * 7919 + i * 104729) % 128).collect();
+            serde_json::json!({ "input_ids": ids }).to_string()
+        })
+        .collect();
+    std::fs::write(&data, documents.join("\n")).unwrap();
+    let file = dir.join("thresholds.json");
+    let calibrate = |keeps: &[&str]| {
+        let args = [
+            &[
+                "calibrate",
+                "--model",
+                model,
+                "--data",
+                data.to_str().unwrap(),
+                "--seq-len",
+                "512",
+                "--target-context",
+                "512",
+                "--block-size",
+                "8",
+                "--min-keep",
+                "0",
+                "--calibration-sequences",
+                "2",
+                "--device",
+                "cpu",
+                "--out",
+                file.to_str().unwrap(),
+            ][..],
+            keeps,
+        ]
+        .concat();
+        lemo(&args)
+    };
+    let output = calibrate(&["--attention-keep", "0.75", "--mlp-keep", "0.25"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let thresholds: Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    let measured = &thresholds["measured"];
+    let (attention, mlp) = (
+        measured["keep_attention"].as_f64().unwrap(),
+        measured["keep_mlp"].as_f64().unwrap(),
+    );
+    // 16 blocks per sequence: a block more or less moves a kept fraction by 1/16.
+    assert!(
+        (attention - 0.75).abs() <= 0.13,
+        "attention kept {attention}"
+    );
+    assert!((mlp - 0.25).abs() <= 0.13, "MLP kept {mlp}");
+    assert_eq!(thresholds["target_keep"].as_f64(), Some(0.5));
+    lemo_test_support::assert_clean_error(
+        &calibrate(&["--mlp-keep", "0"]),
+        "--mlp-keep 0 is outside (0, 1]",
+    );
+}

@@ -171,9 +171,10 @@ pub fn elimination(
     })
 }
 
-/// Thresholds under which every token-eliminating block keeps exactly `settings.target_keep` of
-/// its token blocks, the best-scoring ones (a floor and no threshold): what `bench` measures
-/// with on random weights, where exact and predicted scores then keep as many tokens.
+/// Thresholds under which every token-eliminating block keeps exactly its kept fraction
+/// ([`SparsitySettings::block_keep`]) of its token blocks, the best-scoring ones (a floor and no
+/// threshold): what `bench` measures with on random weights, where exact and predicted scores
+/// then keep as many tokens.
 pub fn keep_exactly(config: &ModelConfig, settings: &SparsitySettings) -> Thresholds {
     let layers = (0..config.num_layers())
         .map(|layer| {
@@ -186,6 +187,10 @@ pub fn keep_exactly(config: &ModelConfig, settings: &SparsitySettings) -> Thresh
         .collect();
     let mut thresholds = super::thresholds_for_model(config, "", settings, layers);
     thresholds.min_keep = settings.target_keep as f32;
+    if settings.attention_keep.is_some() || settings.mlp_keep.is_some() {
+        thresholds.block_min_keep =
+            Some([Block::Attention, Block::Mlp].map(|b| settings.block_keep(b) as f32));
+    }
     thresholds
 }
 

@@ -222,7 +222,7 @@ fn write_profile<B: LemoBackend>(
             let calibrator = Calibrator::new(
                 profiles.clone(),
                 &settings.dense_layers,
-                settings.target_keep,
+                settings.mean_keep(),
                 1.0,
             );
             thresholds_for_model(config, name, settings, calibrator.thresholds())

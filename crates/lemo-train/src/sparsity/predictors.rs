@@ -251,7 +251,7 @@ pub fn train_predictors<B: LemoBackend>(
     let selection = |layer: usize, block: Block| {
         thresholds.layers[layer]
             .block(block)
-            .map(|threshold| Selection::new(threshold, thresholds.min_keep))
+            .map(|threshold| Selection::new(threshold, thresholds.min_keep_of(block)))
     };
     // A fifth of the training sequences (at least one) decide what pruning may remove.
     let split = |samples: &BlockSamples| {

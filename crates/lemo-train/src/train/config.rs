@@ -83,6 +83,9 @@ pub struct TrainConfig {
     pub thresholds: Option<PathBuf>,
     /// lemo: kept fraction calibration aims at.
     pub target_keep: f64,
+    /// lemo: kept fractions of the attention and the MLP blocks; unset: `target_keep`.
+    pub attention_keep: Option<f64>,
+    pub mlp_keep: Option<f64>,
     /// lemo: tokens per block of the elimination.
     pub block_size: usize,
     /// lemo: least fraction of each sequence's blocks a block keeps.
@@ -162,6 +165,8 @@ impl Default for TrainConfig {
             checkpointing: false,
             thresholds: lemo.thresholds,
             target_keep: lemo.target_keep,
+            attention_keep: lemo.attention_keep,
+            mlp_keep: lemo.mlp_keep,
             block_size: lemo.block_size,
             min_keep: lemo.min_keep,
             dense_layers: lemo.dense_layers,
@@ -253,6 +258,8 @@ impl TrainConfig {
         SparsitySettings {
             thresholds: self.thresholds.clone(),
             target_keep: self.target_keep,
+            attention_keep: self.attention_keep,
+            mlp_keep: self.mlp_keep,
             block_size: self.block_size,
             min_keep: self.min_keep,
             dense_layers: self.dense_layers.clone(),
@@ -580,6 +587,8 @@ impl TrainArgs {
         let lemo = &self.sparsity;
         put("thresholds", path(&lemo.thresholds));
         put("target_keep", float(lemo.target_keep));
+        put("attention_keep", float(lemo.attention_keep));
+        put("mlp_keep", float(lemo.mlp_keep));
         put("block_size", int("block_size", lemo.block_size)?);
         put("min_keep", float(lemo.min_keep));
         put(

@@ -97,7 +97,7 @@ fn plan_input(
         lora_targets: config.lora_targets.clone(),
         train_extras: config.train_embeddings() || config.train_norms(),
         loss_segment: config.loss_segment,
-        target_keep: config.target_keep,
+        target_keep: config.sparsity().mean_keep(),
         dense_layers: config.dense_layers.len(),
     }
 }
