@@ -156,6 +156,20 @@ fn generate_reproduces_llama2c_greedy_text() {
 }
 
 /// Fails with exactly one stderr line, `error: ...`, containing `needle`.
+/// `ids.jsonl` in `dir`: `documents` documents of `len` token ids below 128 (the fixtures'
+/// vocabulary), each its own sequence.
+fn id_documents(dir: &Path, documents: u64, len: u64) -> PathBuf {
+    let path = dir.join("ids.jsonl");
+    let lines: Vec<String> = (0..documents)
+        .map(|d| {
+            let ids: Vec<u64> = (0..len).map(|i| (d * 7919 + i * 104729) % 128).collect();
+            serde_json::json!({ "input_ids": ids }).to_string()
+        })
+        .collect();
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    path
+}
+
 fn assert_clean_error(args: &[&str], needle: &str) {
     println!("{args:?}");
     lemo_test_support::assert_clean_error(&lemo(args), needle);
@@ -367,14 +381,7 @@ fn trained_predictors_drive_a_lemo_evaluation_and_bad_ones_are_refused() {
     let model = fixture.to_str().unwrap();
     let dir = scratch("predictors");
     // Twelve documents of 70 ids: enough sequences of 32 tokens to train on and hold out.
-    let data = dir.join("ids.jsonl");
-    let documents: Vec<String> = (0..12u64)
-        .map(|d| {
-            let ids: Vec<u64> = (0..70u64).map(|i| (d * 7919 + i * 104729) % 128).collect();
-            serde_json::json!({ "input_ids": ids }).to_string()
-        })
-        .collect();
-    std::fs::write(&data, documents.join("\n")).unwrap();
+    let data = id_documents(&dir, 12, 70);
     let data = data.to_str().unwrap();
     let file = dir.join("predictors.safetensors");
     let file = file.to_str().unwrap();
@@ -512,14 +519,7 @@ fn calibration_meets_separate_attention_and_mlp_fractions() {
     let fixture = models_fixture("llama_gqa_tied");
     let model = fixture.to_str().unwrap();
     let dir = scratch("keep-split");
-    let data = dir.join("ids.jsonl");
-    let documents: Vec<String> = (0..4u64)
-        .map(|d| {
-            let ids: Vec<u64> = (0..520u64).map(|i| (d * 7919 + i * 104729) % 128).collect();
-            serde_json::json!({ "input_ids": ids }).to_string()
-        })
-        .collect();
-    std::fs::write(&data, documents.join("\n")).unwrap();
+    let data = id_documents(&dir, 4, 520);
     let file = dir.join("thresholds.json");
     let calibrate = |keeps: &[&str]| {
         let args = [
