@@ -27,6 +27,7 @@ use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
 
 use crate::ComputeBackend;
 use crate::gemm::matmul;
+use crate::precision::lora_delta;
 
 /// The activation between an MLP's input and output projections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,21 +109,18 @@ impl<B: ComputeBackend> FrozenLinear<B> {
             y = y + wrap::<B, 1>(bias.clone()).cast(dtype).unsqueeze();
         }
         if let Some((a, b, scale)) = &self.lora {
-            let (a, b) = (wrap::<B, 2>(a.clone()), wrap::<B, 2>(b.clone()));
-            let down = matmul(x.cast(a.dtype()), a.transpose());
-            y = y + (matmul(down, b.transpose()) * *scale).cast(dtype);
+            y = y + lora_delta(x, wrap(a.clone()), wrap(b.clone()), *scale as f32);
         }
         y
     }
 
-    /// `d x = d y W + s (d y B) A`.
+    /// `d x = d y W + s (d y B) A`: the adapter's term is the LoRA update with `A` and `B`
+    /// swapped and transposed.
     fn input_gradient(&self, grad: Tensor<B, 2>) -> Tensor<B, 2> {
-        let dtype = grad.dtype();
         let mut grad_x = matmul(grad.clone(), wrap(self.weight.clone()));
         if let Some((a, b, scale)) = &self.lora {
-            let (a, b) = (wrap::<B, 2>(a.clone()), wrap::<B, 2>(b.clone()));
-            let down = matmul(grad.cast(b.dtype()), b);
-            grad_x = grad_x + (matmul(down, a) * *scale).cast(dtype);
+            let (a, b): (Tensor<B, 2>, Tensor<B, 2>) = (wrap(a.clone()), wrap(b.clone()));
+            grad_x = grad_x + lora_delta(grad, b.transpose(), a.transpose(), *scale as f32);
         }
         grad_x
     }
@@ -207,14 +205,9 @@ impl<B: ComputeBackend> FrozenMlp<B> {
                 (MlpActivation::Relu, [fc1]) => {
                     vec![grad_activation.mask_fill(fc1.clone().lower_equal_elem(0.0), 0.0)]
                 }
-                (activation, _) => panic!(
-                    "{activation:?} takes {} input projections, not {}",
-                    match activation {
-                        MlpActivation::SwiGlu => 2,
-                        MlpActivation::Relu => 1,
-                    },
-                    pre.len()
-                ),
+                (activation, pre) => {
+                    panic!("{activation:?} with {} input projections", pre.len())
+                }
             };
             drop(pre);
             self.inputs

@@ -32,7 +32,7 @@ pub enum ScoreSource {
 pub enum MlpDroppedRows {
     /// The MLP's exact input gradient, recomputed from the dropped rows in the backward pass
     /// (only their input is saved): the MLP's backward pass is the dense one. Runs recorded
-    /// with the earlier linear stand-in ("stand-in") resume with it.
+    /// as "stand-in" (the linear stand-in this replaced) resume with this.
     #[default]
     #[serde(alias = "stand-in")]
     Exact,
@@ -186,11 +186,8 @@ pub fn keep_exactly(config: &ModelConfig, settings: &SparsitySettings) -> Thresh
         })
         .collect();
     let mut thresholds = super::thresholds_for_model(config, "", settings, layers);
-    thresholds.min_keep = settings.target_keep as f32;
-    if settings.attention_keep.is_some() || settings.mlp_keep.is_some() {
-        thresholds.block_min_keep =
-            Some([Block::Attention, Block::Mlp].map(|b| settings.block_keep(b) as f32));
-    }
+    thresholds.block_min_keep =
+        Some([Block::Attention, Block::Mlp].map(|b| settings.block_keep(b) as f32));
     thresholds
 }
 
