@@ -5,10 +5,10 @@
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
-use burn::tensor::TensorMetadata;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::ops::FloatTensorOps;
 use burn::tensor::ops::{FloatTensor, IntTensor};
+use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use crate::backend::CpuBackend;
@@ -28,6 +28,18 @@ pub trait ComputeBackend: Backend {
     /// `lhs [.., M, K] x rhs [.., K, N]`; see [`gemm::matmul`].
     fn lemo_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
         Self::float_matmul(lhs, rhs)
+    }
+
+    /// `alpha * lhs x rhs` for operands of one dtype, accumulated in f32 and written in
+    /// `out_dtype`; see [`gemm::matmul_scaled`]. Not differentiable: the adapters' own forward
+    /// and backward passes are built from it.
+    fn lemo_matmul_scaled(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        alpha: f32,
+        out_dtype: DType,
+    ) -> FloatTensor<Self> {
+        gemm::matmul_scaled_reference::<Self>(lhs, rhs, alpha, out_dtype)
     }
 
     /// `value`, the product `lhs x rhs` computed earlier; see [`known_value::matmul_with_value`].
@@ -254,6 +266,19 @@ where
             return out;
         }
         Self::float_matmul(lhs, rhs)
+    }
+
+    fn lemo_matmul_scaled(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        alpha: f32,
+        out_dtype: DType,
+    ) -> FloatTensor<Self> {
+        #[cfg(feature = "cuda")]
+        if let Some(out) = gemm::cublaslt::try_matmul_scaled(&lhs, &rhs, alpha, out_dtype) {
+            return out;
+        }
+        gemm::matmul_scaled_reference::<Self>(lhs, rhs, alpha, out_dtype)
     }
 
     fn lemo_rms_norm_forward(

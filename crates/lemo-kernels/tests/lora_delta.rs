@@ -3,7 +3,6 @@
 //! `x`, `A` and `B`, on random inputs, with and without a gradient for `x`.
 
 use burn::backend::Autodiff;
-use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Tensor};
 use lemo_kernels::CpuBackend;
 use lemo_kernels::precision::{lora_delta, lora_delta_reference};
@@ -20,10 +19,7 @@ fn relative<const D: usize>(actual: Tensor<B, D>, expected: Tensor<B, D>) -> f32
 
 fn check(x_needs_grad: bool) {
     let device = Default::default();
-    B::seed(
-        &device,
-        std::time::UNIX_EPOCH.elapsed().unwrap().as_nanos() as u64,
-    );
+    lemo_test_support::seed_backend::<B>(&device);
     let normal = Distribution::Normal(0.0, 1.0);
     let (batch, len, input, output, rank) = (2, 13, 24, 40, 4);
     let mut x = Tensor::<B, 3>::random([batch, len, input], normal, &device);

@@ -30,9 +30,20 @@ pub(crate) fn try_matmul<R: CubeRuntime>(
     lhs: &CubeTensor<R>,
     rhs: &CubeTensor<R>,
 ) -> Option<CubeTensor<R>> {
+    try_matmul_scaled(lhs, rhs, 1.0, lhs.dtype)
+}
+
+/// [`try_matmul`] times `alpha` (applied in the product's epilogue), written in `out_dtype`: the
+/// operands' dtype, or f32 for bf16/f16 operands (the f32 accumulator as it is).
+pub(crate) fn try_matmul_scaled<R: CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    alpha: f32,
+    out_dtype: DType,
+) -> Option<CubeTensor<R>> {
     let lhs = downcast::<_, CubeTensor<CudaRuntime>>(lhs.clone())?;
     let rhs = downcast::<_, CubeTensor<CudaRuntime>>(rhs.clone())?;
-    let out = matmul_cuda(lhs, rhs)?;
+    let out = matmul_cuda(lhs, rhs, alpha, out_dtype)?;
     downcast::<_, CubeTensor<R>>(out)
 }
 
@@ -101,6 +112,7 @@ impl MatrixLayout {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 struct PlanKey {
     dtype: DType,
+    out_dtype: DType,
     m: u64,
     n: u64,
     k: u64,
@@ -139,9 +151,15 @@ static STATES: Mutex<Option<HashMap<usize, ContextState>>> = Mutex::new(None);
 fn matmul_cuda(
     lhs: CubeTensor<CudaRuntime>,
     rhs: CubeTensor<CudaRuntime>,
+    alpha: f32,
+    out_dtype: DType,
 ) -> Option<CubeTensor<CudaRuntime>> {
     let dtype = lhs.dtype;
     if dtype != rhs.dtype || data_type(dtype).is_none() {
+        return None;
+    }
+    let widened = matches!(dtype, DType::BF16 | DType::F16) && out_dtype == DType::F32;
+    if out_dtype != dtype && !widened {
         return None;
     }
     let rank = lhs.meta.num_dims();
@@ -202,7 +220,7 @@ fn matmul_cuda(
         lhs.client.clone(),
         lhs.device.clone(),
         Shape::from(out_shape),
-        dtype,
+        out_dtype,
     );
     if rows * n * batch == 0 {
         return Some(out);
@@ -220,6 +238,7 @@ fn matmul_cuda(
     let alignment = |ptr: u64| 1u32 << ptr.trailing_zeros().min(8);
     let key = PlanKey {
         dtype,
+        out_dtype,
         m: rows as u64,
         n: n as u64,
         k: k as u64,
@@ -229,7 +248,7 @@ fn matmul_cuda(
         alignments: [alignment(lhs_ptr), alignment(rhs_ptr), alignment(out_ptr)],
     };
     client
-        .exclusive(move || run(key, lhs_ptr, rhs_ptr, out_ptr))
+        .exclusive(move || run(key, alpha, lhs_ptr, rhs_ptr, out_ptr))
         .expect("cubecl device thread")
         .unwrap_or_else(|error| panic!("cuBLASLt matmul {key:?}: {error}"));
     drop(resources);
@@ -237,7 +256,7 @@ fn matmul_cuda(
 }
 
 /// Enqueues one product on our stream, between the two context-wide joins.
-fn run(key: PlanKey, lhs: u64, rhs: u64, out: u64) -> Result<(), String> {
+fn run(key: PlanKey, alpha: f32, lhs: u64, rhs: u64, out: u64) -> Result<(), String> {
     let context = current_context()?;
     let mut guard = STATES.lock().unwrap_or_else(|e| e.into_inner());
     let states = guard.get_or_insert_with(HashMap::new);
@@ -251,7 +270,7 @@ fn run(key: PlanKey, lhs: u64, rhs: u64, out: u64) -> Result<(), String> {
             *entry.insert(Plan::new(state.handle, &key)?)
         }
     };
-    let (alpha, beta) = (1.0f32, 0.0f32);
+    let beta = 0.0f32;
     // SAFETY: the pointers are live cubecl buffers of the sizes the plan describes; the handle,
     // stream, events and workspace belong to the current context.
     unsafe {
@@ -301,6 +320,7 @@ impl Plan {
     fn new(handle: lt_sys::cublasLtHandle_t, key: &PlanKey) -> Result<Self, String> {
         let err = |e: lt::CublasError| e.to_string();
         let data = data_type(key.dtype).expect("checked dtype");
+        let out_data = data_type(key.out_dtype).expect("checked dtype");
         let desc = lt::create_matmul_desc(
             lt_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
             lt_sys::cudaDataType::CUDA_R_32F,
@@ -308,7 +328,7 @@ impl Plan {
         .map_err(err)?;
         // A row-major operand is, read column-major, already the transpose we need.
         let op = |layout: &MatrixLayout| -> i32 { if layout.row_major { 0 } else { 1 } };
-        let layout = |rows: u64, cols: u64, ld: i64, batch_stride: i64| {
+        let typed_layout = |data, rows: u64, cols: u64, ld: i64, batch_stride: i64| {
             let layout = lt::create_matrix_layout(data, rows, cols, ld).map_err(err)?;
             // SAFETY: fresh layout; attribute sizes match their C types.
             unsafe {
@@ -329,6 +349,10 @@ impl Plan {
             }
             Ok::<_, String>(layout)
         };
+        let layout =
+            |rows, cols, ld, batch_stride| typed_layout(data, rows, cols, ld, batch_stride);
+        let output_layout =
+            |rows, cols, ld, batch_stride| typed_layout(out_data, rows, cols, ld, batch_stride);
         let stored = |row_major: bool, rows: u64, cols: u64| {
             if row_major {
                 (cols, rows)
@@ -340,7 +364,7 @@ impl Plan {
         let (b_rows, b_cols) = stored(key.lhs.row_major, key.m, key.k);
         let a = layout(a_rows, a_cols, key.rhs.ld, key.rhs.batch_stride)?;
         let b = layout(b_rows, b_cols, key.lhs.ld, key.lhs.batch_stride)?;
-        let d = layout(key.n, key.m, key.n as i64, (key.m * key.n) as i64)?;
+        let d = output_layout(key.n, key.m, key.n as i64, (key.m * key.n) as i64)?;
         let preference = lt::create_matmul_pref().map_err(err)?;
         // SAFETY: fresh descriptors; attribute sizes match their C types.
         let heuristic = unsafe {

@@ -10,7 +10,9 @@ pub(crate) mod autodiff;
 #[cfg(feature = "cuda")]
 pub(crate) mod cublaslt;
 
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Tensor, TensorMetadata, TensorPrimitive};
 
 use crate::ComputeBackend;
 
@@ -33,4 +35,46 @@ pub fn reference<B: burn::tensor::backend::Backend, const D: usize>(
     rhs: Tensor<B, D>,
 ) -> Tensor<B, D> {
     lhs.matmul(rhs)
+}
+
+/// `alpha * lhs x rhs`, accumulated in f32 and written in `out_dtype`, for `lhs` and `rhs` of one
+/// dtype: on CUDA one cuBLASLt product whose epilogue scales and converts (bf16 operands may
+/// give an f32 result: the accumulator unrounded). What the adapters' products are made of: each
+/// reads its large operand (activations, output gradients) as stored, in one pass.
+pub fn matmul_scaled<B: ComputeBackend, const D: usize>(
+    lhs: Tensor<B, D>,
+    rhs: Tensor<B, D>,
+    alpha: f32,
+    out_dtype: DType,
+) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::lemo_matmul_scaled(
+        lhs.into_primitive().tensor(),
+        rhs.into_primitive().tensor(),
+        alpha,
+        out_dtype,
+    )))
+}
+
+/// [`matmul_scaled`] in Burn operations: operands widened to f32, product, scale, cast.
+pub fn matmul_scaled_reference<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    alpha: f32,
+    out_dtype: DType,
+) -> FloatTensor<B> {
+    let widen = |t: FloatTensor<B>| match t.dtype() {
+        DType::F32 | DType::F64 => t,
+        _ => B::float_cast(t, DType::F32.into()),
+    };
+    let product = B::float_matmul(widen(lhs), widen(rhs));
+    let scaled = if alpha == 1.0 {
+        product
+    } else {
+        B::float_mul_scalar(product, alpha.into())
+    };
+    if scaled.dtype() == out_dtype {
+        scaled
+    } else {
+        B::float_cast(scaled, out_dtype.into())
+    }
 }

@@ -3,6 +3,8 @@
 //! state in f32; reductions (norms, softmax, losses, GEMM accumulation) in f32 whatever the
 //! storage type. The kernels of this crate follow it: every fused kernel loads its storage type
 //! and computes in f32, GEMMs accumulate in f32 (cuBLASLt `COMPUTE_32F`), the loss is f32.
+//! The adapters' products read the activations as stored, with `A` and `B` rounded to meet them
+//! (as PyTorch's bf16 autocast does; see [`lora_delta`]).
 
 pub(crate) mod autodiff;
 
@@ -44,11 +46,13 @@ impl Precision {
 }
 
 /// The LoRA update of a linear layer, `scale * (x A^T) B^T` for `x [.., in]` in the activation
-/// dtype and f32 `a [r, in]`, `b [out, r]` (PEFT's layout): computed in f32 like PEFT (which
-/// casts `x` to the adapter's dtype) and returned in `x`'s dtype, ready to add to the frozen
-/// projection. Differentiable in `x`, `a` and `b`; under autodiff it keeps `x` as it came (bf16,
-/// usually the same tensor the frozen projection reads) and casts it again in the backward pass,
-/// where PEFT keeps an f32 copy of `x` per adapter.
+/// dtype and f32 `a [r, in]`, `b [out, r]` (PEFT's layout), returned in `x`'s dtype, ready to add
+/// to the frozen projection. Each of its products reads the large operand (`x`, or the output
+/// gradient) as stored, in one pass, and accumulates in f32; the small ones (`A`, `B` and the
+/// rank-`r` intermediate `x A^T`) are rounded to the activation dtype to meet it, as under
+/// PyTorch's bf16 autocast. The intermediate and the adapters' gradients stay f32. With f32
+/// activations every step is f32. Differentiable in `x`, `a` and `b`; under autodiff it keeps
+/// `x` as it came (usually the same tensor the frozen projection reads) and the f32 `x A^T`.
 pub fn lora_delta<B: ComputeBackend, const D: usize>(
     x: Tensor<B, D>,
     a: Tensor<B, 2>,
@@ -95,15 +99,24 @@ pub(crate) fn lora_delta_forward<B: ComputeBackend>(
     let last = out_shape.num_dims() - 1;
     out_shape[last] = b.shape()[0];
     let (dtype, adapter) = (x.dtype(), a.dtype());
-    let x = B::float_cast(rows::<B>(x), adapter.into());
-    let down = B::lemo_matmul(x, B::float_transpose(a));
-    let up = B::lemo_matmul(down.clone(), B::float_transpose(b));
-    let out = B::float_cast(B::float_mul_scalar(up, scale.into()), dtype.into());
+    let to_activations = |t: FloatTensor<B>| B::float_cast(t, dtype.into());
+    let down = B::lemo_matmul_scaled(
+        rows::<B>(x),
+        B::float_transpose(to_activations(a)),
+        1.0,
+        adapter,
+    );
+    let out = B::lemo_matmul_scaled(
+        to_activations(down.clone()),
+        B::float_transpose(to_activations(b)),
+        scale,
+        dtype,
+    );
     (B::float_reshape(out, out_shape), down)
 }
 
 /// `(d x, d a, d b)` of [`lora_delta`] from the saved `x`, `a`, `b`, `down` and `d out`, each
-/// when asked for; the f32 copy of `x` exists only while `d a` is computed.
+/// when asked for: four products of rank `r`, each reading `x` or `d out` once as stored.
 pub(crate) fn lora_delta_backward<B: ComputeBackend>(
     [x, a, b, down]: [FloatTensor<B>; 4],
     grad: FloatTensor<B>,
@@ -111,15 +124,25 @@ pub(crate) fn lora_delta_backward<B: ComputeBackend>(
     [want_x, want_a, want_b]: [bool; 3],
 ) -> [Option<FloatTensor<B>>; 3] {
     let (x_shape, dtype, adapter) = (x.shape(), x.dtype(), a.dtype());
-    let grad_up = B::float_mul_scalar(B::float_cast(rows::<B>(grad), adapter.into()), scale.into());
-    let grad_b = want_b.then(|| B::lemo_matmul(B::float_transpose(grad_up.clone()), down));
-    let grad_down = (want_x || want_a).then(|| B::lemo_matmul(grad_up, b));
+    let to_activations = |t: FloatTensor<B>| B::float_cast(t, dtype.into());
+    let grad = rows::<B>(grad);
+    let grad_b = want_b.then(|| {
+        let down = to_activations(down);
+        B::lemo_matmul_scaled(B::float_transpose(grad.clone()), down, scale, adapter)
+    });
+    let grad_down = (want_x || want_a).then(|| {
+        to_activations(B::lemo_matmul_scaled(
+            grad,
+            to_activations(b),
+            scale,
+            adapter,
+        ))
+    });
     let grad_a = grad_down.clone().filter(|_| want_a).map(|grad_down| {
-        let x = B::float_cast(rows::<B>(x), adapter.into());
-        B::lemo_matmul(B::float_transpose(grad_down), x)
+        B::lemo_matmul_scaled(B::float_transpose(grad_down), rows::<B>(x), 1.0, adapter)
     });
     let grad_x = grad_down.filter(|_| want_x).map(|grad_down| {
-        let grad_x = B::float_cast(B::lemo_matmul(grad_down, a), dtype.into());
+        let grad_x = B::lemo_matmul_scaled(grad_down, to_activations(a), 1.0, dtype);
         B::float_reshape(grad_x, x_shape)
     });
     [grad_x, grad_a, grad_b]

@@ -19,7 +19,7 @@ use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive
 use cubecl::prelude::{ComputeClient, Runtime};
 use lemo_kernel_bench::time_calls;
 use lemo_kernels::memory::{memory_cleanup, memory_stats};
-use lemo_kernels::{CpuBackend, CudaBackend, fused, gemm, loss};
+use lemo_kernels::{CpuBackend, CudaBackend, fused, gemm, loss, precision};
 use serde_json::{Value, json};
 
 type B = CudaBackend;
@@ -292,6 +292,36 @@ fn fused_parity() -> Vec<Value> {
     let (edg, edu) = fused::swiglu::reference::backward::<B>(prim(gate), prim(up), prim(g));
     push("swiglu_backward_gate", gpu_relative(back3(dg), back3(edg)));
     push("swiglu_backward_up", gpu_relative(back3(du), back3(edu)));
+
+    // The adapter's term on bf16 activations (A, B and the rank-r intermediate rounded to bf16
+    // inside the products) against the same term computed in f32 by Burn, forward and backward.
+    let x = Tensor::<AD, 3>::from_inner(random([2, 1000, 4096], DType::BF16)).require_grad();
+    let a = Tensor::<AD, 2>::from_inner(random([8, 4096], DType::F32) * 0.02).require_grad();
+    let b = Tensor::<AD, 2>::from_inner(random([4096, 8], DType::F32)).require_grad();
+    let upstream = Tensor::<AD, 3>::from_inner(random([2, 1000, 4096], DType::F32));
+    let run = |reference: bool| {
+        let term = if reference {
+            precision::lora_delta_reference(x.clone(), a.clone(), b.clone(), 2.0)
+        } else {
+            precision::lora_delta(x.clone(), a.clone(), b.clone(), 2.0)
+        };
+        let grads = (term.clone().cast(DType::F32) * upstream.clone())
+            .sum()
+            .backward();
+        let grad_of = |grad: Option<Tensor<B, 3>>| grad.expect("gradient");
+        (
+            term.inner(),
+            grad_of(x.grad(&grads)),
+            a.grad(&grads).expect("gradient"),
+            b.grad(&grads).expect("gradient"),
+        )
+    };
+    let (term, dx, da, db) = run(false);
+    let (expected, edx, eda, edb) = run(true);
+    push("lora_delta_forward_bf16", gpu_relative(term, expected));
+    push("lora_delta_backward_x_bf16", gpu_relative(dx, edx));
+    push("lora_delta_backward_a_bf16", gpu_relative(da, eda));
+    push("lora_delta_backward_b_bf16", gpu_relative(db, edb));
 
     let logits = random([300, 32000], DType::BF16) * 4.0;
     let targets: Vec<i32> = (0..300)

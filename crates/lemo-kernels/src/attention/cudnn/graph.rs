@@ -22,6 +22,11 @@ pub(crate) fn contiguous(dims: [i64; 4]) -> [i64; 4] {
     [dims[1] * dims[2] * dims[3], dims[2] * dims[3], dims[3], 1]
 }
 
+/// Strides of `[batch, heads, len, head_dim]` stored as `[batch, len, heads, head_dim]`.
+pub(crate) fn sequence_major(dims: [i64; 4]) -> [i64; 4] {
+    [dims[1] * dims[2] * dims[3], dims[3], dims[1] * dims[3], 1]
+}
+
 #[derive(Default)]
 pub(crate) struct GraphBuilder {
     tensors: Vec<Descriptor>,

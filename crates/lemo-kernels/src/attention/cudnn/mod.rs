@@ -27,14 +27,14 @@ use std::sync::{Mutex, OnceLock};
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_dtype;
+use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, empty_device_dtype};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cudarc::cudnn::sys::{self, cudnnDataType_t as DataType};
 use cudarc::driver::sys::CUcontext;
 
 use self::descriptor::check;
-use self::graph::{TensorId, contiguous};
+use self::graph::{TensorId, sequence_major};
 use self::sdpa::{AttentionGraph, Direction, GraphKey, build};
 use super::AttentionOptions;
 use crate::cuda_interop::{SideStream, current_context, downcast};
@@ -99,6 +99,25 @@ fn empty(like: &CubeTensor<CudaRuntime>, dims: &[usize], dtype: DType) -> CubeTe
     )
 }
 
+/// An output `[batch, heads, len, head_dim]` stored as `[batch, len, heads, head_dim]`, the
+/// layout the model's projections write and read: merging the heads of the attention output, or
+/// splitting the gradients of q, k and v back into projections, is then a view, not a copy.
+fn empty_sequence_major(
+    like: &CubeTensor<CudaRuntime>,
+    [batch, heads, len, head_dim]: [i64; 4],
+    dtype: DType,
+) -> CubeTensor<CudaRuntime> {
+    let dims = [batch, len, heads, head_dim].map(|d| d as usize);
+    let mut tensor = empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        Shape::from(dims.to_vec()),
+        dtype,
+    );
+    tensor.meta.swap(1, 2);
+    tensor
+}
+
 /// `q, k, v` as cuDNN reads them, or `None` where cuDNN does not take them.
 fn operands<R: CubeRuntime>(
     q: &CubeTensor<R>,
@@ -124,8 +143,8 @@ pub(crate) fn try_forward<R: CubeRuntime>(
         (k, k_dims, k_strides),
         (v, _, v_strides),
     ] = operands(q, k, v, options)?;
-    let [batch, q_heads, len, head_dim] = q_dims.map(|d| d as usize);
-    let out = empty(&q, &[batch, q_heads, len, head_dim], q.dtype);
+    let [batch, q_heads, len, _] = q_dims.map(|d| d as usize);
+    let out = empty_sequence_major(&q, q_dims, q.dtype);
     let lse = empty(&q, &[batch, q_heads, len], DType::F32);
     let key = GraphKey {
         direction: Direction::Forward,
@@ -136,8 +155,8 @@ pub(crate) fn try_forward<R: CubeRuntime>(
             q_strides,
             k_strides,
             v_strides,
-            contiguous(q_dims),
-            contiguous(q_dims),
+            sequence_major(q_dims),
+            sequence_major(q_dims),
         ],
         scale_bits: options.scale.to_bits(),
     };
@@ -180,9 +199,9 @@ pub(crate) fn try_backward<R: CubeRuntime>(
     let (out, _, out_strides) = operand(out);
     let (grad_out, _, grad_out_strides) = operand(grad_out);
     let [batch, q_heads, len, head_dim] = q_dims.map(|d| d as usize);
-    let grad_q = empty(&q, &q_dims.map(|d| d as usize), dtype);
-    let grad_k = empty(&q, &k_dims.map(|d| d as usize), dtype);
-    let grad_v = empty(&q, &k_dims.map(|d| d as usize), dtype);
+    let grad_q = empty_sequence_major(&q, q_dims, dtype);
+    let grad_k = empty_sequence_major(&q, k_dims, dtype);
+    let grad_v = empty_sequence_major(&q, k_dims, dtype);
     let key = GraphKey {
         direction: Direction::Backward,
         dtype,

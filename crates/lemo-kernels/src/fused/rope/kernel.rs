@@ -1,4 +1,4 @@
-use burn::tensor::DType;
+use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::{cast, into_contiguous};
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
@@ -48,14 +48,15 @@ fn rope_kernel<F: Float, I: Int, N: Size>(
     let c = cos[table];
     let t = sin[table] * Vector::new(sign);
 
-    let out_base = row * 2 * half_vectors + j;
+    let out_base = (b * out.stride(0) + h * out.stride(1) + s * out.stride(2)) / vector + j;
     out[out_base] = Vector::cast_from(first * c - second * t);
     out[out_base + half_vectors] = Vector::cast_from(second * c + first * t);
 }
 
 /// RoPE (or its inverse) of `x [batch, heads, seq, head_dim]` at `positions [batch, seq]`: one
 /// thread per pair of `N`-vectors (16 bytes), reads `x` once (any strides with a unit last one, so the
-/// `[b, s, h, d] -> [b, h, s, d]` transpose comes free) and writes a contiguous output.
+/// `[b, s, h, d] -> [b, h, s, d]` transpose comes free) and writes an output laid out like `x`
+/// when `x` is a sequence-major view (so the heads merge back into rows for free), else contiguous.
 /// O(numel) bytes plus the table rows, which stay in cache.
 pub(crate) fn rope<R: CubeRuntime>(
     x: CubeTensor<R>,
@@ -90,7 +91,16 @@ pub(crate) fn rope<R: CubeRuntime>(
         "RoPE positions must be [batch, seq]"
     );
     let client = x.client.clone();
-    let out = empty_device_contiguous_dtype(client.clone(), x.device.clone(), shape, x.dtype);
+    let sequence_major = [seq * heads * head_dim, head_dim, heads * head_dim, 1];
+    let out = if batch * heads * seq > 0 && x.meta.strides()[..] == sequence_major[..] {
+        let stored = Shape::new([batch, seq, heads, head_dim]);
+        let mut out =
+            empty_device_contiguous_dtype(client.clone(), x.device.clone(), stored, x.dtype);
+        out.meta.swap(1, 2);
+        out
+    } else {
+        empty_device_contiguous_dtype(client.clone(), x.device.clone(), shape, x.dtype)
+    };
     let strides = x.meta.strides();
     let mut vector = vector_size(&x, head_dim / 2);
     while vector > 1 && strides[..3].iter().any(|s| !s.is_multiple_of(vector)) {
