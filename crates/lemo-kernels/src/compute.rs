@@ -134,6 +134,18 @@ pub trait ComputeBackend: Backend {
         fused::swiglu::reference::backward::<Self>(gate, up, grad)
     }
 
+    /// One AdamW update: the new `(param, exp_avg, exp_avg_sq)` from the parameter, its gradient
+    /// and its moments (absent before the first update); see [`fused::adamw_step`].
+    fn lemo_adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        exp_avg: Option<FloatTensor<Self>>,
+        exp_avg_sq: Option<FloatTensor<Self>>,
+        step: fused::AdamWStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        fused::adamw::reference::adamw_step::<Self>(param, grad, exp_avg, exp_avg_sq, step)
+    }
+
     /// RMSNorm of the rows `rows [batch, kept]` of `x [batch, seq, hidden]`; see
     /// [`token_movement::gather_rms_norm`].
     fn lemo_gather_rms_norm(
@@ -379,6 +391,16 @@ where
         grad: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         fused::swiglu::kernel::backward(gate, up, grad)
+    }
+
+    fn lemo_adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        exp_avg: Option<FloatTensor<Self>>,
+        exp_avg_sq: Option<FloatTensor<Self>>,
+        step: fused::AdamWStep,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        fused::adamw::kernel::adamw_step(param, grad, exp_avg, exp_avg_sq, step)
     }
 
     fn lemo_cross_entropy_rows(

@@ -1,12 +1,14 @@
 //! Fused element-wise kernels of a Llama layer, each with its backward: RMSNorm, rotate-half
-//! RoPE at explicit positions, and SwiGLU. Each sits next to its plain Burn reference; CubeCL
-//! backends run the kernels (vectorized 16-byte accesses, f32 arithmetic in registers, one pass
-//! over the data), any other backend the reference.
+//! RoPE at explicit positions, and SwiGLU; and the optimizer's AdamW update. Each sits next to
+//! its plain Burn reference; CubeCL backends run the kernels (vectorized 16-byte accesses, f32
+//! arithmetic in registers, one pass over the data), any other backend the reference.
 
+pub mod adamw;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
 
+pub use adamw::{AdamWStep, adamw_step};
 pub use rms_norm::rms_norm;
 pub use rope::{rope, rope_tables};
 pub use swiglu::swiglu;

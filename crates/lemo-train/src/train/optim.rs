@@ -11,6 +11,8 @@ use anyhow::{Result, bail};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor, TensorData};
+use lemo_kernels::ComputeBackend;
+use lemo_kernels::fused::{AdamWStep, adamw_step};
 
 /// `(beta1, beta2, eps, weight_decay)` defaults are PyTorch's `torch.optim.AdamW` minus its
 /// weight decay of 0.01: LoRA recipes (PEFT, LongLoRA) train with 0.
@@ -219,7 +221,7 @@ pub struct AdamW<B: burn::tensor::backend::Backend> {
     pub exp_avg_sq: NamedTensors<B>,
 }
 
-impl<B: burn::tensor::backend::Backend> AdamW<B> {
+impl<B: ComputeBackend> AdamW<B> {
     pub fn new(settings: AdamWSettings) -> Self {
         Self {
             settings,
@@ -230,38 +232,36 @@ impl<B: burn::tensor::backend::Backend> AdamW<B> {
     }
 
     /// One update of `params` with `grads` at learning rate `lr`, as `torch.optim.AdamW` does it:
-    /// decoupled weight decay, bias-corrected moments, `eps` added after the square root.
+    /// decoupled weight decay, bias-corrected moments, `eps` added after the square root. One
+    /// fused kernel per tensor on CubeCL backends (see [`adamw_step`]).
     pub fn step(
         &mut self,
         params: NamedTensors<B>,
         grads: &NamedTensors<B>,
         lr: f64,
     ) -> NamedTensors<B> {
-        let s = self.settings;
         self.step += 1;
-        let t = self.step as i32;
-        let bias1 = 1.0 - s.beta1.powi(t);
-        let bias2 = 1.0 - s.beta2.powi(t);
+        let update = AdamWStep {
+            lr,
+            beta1: self.settings.beta1,
+            beta2: self.settings.beta2,
+            eps: self.settings.eps,
+            weight_decay: self.settings.weight_decay,
+            step: self.step,
+        };
         let mut out = BTreeMap::new();
         for (name, param) in params {
             let Some(grad) = grads.get(&name) else {
                 out.insert(name, param);
                 continue;
             };
-            let m = match self.exp_avg.remove(&name) {
-                Some(m) => m.mul_scalar(s.beta1) + grad.clone().mul_scalar(1.0 - s.beta1),
-                None => grad.clone().mul_scalar(1.0 - s.beta1),
-            };
-            let v = match self.exp_avg_sq.remove(&name) {
-                Some(v) => v.mul_scalar(s.beta2) + grad.clone().square().mul_scalar(1.0 - s.beta2),
-                None => grad.clone().square().mul_scalar(1.0 - s.beta2),
-            };
-            let mut param = param;
-            if s.weight_decay != 0.0 {
-                param = param.mul_scalar(1.0 - lr * s.weight_decay);
-            }
-            let denom = v.clone().sqrt().div_scalar(bias2.sqrt()).add_scalar(s.eps);
-            let param = param - m.clone().div(denom).mul_scalar(lr / bias1);
+            let (param, m, v) = adamw_step(
+                param,
+                grad.clone(),
+                self.exp_avg.remove(&name),
+                self.exp_avg_sq.remove(&name),
+                update,
+            );
             self.exp_avg.insert(name.clone(), m);
             self.exp_avg_sq.insert(name.clone(), v);
             out.insert(name, param);
