@@ -46,13 +46,13 @@ def main():
     rows = sorted(last_table(args.log), key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     launches = sum(r[2] for r in rows)
-    print(f"CubeCL kernels in the step: {total * 1e3:.1f} ms over {launches} launches")
-    for name, seconds, count in rows[: args.top]:
-        print(f"{seconds * 1e3:9.2f} ms {count:6d}x  {name[:110]}")
     if args.json:
         json.dump({"total_ms": total * 1e3, "launches": launches,
                    "kernels": [{"kernel": n, "ms": s * 1e3, "launches": c} for n, s, c in rows]},
                   open(args.json, "w"), indent=1)
+    print(f"CubeCL kernels in the step: {total * 1e3:.1f} ms over {launches} launches")
+    for name, seconds, count in rows[: args.top]:
+        print(f"{seconds * 1e3:9.2f} ms {count:6d}x  {name[:110]}")
 
 
 if __name__ == "__main__":

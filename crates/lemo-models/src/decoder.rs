@@ -150,7 +150,7 @@ impl<B: LemoBackend> SparseBlock<B> {
 
 /// `h_{index+1}` from `h_index`: the attention block then the MLP block, each on the rows
 /// `sparsity` gives it.
-pub fn layer<B: Backend, D: Decoder<B>>(
+pub fn layer<B: LemoBackend, D: Decoder<B>>(
     decoder: &D,
     index: usize,
     h: Tensor<B, 3>,
@@ -179,7 +179,7 @@ pub fn layer<B: Backend, D: Decoder<B>>(
 
 /// Final normalized hidden states of `tokens` at `positions`; with a cache, the tokens continue
 /// the cached sequence (the caller advances `cache.len`).
-pub fn hidden_states<B: Backend, D: Decoder<B>>(
+pub fn hidden_states<B: LemoBackend, D: Decoder<B>>(
     decoder: &D,
     tokens: Tensor<B, 2, Int>,
     positions: Range<usize>,

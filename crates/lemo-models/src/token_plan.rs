@@ -7,7 +7,7 @@
 //! pass.
 
 use burn::tensor::Tensor;
-use burn::tensor::backend::Backend;
+use lemo_kernels::ComputeBackend;
 use lemo_kernels::attention::FUSED_ATTENTION_LENGTH_MULTIPLE;
 use lemo_predictor::Predictors;
 use lemo_predictor::scorer::block_token_rows;
@@ -207,7 +207,7 @@ impl<'a> TokenSparsity<'a> {
     /// the block runs dense. `pass` computes the block outside the graph, with its exact
     /// token-block scores when given a block size, and is called only when the block is sparse
     /// or its scores are recorded.
-    pub(crate) fn block<B: Backend>(
+    pub(crate) fn block<B: ComputeBackend>(
         &mut self,
         layer: usize,
         block: Block,

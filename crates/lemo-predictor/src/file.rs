@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use lemo_kernels::ComputeBackend;
 use lemo_sparsity::Thresholds;
 use lemo_sparsity::calibration::Block;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
@@ -445,7 +446,7 @@ impl Predictors {
 
     /// Predicted token-block scores `[batch, blocks]` of `block` of `layer` from the block input
     /// `x: [batch, seq, hidden]`; `None` when that block has no predictor (it stays dense).
-    pub fn token_block_scores<B: Backend>(
+    pub fn token_block_scores<B: ComputeBackend>(
         &self,
         layer: usize,
         block: Block,

@@ -6,6 +6,7 @@
 use burn::module::Module;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use lemo_kernels::ComputeBackend;
 use lemo_sparsity::calibration::Block;
 
 use crate::scorer::{Scorer, block_token_rows, log_mean_exp_over_tokens};
@@ -104,15 +105,6 @@ impl<B: Backend> BlockPredictor<B> {
         }
     }
 
-    /// Token-block scores `[batch, blocks]` (f32, each sequence's largest 1) of the block input
-    /// `x: [batch, seq, hidden]`: a few small GEMMs over the tokens (O(seq * hidden * rank))
-    /// and the pooling.
-    pub fn token_block_scores(&self, x: Tensor<B, 3>, block_size: usize) -> Tensor<B, 2> {
-        let log_scores = self.log_scores(block_token_rows(x, block_size, block_size));
-        let largest = log_scores.clone().max_dim(1);
-        (log_scores - largest).exp()
-    }
-
     /// Hidden widths: the query scorer's two and the key scorer's two, or the sketch's
     /// channel count.
     pub fn widths(&self) -> Vec<usize> {
@@ -147,6 +139,17 @@ pub fn suffix_log_mean_exp<B: Backend>(v: Tensor<B, 2>) -> Tensor<B, 2> {
     let log_count = Tensor::<B, 1>::from_data(TensorData::new(log_count, [blocks]), &device)
         .reshape([1, blocks]);
     log_sum.reshape([batch, blocks]) - log_count
+}
+
+impl<B: ComputeBackend> BlockPredictor<B> {
+    /// Token-block scores `[batch, blocks]` (f32, each sequence's largest 1) of the block input
+    /// `x: [batch, seq, hidden]`: a few small GEMMs over the tokens (O(seq * hidden * rank))
+    /// and the pooling.
+    pub fn token_block_scores(&self, x: Tensor<B, 3>, block_size: usize) -> Tensor<B, 2> {
+        let log_scores = self.log_scores(block_token_rows(x, block_size, block_size));
+        let largest = log_scores.clone().max_dim(1);
+        (log_scores - largest).exp()
+    }
 }
 
 /// The predictors of one layer; `None` where that block of the layer stays dense.

@@ -6,6 +6,8 @@ use burn::module::{Module, Param};
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Tensor, TensorData};
+use lemo_kernels::ComputeBackend;
+use lemo_kernels::fused::rms_norm;
 
 /// A dense map's initial values: uniform `U(-k, k)`, `k = 1 / sqrt(inputs)`.
 pub(crate) fn initial_distribution(inputs: usize) -> Distribution {
@@ -183,8 +185,9 @@ pub(crate) fn log_mean_exp_over_tokens<B: Backend>(per_token: Tensor<B, 3>) -> T
 /// or an evenly spaced subset of each block (what training data keeps of large models). The
 /// scale of the residual stream varies by orders of magnitude between tokens; its direction is
 /// what the layer's projections read. A last partial block is padded with zero rows (it is
-/// always kept, so its score only enters the sequence's mean). O(seq * hidden).
-pub fn block_token_rows<B: Backend>(
+/// always kept, so its score only enters the sequence's mean). O(seq * hidden): the cast and one
+/// fused RMSNorm pass (unit weight, f32).
+pub fn block_token_rows<B: ComputeBackend>(
     x: Tensor<B, 3>,
     block_size: usize,
     tokens_per_block: usize,
@@ -195,9 +198,8 @@ pub fn block_token_rows<B: Backend>(
     );
     let [batch, seq, hidden] = x.dims();
     let blocks = seq.div_ceil(block_size);
-    let x = x.cast(DType::F32);
-    let rms = x.clone().powi_scalar(2).mean_dim(2).add_scalar(1e-6).sqrt();
-    let normalized = x / rms;
+    let unit = Tensor::ones([hidden], (&x.device(), DType::F32));
+    let normalized = rms_norm(x.cast(DType::F32), unit, 1e-6);
     let padded = blocks * block_size;
     let normalized = if padded > seq {
         normalized.pad((0, 0, 0, padded - seq), 0.0)
