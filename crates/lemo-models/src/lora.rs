@@ -15,6 +15,13 @@ use lemo_kernels::recomputed_rows::FrozenLinear;
 
 use crate::weights::seeded_random;
 
+/// `t` outside the autodiff graph. Burn's `detach` keeps a leaf's `require_grad`, so a detached
+/// adapter would still record every operation on it (and what they save) in the graph until the
+/// step's backward pass: in the token-sparse passes that held two full-width tensors per layer.
+fn untracked<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    t.set_require_grad(false)
+}
+
 /// Every projection of a Llama layer, in PEFT's `target_modules` names.
 pub const LLAMA_PROJECTIONS: [&str; 7] = [
     "q_proj",
@@ -189,7 +196,7 @@ impl<B: ComputeBackend> Linear<B> {
     }
 
     pub fn base_untracked<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.project(x.detach(), None, false)
+        self.project(untracked(x), None, false)
     }
 
     /// `base`, the frozen part of the projection of `x`, plus the adapter's term, outside the
@@ -200,7 +207,7 @@ impl<B: ComputeBackend> Linear<B> {
         base: Tensor<B, D>,
     ) -> Tensor<B, D> {
         match &self.lora {
-            Some(_) => self.project(x.detach(), Some(base), false),
+            Some(_) => self.project(untracked(x), Some(base), false),
             None => base,
         }
     }
@@ -252,7 +259,7 @@ impl<B: ComputeBackend> Linear<B> {
             y = if tracked {
                 y + lora_delta(lora.dropout.forward(x), a, b, lora.scaling as f32)
             } else {
-                y + lora_delta(x, a.detach(), b.detach(), lora.scaling as f32)
+                y + lora_delta(x, untracked(a), untracked(b), lora.scaling as f32)
             };
         }
         y.reshape(out_dims)
