@@ -31,7 +31,7 @@ pub trait ComputeBackend: Backend {
     }
 
     /// `alpha * lhs x rhs` for operands of one dtype, accumulated in f32 and written in
-    /// `out_dtype`; see [`gemm::matmul_scaled`]. Not differentiable: the adapters' own forward
+    /// `out_dtype`; see [`gemm::matmul_scaled_reference`]. Not differentiable: the adapters' own forward
     /// and backward passes are built from it.
     fn lemo_matmul_scaled(
         lhs: FloatTensor<Self>,

@@ -14,6 +14,7 @@ pub use rope::{rope, rope_tables};
 pub use swiglu::swiglu;
 
 use burn_cubecl::CubeRuntime;
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use cubecl::server::CubeCountSelection;
@@ -31,4 +32,31 @@ pub(crate) fn vector_size<R: CubeRuntime>(tensor: &CubeTensor<R>, len: usize) ->
 /// `CUBE_POS` against their own bound).
 pub(crate) fn cube_count<R: CubeRuntime>(client: &ComputeClient<R>, cubes: usize) -> CubeCount {
     CubeCountSelection::new(client, cubes as u32).cube_count()
+}
+
+/// Threads per cube of the one-thread-per-vector element-wise kernels.
+pub(crate) const ELEMENTWISE_THREADS: usize = 256;
+
+/// A contiguous tensor of `like`'s shape and dtype, uninitialized.
+pub(crate) fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
+    empty_device_contiguous_dtype(
+        like.client.clone(),
+        like.device.clone(),
+        like.meta.shape().clone(),
+        like.dtype,
+    )
+}
+
+/// Vector width and grid of an element-wise kernel over `elements` values of `like`'s dtype,
+/// one thread per vector, [`ELEMENTWISE_THREADS`] threads per cube.
+pub(crate) fn elementwise_grid<R: CubeRuntime>(
+    like: &CubeTensor<R>,
+    elements: usize,
+) -> (usize, CubeCount) {
+    let vector = vector_size(like, elements);
+    let threads = elements / vector;
+    (
+        vector,
+        cube_count(&like.client, threads.div_ceil(ELEMENTWISE_THREADS)),
+    )
 }

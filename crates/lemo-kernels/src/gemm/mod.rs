@@ -37,25 +37,11 @@ pub fn reference<B: burn::tensor::backend::Backend, const D: usize>(
     lhs.matmul(rhs)
 }
 
-/// `alpha * lhs x rhs`, accumulated in f32 and written in `out_dtype`, for `lhs` and `rhs` of one
-/// dtype: on CUDA one cuBLASLt product whose epilogue scales and converts (bf16 operands may
-/// give an f32 result: the accumulator unrounded). What the adapters' products are made of: each
-/// reads its large operand (activations, output gradients) as stored, in one pass.
-pub fn matmul_scaled<B: ComputeBackend, const D: usize>(
-    lhs: Tensor<B, D>,
-    rhs: Tensor<B, D>,
-    alpha: f32,
-    out_dtype: DType,
-) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(B::lemo_matmul_scaled(
-        lhs.into_primitive().tensor(),
-        rhs.into_primitive().tensor(),
-        alpha,
-        out_dtype,
-    )))
-}
-
-/// [`matmul_scaled`] in Burn operations: operands widened to f32, product, scale, cast.
+/// `alpha * lhs x rhs` for `lhs` and `rhs` of one dtype, accumulated in f32 and written in
+/// `out_dtype`, in Burn operations (operands widened to f32, product, scale, cast): the default
+/// of [`ComputeBackend::lemo_matmul_scaled`], which CUDA runs as one cuBLASLt product whose
+/// epilogue scales and converts. What the adapters' products are made of: each reads its large
+/// operand (activations, output gradients) as stored, in one pass.
 pub fn matmul_scaled_reference<B: Backend>(
     lhs: FloatTensor<B>,
     rhs: FloatTensor<B>,

@@ -1,13 +1,10 @@
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
 use super::AdamWStep;
-use crate::fused::{cube_count, vector_size};
-
-const THREADS: usize = 256;
+use crate::fused::{ELEMENTWISE_THREADS, elementwise_grid, empty_like};
 
 /// The f32 scalars of one update, rounded from [`AdamWStep`] as Burn rounds a scalar operand.
 #[derive(CubeLaunch, CubeType)]
@@ -62,15 +59,6 @@ fn adamw_kernel<F: Float, N: Size>(
     exp_avg_sq_out[i] = Vector::cast_from(v);
 }
 
-fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
-    empty_device_contiguous_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        like.meta.shape().clone(),
-        like.dtype,
-    )
-}
-
 /// One AdamW update (see [`super::adamw_step`]): one thread per 16-byte vector reads `param`,
 /// `grad` and the moments once and writes the three results once (7 x numel x dtype bytes,
 /// 5 on the first update).
@@ -101,8 +89,7 @@ pub(crate) fn adamw_step<R: CubeRuntime>(
     if elements == 0 {
         return (param_out, exp_avg_out, exp_avg_sq_out);
     }
-    let vector = vector_size(&param, elements);
-    let count = cube_count(&param.client, (elements / vector).div_ceil(THREADS));
+    let (vector, count) = elementwise_grid(&param, elements);
     let (decay, step_size, bias2_sqrt) = step.corrections();
     let factors = AdamWFactorsLaunch::new(
         decay as f32,
@@ -120,7 +107,7 @@ pub(crate) fn adamw_step<R: CubeRuntime>(
         adamw_kernel::launch_unchecked::<R>(
             &client,
             count,
-            CubeDim::new_1d(THREADS as u32),
+            CubeDim::new_1d(ELEMENTWISE_THREADS as u32),
             vector,
             param.into_tensor_arg(),
             grad.into_tensor_arg(),

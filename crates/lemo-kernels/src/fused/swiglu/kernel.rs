@@ -1,12 +1,9 @@
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use crate::fused::{cube_count, vector_size};
-
-const THREADS: usize = 256;
+use crate::fused::{ELEMENTWISE_THREADS, elementwise_grid, empty_like};
 
 #[cube]
 fn sigmoid<N: Size>(x: Vector<f32, N>) -> Vector<f32, N> {
@@ -53,22 +50,6 @@ fn swiglu_backward_kernel<F: Float, N: Size>(
     grad_up[i] = Vector::cast_from(d * g * s);
 }
 
-fn empty_like<R: CubeRuntime>(like: &CubeTensor<R>) -> CubeTensor<R> {
-    empty_device_contiguous_dtype(
-        like.client.clone(),
-        like.device.clone(),
-        like.meta.shape().clone(),
-        like.dtype,
-    )
-}
-
-/// Launch geometry for `elements` values in vectors of `vector`.
-fn grid<R: CubeRuntime>(like: &CubeTensor<R>, elements: usize) -> (usize, CubeCount) {
-    let vector = vector_size(like, elements);
-    let threads = elements / vector;
-    (vector, cube_count(&like.client, threads.div_ceil(THREADS)))
-}
-
 /// SwiGLU forward: one thread per 16-byte vector, reads `gate` and `up` once, writes `out` once
 /// (3 x numel x dtype bytes).
 pub(crate) fn forward<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) -> CubeTensor<R> {
@@ -83,14 +64,14 @@ pub(crate) fn forward<R: CubeRuntime>(gate: CubeTensor<R>, up: CubeTensor<R>) ->
     if elements == 0 {
         return out;
     }
-    let (vector, count) = grid(&gate, elements);
+    let (vector, count) = elementwise_grid(&gate, elements);
     let (client, dtype) = (gate.client.clone(), gate.dtype);
     // SAFETY: the kernel bounds its index by the output length.
     unsafe {
         swiglu_forward_kernel::launch_unchecked::<R>(
             &client,
             count,
-            CubeDim::new_1d(THREADS as u32),
+            CubeDim::new_1d(ELEMENTWISE_THREADS as u32),
             vector,
             gate.into_tensor_arg(),
             up.into_tensor_arg(),
@@ -118,14 +99,14 @@ pub(crate) fn backward<R: CubeRuntime>(
     if elements == 0 {
         return (grad_gate, grad_up);
     }
-    let (vector, count) = grid(&gate, elements);
+    let (vector, count) = elementwise_grid(&gate, elements);
     let (client, dtype) = (gate.client.clone(), gate.dtype);
     // SAFETY: the kernel bounds its index by the output length.
     unsafe {
         swiglu_backward_kernel::launch_unchecked::<R>(
             &client,
             count,
-            CubeDim::new_1d(THREADS as u32),
+            CubeDim::new_1d(ELEMENTWISE_THREADS as u32),
             vector,
             gate.into_tensor_arg(),
             up.into_tensor_arg(),
