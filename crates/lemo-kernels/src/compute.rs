@@ -236,6 +236,12 @@ pub trait ComputeBackend: Backend {
     /// Releases cached device memory; see [`crate::memory::memory_cleanup`].
     fn lemo_memory_cleanup(_device: &Self::Device) {}
 
+    /// Largest buffer the device's memory pool cuts from small pages; see
+    /// [`crate::memory::pooled_buffer_limit`].
+    fn lemo_pooled_buffer_limit(_device: &Self::Device) -> Option<u64> {
+        None
+    }
+
     /// Waits until all work queued on `device` is done, cuBLASLt products included.
     fn lemo_synchronize(device: &Self::Device) {
         Self::sync(device).expect("device synchronization");
@@ -419,6 +425,10 @@ where
         memory::cube_cleanup::<R>(device)
     }
 
+    fn lemo_pooled_buffer_limit(device: &Self::Device) -> Option<u64> {
+        memory::cube_pooled_buffer_limit::<R>(device)
+    }
+
     fn lemo_synchronize(device: &Self::Device) {
         memory::cube_synchronize::<R>(device)
     }
@@ -590,6 +600,10 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
 
     fn lemo_memory_cleanup(device: &Self::Device) {
         B::lemo_memory_cleanup(device)
+    }
+
+    fn lemo_pooled_buffer_limit(device: &Self::Device) -> Option<u64> {
+        B::lemo_pooled_buffer_limit(device)
     }
 
     fn lemo_synchronize(device: &Self::Device) {

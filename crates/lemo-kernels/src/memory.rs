@@ -39,6 +39,18 @@ pub fn memory_cleanup<B: ComputeBackend>(device: &B::Device) {
     B::lemo_memory_cleanup(device)
 }
 
+/// The largest buffer `device`'s memory pool cuts from pages of four times its size, or `None`
+/// where buffers get their own allocations (the `exclusive-pools` build, backends without pools).
+///
+/// CubeCL's default pools carve buffers out of pages sized from the device's largest page
+/// (a quarter of its memory on CUDA): buffers up to 1/64 of it come from pages of 1/16 (on the
+/// H200: 586 MB from 2.35 GB pages), larger ones from pages of 1/4 (9.38 GB), which a few
+/// sub-gigabyte intermediates leave mostly empty. Models split row-wise work whose
+/// intermediates would exceed this, so a long sequence does not reserve such a page.
+pub fn pooled_buffer_limit<B: ComputeBackend>(device: &B::Device) -> Option<u64> {
+    B::lemo_pooled_buffer_limit(device)
+}
+
 /// Waits until all work queued on `device` is done (on CUDA, cuBLASLt's stream too): for
 /// host-side timings and measurements at a well-defined point.
 pub fn synchronize<B: ComputeBackend>(device: &B::Device) {
@@ -88,6 +100,16 @@ pub(crate) fn cube_stats<R: burn_cubecl::CubeRuntime>(device: &R::Device) -> Mem
         }
     }
     stats
+}
+
+/// See [`pooled_buffer_limit`]: cubecl-runtime's `MemoryConfiguration::SubSlices` layout.
+pub(crate) fn cube_pooled_buffer_limit<R: burn_cubecl::CubeRuntime>(
+    device: &R::Device,
+) -> Option<u64> {
+    if cfg!(feature = "exclusive-pools") {
+        return None;
+    }
+    Some(R::client(device).properties().memory.max_page_size / 64)
 }
 
 /// Waits for queued work and releases the pools' free pages.

@@ -17,6 +17,7 @@ pub mod model;
 pub mod norm;
 pub mod opt;
 pub mod rope;
+pub mod row_chunks;
 pub mod token_plan;
 pub mod tokenizer;
 pub mod weights;

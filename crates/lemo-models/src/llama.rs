@@ -28,6 +28,7 @@ use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::RmsNorm;
 use crate::rope::{RotaryEmbedding, Rotation};
+use crate::row_chunks::by_row_slices;
 use crate::weights::Loader;
 
 #[derive(Module, Debug)]
@@ -227,7 +228,10 @@ impl<B: LemoBackend> LlamaLayer<B> {
     fn mlp_block(&self, a: Tensor<B, 3>, sparse: Option<SparseBlock<B>>) -> Tensor<B, 3> {
         let norm = &self.post_attention_layernorm;
         match sparse {
-            None => a.clone() + self.mlp.forward(norm.forward(a), None),
+            None => {
+                let width = self.mlp.gate_proj.out_features();
+                a.clone() + by_row_slices(norm.forward(a), width, |x| self.mlp.forward(x, None))
+            }
             Some(sparse) => {
                 let x = norm.forward_rows(a.clone(), sparse.rows.clone());
                 let out = self.mlp.forward(x, Some(&sparse));

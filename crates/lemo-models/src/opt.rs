@@ -25,6 +25,7 @@ use crate::decoder::{BlockPass, Decoder, SparseBlock};
 use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::LayerNorm;
+use crate::row_chunks::by_row_slices;
 use crate::weights::Loader;
 use lemo_kernels::recomputed_rows::{FrozenMlp, MlpActivation};
 
@@ -140,8 +141,8 @@ impl<B: LemoBackend> OptLayer<B> {
     fn mlp_block(&self, a: Tensor<B, 3>, sparse: Option<SparseBlock<B>>) -> Tensor<B, 3> {
         let ln2 = &self.final_layer_norm;
         match (sparse, self.norm_before) {
-            (None, true) => a.clone() + self.mlp(ln2.forward(a), None),
-            (None, false) => ln2.forward(a.clone() + self.mlp(a, None)),
+            (None, true) => a.clone() + self.dense_mlp(ln2.forward(a)),
+            (None, false) => ln2.forward(a.clone() + self.dense_mlp(a)),
             (Some(sparse), true) => {
                 let x = ln2.forward(gather_rows(a.clone(), sparse.rows.clone()));
                 let out = self.mlp(x, Some(&sparse));
@@ -149,6 +150,11 @@ impl<B: LemoBackend> OptLayer<B> {
             }
             (Some(_), false) => panic!("{POST_NORM_DENSE}"),
         }
+    }
+
+    /// `fc2(relu(fc1(x)))` on every row, in slices of rows on long sequences.
+    fn dense_mlp(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        by_row_slices(x, self.fc1.out_features(), |x| self.mlp(x, None))
     }
 
     /// `fc2(relu(fc1(x)))` in the graph; with `sparse`, on its kept rows reusing the pass's

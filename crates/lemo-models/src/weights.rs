@@ -62,8 +62,13 @@ impl<B: Backend> Loader<'_, B> {
         name: &str,
         shape: [usize; D],
     ) -> Result<Option<Tensor<B, D>>> {
+        // Weights live as long as the model: in the pool's persistent part, one exact-size
+        // allocation each, they neither pad pages nor fragment the ones activations reuse.
+        let (device, dtype) = (&self.device, self.dtype);
         Ok(self.source.fetch(name, &shape)?.map(|values| {
-            Tensor::from_data(TensorData::new(values, shape), (&self.device, self.dtype))
+            B::memory_persistent_allocations(device, TensorData::new(values, shape), |data| {
+                Tensor::from_data(data, (device, dtype))
+            })
         }))
     }
 
