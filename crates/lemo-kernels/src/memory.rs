@@ -17,6 +17,8 @@
 //! pass before gradients are dropped). cubecl reports the pools of the calling thread's stream:
 //! sample from the thread that runs the step. Backends without pools (NdArray) report zeros.
 
+use burn::tensor::{DType, Tensor};
+
 use crate::ComputeBackend;
 
 /// One reading of device memory (see the module docs for each field).
@@ -49,6 +51,41 @@ pub fn memory_cleanup<B: ComputeBackend>(device: &B::Device) {
 /// intermediates would exceed this, so a long sequence does not reserve such a page.
 pub fn pooled_buffer_limit<B: ComputeBackend>(device: &B::Device) -> Option<u64> {
     B::lemo_pooled_buffer_limit(device)
+}
+
+/// Serves every later buffer of the byte size of a `[batch, rows, width]` tensor in `dtype`, one
+/// per entry of `widths`, from exact-size allocations of its own, reused by any later buffer of
+/// that size, instead of slices of the pool's shared pages. Widths whose buffer is under 1 MiB
+/// are left to the pages.
+///
+/// Why: a training step allocates and frees buffers of a few per-token shapes (the residual
+/// stream, keys and values, the MLP's intermediate) dozens of times per layer. In the shared
+/// pages they interleave with longer-lived ones (checkpointed layer inputs, saved activations)
+/// and leave pages part-empty that the pool cannot return; larger than the small pages' limit,
+/// each takes a page of a quarter of the largest. In exact-size slices they cost their peak count
+/// and nothing more. CubeCL's persistent pool gives this: once it holds a slice of a size, every
+/// request of that size reuses a free one or gets a new one. An explicit
+/// [`memory_cleanup`] returns the free ones, so callers ask again before each pass.
+pub fn exact_size_buffers<B: ComputeBackend>(
+    device: &B::Device,
+    dtype: DType,
+    [batch, rows]: [usize; 2],
+    widths: &[usize],
+) {
+    const SMALLEST: usize = 1 << 20;
+    let shapes: Vec<[usize; 3]> = widths
+        .iter()
+        .map(|&width| [batch, rows, width])
+        .filter(|shape| shape.iter().product::<usize>() * dtype.size() >= SMALLEST)
+        .collect();
+    if shapes.is_empty() || pooled_buffer_limit::<B>(device).is_none() {
+        return;
+    }
+    B::memory_persistent_allocations(device, shapes, |shapes| {
+        for shape in shapes {
+            drop(Tensor::<B, 3>::empty(shape, (device, dtype)));
+        }
+    });
 }
 
 /// Waits until all work queued on `device` is done (on CUDA, cuBLASLt's stream too): for

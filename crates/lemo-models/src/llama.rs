@@ -355,6 +355,17 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         self.layers.len()
     }
 
+    fn row_widths(&self) -> Vec<usize> {
+        self.layers.first().map_or(Vec::new(), |layer| {
+            let attention = &layer.self_attn;
+            vec![
+                attention.q_proj.in_features(),
+                attention.k_proj.out_features(),
+                layer.mlp.gate_proj.out_features(),
+            ]
+        })
+    }
+
     fn attention_block(
         &self,
         index: usize,

@@ -340,6 +340,12 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
         self.layers.len()
     }
 
+    fn row_widths(&self) -> Vec<usize> {
+        self.layers.first().map_or(Vec::new(), |layer| {
+            vec![layer.fc1.in_features(), layer.fc1.out_features()]
+        })
+    }
+
     fn attention_block(
         &self,
         index: usize,
