@@ -53,10 +53,9 @@ pub fn pooled_buffer_limit<B: ComputeBackend>(device: &B::Device) -> Option<u64>
     B::lemo_pooled_buffer_limit(device)
 }
 
-/// Serves every later buffer of the byte size of a `[batch, rows, width]` tensor in `dtype`, one
-/// per entry of `widths`, from exact-size allocations of its own, reused by any later buffer of
-/// that size, instead of slices of the pool's shared pages. Widths whose buffer is under 1 MiB
-/// are left to the pages.
+/// Serves every later buffer of the byte size of each of `shapes` (in `dtype`) from exact-size
+/// allocations of its own, reused by any later buffer of that size, instead of slices of the
+/// pool's shared pages. Shapes under 1 MiB are left to the pages.
 ///
 /// Why: a training step allocates and frees buffers of a few per-token shapes (the residual
 /// stream, keys and values, the MLP's intermediate) dozens of times per layer. In the shared
@@ -64,19 +63,18 @@ pub fn pooled_buffer_limit<B: ComputeBackend>(device: &B::Device) -> Option<u64>
 /// and leave pages part-empty that the pool cannot return; larger than the small pages' limit,
 /// each takes a page of a quarter of the largest. In exact-size slices they cost their peak count
 /// and nothing more. CubeCL's persistent pool gives this: once it holds a slice of a size, every
-/// request of that size reuses a free one or gets a new one. An explicit
-/// [`memory_cleanup`] returns the free ones, so callers ask again before each pass.
+/// request of that size reuses a free one or gets a new one. An explicit [`memory_cleanup`]
+/// returns the free ones, so callers ask again before each pass.
 pub fn exact_size_buffers<B: ComputeBackend>(
     device: &B::Device,
     dtype: DType,
-    [batch, rows]: [usize; 2],
-    widths: &[usize],
+    shapes: &[[usize; 3]],
 ) {
     const SMALLEST: usize = 1 << 20;
-    let shapes: Vec<[usize; 3]> = widths
+    let shapes: Vec<[usize; 3]> = shapes
         .iter()
-        .map(|&width| [batch, rows, width])
         .filter(|shape| shape.iter().product::<usize>() * dtype.size() >= SMALLEST)
+        .copied()
         .collect();
     if shapes.is_empty() || pooled_buffer_limit::<B>(device).is_none() {
         return;

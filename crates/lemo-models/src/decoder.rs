@@ -24,6 +24,7 @@ use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 
 use crate::cache::{KvCache, LayerCache};
+use crate::row_chunks::slice_len;
 use crate::token_plan::{DroppedRows, TokenSparsity};
 
 pub trait Decoder<B: Backend> {
@@ -37,10 +38,9 @@ pub trait Decoder<B: Backend> {
 
     fn num_layers(&self) -> usize;
 
-    /// Widths of the per-token activations every layer allocates and frees over and over (the
-    /// residual stream, keys and values, the MLP's intermediate): they get exact-size buffers
-    /// (see [`row_buffers`]).
-    fn row_widths(&self) -> Vec<usize>;
+    /// Widths of the per-token activations every layer allocates and frees over and over: they
+    /// get exact-size buffers (see [`row_buffers`]).
+    fn row_widths(&self) -> RowWidths;
 
     /// The attention block of layer `index`, `h + attention(norm(h))`. With `sparse`, the pass
     /// already computed the block for every row: that is the value, and the graph (its saved
@@ -83,11 +83,24 @@ pub trait Decoder<B: Backend> {
     /// folded in, f32); `None` where the MLP block stays dense (post-norm OPT).
     fn mlp_input_map(&self, index: usize) -> Option<MlpInputMap<B>>;
 
+    /// The MLP block of layer `index` as constants, when nothing in it trains (no adapters on
+    /// its projections, a frozen norm) and it is pre-norm: its backward pass can then be
+    /// recomputed from its input rows alone (see [`MlpGraph::Recomputed`]).
+    fn frozen_mlp(&self, index: usize) -> Option<FrozenMlp<B>>;
+
     /// What output projection reads, from `h_L`.
     fn output_norm(&self, h: Tensor<B, 3>) -> Tensor<B, 3>;
 
     /// `[vocab, dim]`: the output projection, in the hidden states' dtype.
     fn lm_head_weight(&self) -> Tensor<B, 2>;
+}
+
+/// Widths of a layer's per-token activations (see [`Decoder::row_widths`]).
+pub struct RowWidths {
+    /// Those of the residual stream and of the attention block (queries, keys and values).
+    pub stream: Vec<usize>,
+    /// The MLP's intermediate; `None` without layers.
+    pub mlp: Option<usize>,
 }
 
 /// One block computed for every row outside the graph.
@@ -154,8 +167,20 @@ impl<B: LemoBackend> SparseBlock<B> {
     }
 }
 
+/// What the graph of a dense MLP block holds for its backward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MlpGraph {
+    /// Its activations, as any block's.
+    Saved,
+    /// Where the block is frozen ([`Decoder::frozen_mlp`]), only its input: the backward pass
+    /// recomputes the input projections from it ([`lemo_kernels::recomputed_rows`], two more
+    /// GEMMs of `seq x hidden x ffn`), so a checkpointed layer's recomputation does not hold the
+    /// MLP's activations (at 32K tokens on Llama-2-7B, about 1.3 GiB against 256 MiB).
+    Recomputed,
+}
+
 /// `h_{index+1}` from `h_index`: the attention block then the MLP block, each on the rows
-/// `sparsity` gives it.
+/// `sparsity` gives it; a dense MLP block keeps what `mlp_graph` says.
 pub fn layer<B: LemoBackend, D: Decoder<B>>(
     decoder: &D,
     index: usize,
@@ -163,6 +188,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
     shared: &D::Shared,
     cache: Option<&mut LayerCache<B>>,
     sparsity: &mut TokenSparsity,
+    mlp_graph: MlpGraph,
 ) -> Tensor<B, 3> {
     let recomputed = sparsity.dropped_rows() == DroppedRows::Exact;
     let input = h.clone().detach();
@@ -180,15 +206,44 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
         })
         .map(|(kept, pass)| SparseBlock::new(&kept, pass, recomputed));
     drop(input);
-    decoder.mlp_block(index, a, sparse)
+    let frozen = match (&sparse, mlp_graph) {
+        (None, MlpGraph::Recomputed) => decoder.frozen_mlp(index),
+        _ => None,
+    };
+    match frozen {
+        Some(frozen) => {
+            let value = decoder.mlp_block(index, a.clone().detach(), None);
+            let [batch, seq, _] = a.dims();
+            let rows = Tensor::<B, 1, Int>::arange(0..seq as i64, &a.device())
+                .unsqueeze::<2>()
+                .repeat_dim(0, batch);
+            with_value(with_recomputed_rows(a, rows, frozen), value)
+        }
+        None => decoder.mlp_block(index, a, sparse),
+    }
 }
 
 /// Exact-size buffers for the per-token activations of a pass whose residual stream is `h`
-/// (see [`lemo_kernels::memory::exact_size_buffers`]): on the H200, a Llama-2-7B LoRA step of 32K
-/// tokens with checkpointing otherwise leaves about 8 GiB of the pool's pages empty.
+/// (see [`lemo_kernels::memory::exact_size_buffers`]), the MLP's intermediate both whole (the
+/// token-sparse passes) and in the row slices of a dense block (see [`slice_len`]).
 fn row_buffers<B: LemoBackend, D: Decoder<B>>(decoder: &D, h: &Tensor<B, 3>) {
     let [batch, len, _] = h.dims();
-    exact_size_buffers::<B>(&h.device(), h.dtype(), [batch, len], &decoder.row_widths());
+    let (device, dtype) = (h.device(), h.dtype());
+    let RowWidths { stream, mlp } = decoder.row_widths();
+    let sliced = mlp.map(|width| {
+        [
+            batch,
+            slice_len::<B>(&device, dtype, [batch, len], width),
+            width,
+        ]
+    });
+    let shapes: Vec<[usize; 3]> = stream
+        .into_iter()
+        .chain(mlp)
+        .map(|width| [batch, len, width])
+        .chain(sliced)
+        .collect();
+    exact_size_buffers::<B>(&device, dtype, &shapes);
 }
 
 /// Final normalized hidden states of `tokens` at `positions`; with a cache, the tokens continue
@@ -206,7 +261,15 @@ pub fn hidden_states<B: LemoBackend, D: Decoder<B>>(
     row_buffers(decoder, &h);
     for index in 0..decoder.num_layers() {
         let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[index]);
-        h = layer(decoder, index, h, &shared, layer_cache, sparsity);
+        h = layer(
+            decoder,
+            index,
+            h,
+            &shared,
+            layer_cache,
+            sparsity,
+            MlpGraph::Saved,
+        );
     }
     decoder.output_norm(h)
 }
@@ -233,7 +296,8 @@ pub fn next_token_loss<B: LemoBackend>(
 /// per-layer activation checkpointing. The forward pass runs without a graph and keeps only each
 /// layer's input; the backward pass then rebuilds one layer's graph at a time from its saved
 /// input, last layer first, and back-propagates the gradient of its output through it. Memory is
-/// one hidden state per layer plus one layer's activations; the price is a second forward pass.
+/// one hidden state per layer plus one layer's activations, less a frozen dense MLP block's
+/// ([`MlpGraph::Recomputed`]); the price is a second forward pass and, there, two GEMMs more.
 ///
 /// Each partial backward pass's gradients go to `on_gradients` (the loss head's first, then the
 /// layers' from the last, then the embedding's when it is trainable): a trainable parameter gets
@@ -263,7 +327,15 @@ where
     let mut layer_inputs = Vec::with_capacity(inner.num_layers());
     for index in 0..inner.num_layers() {
         layer_inputs.push(h.clone());
-        h = layer(&inner, index, h, &inner_shared, None, sparsity);
+        h = layer(
+            &inner,
+            index,
+            h,
+            &inner_shared,
+            None,
+            sparsity,
+            MlpGraph::Saved,
+        );
     }
     drop(inner_shared);
 
@@ -298,7 +370,15 @@ where
     while let Some(input) = layer_inputs.pop() {
         let index = layer_inputs.len();
         let input = Tensor::<B, 3>::from_inner(input).require_grad();
-        let output = layer(decoder, index, input.clone(), &shared, None, &mut replay);
+        let output = layer(
+            decoder,
+            index,
+            input.clone(),
+            &shared,
+            None,
+            &mut replay,
+            MlpGraph::Recomputed,
+        );
         let gradients = propagate(output, grad_h);
         on_gradients(&gradients);
         grad_h = input

@@ -23,7 +23,7 @@ use lemo_sparsity::informativeness;
 use crate::Result;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::LlamaConfig;
-use crate::decoder::{BlockPass, Decoder, SparseBlock};
+use crate::decoder::{BlockPass, Decoder, RowWidths, SparseBlock};
 use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::RmsNorm;
@@ -355,15 +355,18 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         self.layers.len()
     }
 
-    fn row_widths(&self) -> Vec<usize> {
-        self.layers.first().map_or(Vec::new(), |layer| {
-            let attention = &layer.self_attn;
-            vec![
-                attention.q_proj.in_features(),
-                attention.k_proj.out_features(),
-                layer.mlp.gate_proj.out_features(),
-            ]
-        })
+    fn row_widths(&self) -> RowWidths {
+        let layer = self.layers.first();
+        RowWidths {
+            stream: layer.map_or(Vec::new(), |layer| {
+                let attention = &layer.self_attn;
+                vec![
+                    attention.q_proj.in_features(),
+                    attention.k_proj.out_features(),
+                ]
+            }),
+            mlp: layer.map(|layer| layer.mlp.gate_proj.out_features()),
+        }
     }
 
     fn attention_block(
@@ -414,6 +417,16 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
             up,
             up_bias,
         })
+    }
+
+    fn frozen_mlp(&self, index: usize) -> Option<FrozenMlp<B>> {
+        let layer = &self.layers[index];
+        let mlp = &layer.mlp;
+        let adapted = [&mlp.gate_proj, &mlp.up_proj, &mlp.down_proj]
+            .iter()
+            .any(|projection| projection.lora.is_some());
+        let norm = &layer.post_attention_layernorm;
+        (!adapted && !norm.weight.val().is_require_grad()).then(|| mlp.frozen(norm))
     }
 
     fn output_norm(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {

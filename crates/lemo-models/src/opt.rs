@@ -21,7 +21,7 @@ use lemo_sparsity::informativeness;
 use crate::Result;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::OptConfig;
-use crate::decoder::{BlockPass, Decoder, SparseBlock};
+use crate::decoder::{BlockPass, Decoder, RowWidths, SparseBlock};
 use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::LayerNorm;
@@ -340,10 +340,12 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
         self.layers.len()
     }
 
-    fn row_widths(&self) -> Vec<usize> {
-        self.layers.first().map_or(Vec::new(), |layer| {
-            vec![layer.fc1.in_features(), layer.fc1.out_features()]
-        })
+    fn row_widths(&self) -> RowWidths {
+        let layer = self.layers.first();
+        RowWidths {
+            stream: layer.map_or(Vec::new(), |layer| vec![layer.fc1.in_features()]),
+            mlp: layer.map(|layer| layer.fc1.out_features()),
+        }
     }
 
     fn attention_block(
@@ -409,6 +411,17 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
             up,
             up_bias,
         })
+    }
+
+    fn frozen_mlp(&self, index: usize) -> Option<FrozenMlp<B>> {
+        let layer = &self.layers[index];
+        let adapted = layer.fc1.lora.is_some() || layer.fc2.lora.is_some();
+        let norm = &layer.final_layer_norm;
+        let trains = [&norm.weight, &norm.bias]
+            .into_iter()
+            .flatten()
+            .any(|param| param.val().is_require_grad());
+        (layer.norm_before && !adapted && !trains).then(|| layer.frozen_mlp())
     }
 
     /// The final layer norm (pre-norm models) and the projection to `word_embed_proj_dim`.

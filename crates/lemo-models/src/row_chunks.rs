@@ -3,29 +3,38 @@
 //! at 32K tokens a Llama-2-7B MLP activation is 688 MiB, and buffers of that size would each
 //! reserve a page of a quarter of the pool's largest (9.4 GB on the H200).
 
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::memory::pooled_buffer_limit;
 
 /// `block(x)` for a `block` that treats every row (token) of `x [batch, seq, _]` on its own and
 /// whose widest intermediate has `width` values per row in `x`'s dtype: in one piece where that
-/// intermediate fits the pool's small pages, else over slices of the sequence, concatenated.
-/// The result is the same either way; gradients flow through the slices.
+/// intermediate fits the pool's small pages, else over slices of [`slice_len`] rows,
+/// concatenated. The result is the same either way; gradients flow through the slices.
 pub fn by_row_slices<B: LemoBackend>(
     x: Tensor<B, 3>,
     width: usize,
     block: impl Fn(Tensor<B, 3>) -> Tensor<B, 3>,
 ) -> Tensor<B, 3> {
     let [batch, seq, _] = x.dims();
-    let bytes = (batch * seq * width * x.dtype().size()) as u64;
-    let slices = pooled_buffer_limit::<B>(&x.device()).map_or(1, |limit| slice_count(bytes, limit));
-    if slices.min(seq) <= 1 {
+    let rows = slice_len::<B>(&x.device(), x.dtype(), [batch, seq], width);
+    if rows >= seq {
         return block(x);
     }
-    Tensor::cat(
-        x.chunk(slices.min(seq), 1).into_iter().map(block).collect(),
-        1,
-    )
+    Tensor::cat(x.split(rows, 1).into_iter().map(block).collect(), 1)
+}
+
+/// Rows per slice of [`by_row_slices`] over `[batch, seq, _]` for an intermediate of `width`
+/// values per row in `dtype` (`seq` when it runs in one piece).
+pub fn slice_len<B: LemoBackend>(
+    device: &B::Device,
+    dtype: DType,
+    [batch, seq]: [usize; 2],
+    width: usize,
+) -> usize {
+    let bytes = (batch * seq * width * dtype.size()) as u64;
+    let slices = pooled_buffer_limit::<B>(device).map_or(1, |limit| slice_count(bytes, limit));
+    seq.div_ceil(slices.clamp(1, seq.max(1)))
 }
 
 /// Slices for an intermediate of `bytes`: each at most half the pool's limit, so four share a

@@ -7,6 +7,7 @@ use burn::tensor::{Distribution, Int, Tensor};
 use common::{GradientSums, assert_same_gradients, trainable_model};
 use lemo_kernels::CpuBackend;
 use lemo_models::CausalLm;
+use lemo_models::decoder::Decoder;
 use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::token_plan::TokenSparsity;
 use lemo_sparsity::Thresholds;
@@ -95,5 +96,59 @@ fn recomputed_lemo_gradients_replay_the_kept_rows() {
     );
     // Blocks of 8 tokens: every block keeps the first and last block and the best half.
     let thresholds = common::half_kept(&model, 8);
+    assert_recomputation_matches(&model, 61, Some(&thresholds));
+}
+
+/// Whether layer `index`'s MLP block is frozen, so the recomputation keeps only its input.
+fn frozen_mlp(model: &CausalLm<B>, index: usize) -> bool {
+    match model {
+        CausalLm::Llama(m) => m.frozen_mlp(index).is_some(),
+        CausalLm::Opt(m) => m.frozen_mlp(index).is_some(),
+    }
+}
+
+#[test]
+fn recomputed_frozen_mlp_blocks_back_propagate_from_their_input_alone() {
+    let attention_only: [(&str, &[&str]); 2] = [
+        ("llama_gqa_tied", &LLAMA_PROJECTIONS[..4]),
+        ("opt_prenorm_proj", &["q_proj", "v_proj"]),
+    ];
+    for (fixture, targets) in attention_only {
+        let model = trainable_model(fixture, targets, false, &Default::default());
+        assert!(
+            frozen_mlp(&model, 0),
+            "{fixture}: MLP blocks without adapters are frozen"
+        );
+        assert_recomputation_matches(&model, 37, None);
+    }
+    // Adapters or a trainable norm in the block keep its activations in the graph.
+    let adapted = trainable_model(
+        "llama_gqa_tied",
+        &LLAMA_PROJECTIONS,
+        false,
+        &Default::default(),
+    );
+    let norms = trainable_model(
+        "llama_gqa_tied",
+        &LLAMA_PROJECTIONS[..4],
+        true,
+        &Default::default(),
+    );
+    let post_norm = trainable_model("opt_postnorm_proj", &["q_proj"], false, &Default::default());
+    for model in [adapted, norms, post_norm] {
+        assert!(!frozen_mlp(&model, 0));
+    }
+}
+
+#[test]
+fn recomputed_lemo_layers_with_a_dense_frozen_mlp_block_match() {
+    let model = trainable_model(
+        "llama_gqa_tied",
+        &LLAMA_PROJECTIONS[..4],
+        false,
+        &Default::default(),
+    );
+    let mut thresholds = common::half_kept(&model, 8);
+    thresholds.layers[0].mlp = None;
     assert_recomputation_matches(&model, 61, Some(&thresholds));
 }
