@@ -175,7 +175,8 @@ pub enum MlpGraph {
     /// Where the block is frozen ([`Decoder::frozen_mlp`]), only its input: the backward pass
     /// recomputes the input projections from it ([`lemo_kernels::recomputed_rows`], two more
     /// GEMMs of `seq x hidden x ffn`), so a checkpointed layer's recomputation does not hold the
-    /// MLP's activations (at 32K tokens on Llama-2-7B, about 1.3 GiB against 256 MiB).
+    /// MLP's activations (Llama-2-7B at 32K tokens on the H200: device peak 29.7 -> 28.6 GiB,
+    /// step 4.90 -> 5.07 s).
     Recomputed,
 }
 

@@ -112,10 +112,20 @@ fn a_sparse_layer_computes_the_dense_values_and_back_propagates_through_its_kept
     let CausalLm::Llama(llama) = &model else {
         unreachable!()
     };
-    use lemo_models::decoder::{Decoder, layer};
+    use lemo_models::decoder::{Decoder, MlpGraph, layer};
     let shared = llama.shared(0..40, 1);
     let h = llama.embed(tokens, 0..40).detach().require_grad();
-    let run = |sparsity: &mut TokenSparsity| layer(llama, 0, h.clone(), &shared, None, sparsity);
+    let run = |sparsity: &mut TokenSparsity| {
+        layer(
+            llama,
+            0,
+            h.clone(),
+            &shared,
+            None,
+            sparsity,
+            MlpGraph::Saved,
+        )
+    };
     let sparse = run(&mut TokenSparsity::Replay(&plan));
     let dense = run(&mut TokenSparsity::Dense);
     let scale: f32 = dense.clone().abs().max().into_scalar().elem();
