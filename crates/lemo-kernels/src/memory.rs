@@ -17,6 +17,9 @@
 //! pass before gradients are dropped). cubecl reports the pools of the calling thread's stream:
 //! sample from the thread that runs the step. Backends without pools (NdArray) report zeros.
 
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
 use burn::tensor::{DType, Tensor};
 
 use crate::ComputeBackend;
@@ -63,14 +66,22 @@ pub fn pooled_buffer_limit<B: ComputeBackend>(device: &B::Device) -> Option<u64>
 /// and leave pages part-empty that the pool cannot return; larger than the small pages' limit,
 /// each takes a page of a quarter of the largest. In exact-size slices they cost their peak count
 /// and nothing more. CubeCL's persistent pool gives this: once it holds a slice of a size, every
-/// request of that size reuses a free one or gets a new one. An explicit [`memory_cleanup`]
-/// returns the free ones, so callers ask again before each pass.
+/// request of that size reuses a free one or gets a new one.
+///
+/// Free slices stay reserved until an explicit [`memory_cleanup`], and a size no later pass
+/// asks for would never be reused: when the shapes differ from those the device was last given
+/// (scoring documents of many lengths), the free ones are returned first. A run at one length
+/// (training) never pays for that; a change of length pays a synchronization and the pool's
+/// allocations again.
 pub fn exact_size_buffers<B: ComputeBackend>(
     device: &B::Device,
     dtype: DType,
     shapes: &[[usize; 3]],
 ) {
     const SMALLEST: usize = 1 << 20;
+    /// The shapes each device was last given, by the device's name.
+    static REGISTERED: Mutex<BTreeMap<String, (DType, Vec<[usize; 3]>)>> =
+        Mutex::new(BTreeMap::new());
     let shapes: Vec<[usize; 3]> = shapes
         .iter()
         .filter(|shape| shape.iter().product::<usize>() * dtype.size() >= SMALLEST)
@@ -78,6 +89,16 @@ pub fn exact_size_buffers<B: ComputeBackend>(
         .collect();
     if shapes.is_empty() || pooled_buffer_limit::<B>(device).is_none() {
         return;
+    }
+    let changed = {
+        let mut registered = REGISTERED
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let last = registered.insert(format!("{device:?}"), (dtype, shapes.clone()));
+        last.is_some_and(|last| last != (dtype, shapes.clone()))
+    };
+    if changed {
+        memory_cleanup::<B>(device);
     }
     B::memory_persistent_allocations(device, shapes, |shapes| {
         for shape in shapes {
