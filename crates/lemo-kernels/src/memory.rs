@@ -79,9 +79,10 @@ pub fn exact_size_buffers<B: ComputeBackend>(
     shapes: &[[usize; 3]],
 ) {
     const SMALLEST: usize = 1 << 20;
-    /// The shapes each device was last given, by the device's name.
-    static REGISTERED: Mutex<BTreeMap<String, (DType, Vec<[usize; 3]>)>> =
-        Mutex::new(BTreeMap::new());
+    /// The dtype and shapes a device was last given.
+    type Registration = (DType, Vec<[usize; 3]>);
+    /// Each device's last registration, by the device's name.
+    static REGISTERED: Mutex<BTreeMap<String, Registration>> = Mutex::new(BTreeMap::new());
     let shapes: Vec<[usize; 3]> = shapes
         .iter()
         .filter(|shape| shape.iter().product::<usize>() * dtype.size() >= SMALLEST)
