@@ -12,6 +12,7 @@ use burn::tensor::{DType, TensorMetadata};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime, FloatElement, IntElement};
 
 use crate::backend::CpuBackend;
+use crate::fused::rms_norm::NormSaves;
 use crate::memory::{self, MemoryStats};
 use crate::recomputed_rows::{self, FrozenMlp};
 use crate::{fused, gemm, known_value, loss, precision, token_movement};
@@ -77,11 +78,13 @@ pub trait ComputeBackend: Backend {
         precision::lora_delta_forward::<Self>(x, a, b, scale).0
     }
 
-    /// RMSNorm over the last dimension; see [`fused::rms_norm`].
+    /// RMSNorm over the last dimension; see [`fused::rms_norm`] (what it saves matters only
+    /// under autodiff).
     fn lemo_rms_norm(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         eps: f32,
+        _saves: NormSaves,
     ) -> FloatTensor<Self> {
         Self::lemo_rms_norm_forward(x, weight, eps).0
     }
@@ -96,15 +99,17 @@ pub trait ComputeBackend: Backend {
         fused::rms_norm::reference::forward::<Self>(x, weight, eps)
     }
 
-    /// `(d x, d weight)` of RMSNorm from `x`, the weight, the saved `rstd` and `d out`; the weight
-    /// gradient only when `weight_grad`.
+    /// `(d x, d weight)` of RMSNorm from `saved` (`x`, or the output where `saves` says so), the
+    /// weight, the saved `rstd` and `d out`; the weight gradient only when `weight_grad`.
     fn lemo_rms_norm_backward(
-        x: FloatTensor<Self>,
+        saved: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         rstd: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         weight_grad: bool,
+        saves: NormSaves,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
+        let x = saved_input::<Self>(saved, &weight, &rstd, saves);
         fused::rms_norm::reference::backward::<Self>(x, weight, rstd, grad, weight_grad)
     }
 
@@ -147,34 +152,40 @@ pub trait ComputeBackend: Backend {
     }
 
     /// RMSNorm of the rows `rows [batch, kept]` of `x [batch, seq, hidden]`; see
-    /// [`token_movement::gather_rms_norm`].
+    /// [`token_movement::gather_rms_norm`] (what it saves matters only under autodiff).
     fn lemo_gather_rms_norm(
         x: FloatTensor<Self>,
         rows: IntTensor<Self>,
         weight: FloatTensor<Self>,
         eps: f32,
+        _saves: NormSaves,
     ) -> FloatTensor<Self> {
         token_movement::reference::gather_rms_norm_primitive::<Self>(x, rows, weight, eps)
     }
 
-    /// Gather-RMSNorm output, the f32 `rstd` of each kept row (`[batch * kept]`) and a copy of
-    /// the kept input rows (`[batch, kept, hidden]`): all the backward pass needs, so `x` itself
-    /// need not be kept.
+    /// Gather-RMSNorm output, the f32 `rstd` of each kept row (`[batch * kept]`) and, with
+    /// `save_input`, a copy of the kept input rows (`[batch, kept, hidden]`): all the backward
+    /// pass needs, so `x` itself need not be kept.
     fn lemo_gather_rms_norm_forward(
         x: FloatTensor<Self>,
         rows: IntTensor<Self>,
         weight: FloatTensor<Self>,
         eps: f32,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        save_input: bool,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
         let kept = Self::lemo_gather_rows(x, rows);
         let (out, rstd) = Self::lemo_rms_norm_forward(kept.clone(), weight, eps);
-        (out, rstd, kept)
+        (out, rstd, save_input.then_some(kept))
     }
 
-    /// `(d x, d weight)` of gather-RMSNorm from the saved kept rows, the rows, the weight, `rstd`
-    /// and `d out`: `d x` is `grad_x` (the gradient `x` already has, `[batch, seq, hidden]`, or
-    /// zeros without it) with the RMSNorm gradient of each kept row added into its row; the
-    /// weight gradient only when `weight_grad`.
+    /// `(d x, d weight)` of gather-RMSNorm from the saved kept rows (or the output, where `saves`
+    /// says so), the rows, the weight, `rstd` and `d out`: `d x` is `grad_x` (the gradient `x`
+    /// already has, `[batch, seq, hidden]`, or zeros without it) with the RMSNorm gradient of
+    /// each kept row added into its row; the weight gradient only when `weight_grad`.
     #[allow(clippy::too_many_arguments)]
     fn lemo_gather_rms_norm_backward(
         kept: FloatTensor<Self>,
@@ -185,6 +196,7 @@ pub trait ComputeBackend: Backend {
         grad_x: Option<FloatTensor<Self>>,
         seq: usize,
         weight_grad: bool,
+        saves: NormSaves,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let grad_x = grad_x.unwrap_or_else(|| {
             let [batch, _, hidden] = kept.shape().dims();
@@ -195,7 +207,7 @@ pub trait ComputeBackend: Backend {
             )
         });
         let (grad_kept, grad_weight) =
-            Self::lemo_rms_norm_backward(kept, weight, rstd, grad, weight_grad);
+            Self::lemo_rms_norm_backward(kept, weight, rstd, grad, weight_grad, saves);
         (
             Self::lemo_scatter_add_rows(grad_x, rows, grad_kept),
             grad_weight,
@@ -308,17 +320,19 @@ where
     }
 
     fn lemo_rms_norm_backward(
-        x: FloatTensor<Self>,
+        saved: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         rstd: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         weight_grad: bool,
+        saves: NormSaves,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let grad_weight = weight_grad.then(|| {
-            fused::rms_norm::reference::weight_grad::<Self>(x.clone(), rstd.clone(), grad.clone())
+            let x = saved_input::<Self>(saved.clone(), &weight, &rstd, saves);
+            fused::rms_norm::reference::weight_grad::<Self>(x, rstd.clone(), grad.clone())
         });
         (
-            fused::rms_norm::kernel::backward(x, weight, rstd, grad),
+            fused::rms_norm::kernel::backward(saved, weight, rstd, grad, saves),
             grad_weight,
         )
     }
@@ -338,6 +352,7 @@ where
         rows: IntTensor<Self>,
         weight: FloatTensor<Self>,
         eps: f32,
+        _saves: NormSaves,
     ) -> FloatTensor<Self> {
         token_movement::kernel::gather_rms_norm(x, rows, weight, eps, false).0
     }
@@ -347,9 +362,13 @@ where
         rows: IntTensor<Self>,
         weight: FloatTensor<Self>,
         eps: f32,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (out, rstd, kept) = token_movement::kernel::gather_rms_norm(x, rows, weight, eps, true);
-        (out, rstd, kept.expect("saved rows"))
+        save_input: bool,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
+        token_movement::kernel::gather_rms_norm(x, rows, weight, eps, save_input)
     }
 
     fn lemo_gather_rms_norm_backward(
@@ -361,16 +380,14 @@ where
         grad_x: Option<FloatTensor<Self>>,
         seq: usize,
         weight_grad: bool,
+        saves: NormSaves,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let grad_weight = weight_grad.then(|| {
-            fused::rms_norm::reference::weight_grad::<Self>(
-                kept.clone(),
-                rstd.clone(),
-                grad.clone(),
-            )
+            let x = saved_input::<Self>(kept.clone(), &weight, &rstd, saves);
+            fused::rms_norm::reference::weight_grad::<Self>(x, rstd.clone(), grad.clone())
         });
         let grad_x = token_movement::kernel::gather_rms_norm_backward(
-            kept, rows, weight, rstd, grad, grad_x, seq,
+            kept, rows, weight, rstd, grad, grad_x, seq, saves,
         );
         (grad_x, grad_weight)
     }
@@ -472,8 +489,9 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         eps: f32,
+        saves: NormSaves,
     ) -> FloatTensor<Self> {
-        fused::rms_norm::autodiff::rms_norm::<B, C>(x, weight, eps)
+        fused::rms_norm::autodiff::rms_norm::<B, C>(x, weight, eps, saves)
     }
 
     fn lemo_rms_norm_forward(
@@ -486,18 +504,20 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
     }
 
     fn lemo_rms_norm_backward(
-        x: FloatTensor<Self>,
+        saved: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         rstd: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         weight_grad: bool,
+        saves: NormSaves,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let (grad_x, grad_weight) = B::lemo_rms_norm_backward(
-            Self::inner(x),
+            Self::inner(saved),
             Self::inner(weight),
             Self::inner(rstd),
             Self::inner(grad),
             weight_grad,
+            saves,
         );
         (Self::from_inner(grad_x), grad_weight.map(Self::from_inner))
     }
@@ -517,8 +537,9 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
         rows: IntTensor<Self>,
         weight: FloatTensor<Self>,
         eps: f32,
+        saves: NormSaves,
     ) -> FloatTensor<Self> {
-        token_movement::autodiff::gather_rms_norm::<B, C>(x, rows, weight, eps)
+        token_movement::autodiff::gather_rms_norm::<B, C>(x, rows, weight, eps, saves)
     }
 
     fn lemo_gather_rms_norm_forward(
@@ -526,13 +547,23 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
         rows: IntTensor<Self>,
         weight: FloatTensor<Self>,
         eps: f32,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (out, rstd, kept) =
-            B::lemo_gather_rms_norm_forward(Self::inner(x), rows, Self::inner(weight), eps);
+        save_input: bool,
+    ) -> (
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+        Option<FloatTensor<Self>>,
+    ) {
+        let (out, rstd, kept) = B::lemo_gather_rms_norm_forward(
+            Self::inner(x),
+            rows,
+            Self::inner(weight),
+            eps,
+            save_input,
+        );
         (
             Self::from_inner(out),
             Self::from_inner(rstd),
-            Self::from_inner(kept),
+            kept.map(Self::from_inner),
         )
     }
 
@@ -545,6 +576,7 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
         grad_x: Option<FloatTensor<Self>>,
         seq: usize,
         weight_grad: bool,
+        saves: NormSaves,
     ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
         let (grad_x, grad_weight) = B::lemo_gather_rms_norm_backward(
             Self::inner(kept),
@@ -555,6 +587,7 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
             grad_x.map(Self::inner),
             seq,
             weight_grad,
+            saves,
         );
         (Self::from_inner(grad_x), grad_weight.map(Self::from_inner))
     }
@@ -626,5 +659,20 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
             hidden_grad,
             weight_grad,
         )
+    }
+}
+
+/// The norm's input from what its forward pass saved (see [`NormSaves`]).
+fn saved_input<B: Backend>(
+    saved: FloatTensor<B>,
+    weight: &FloatTensor<B>,
+    rstd: &FloatTensor<B>,
+    saves: NormSaves,
+) -> FloatTensor<B> {
+    match saves {
+        NormSaves::Input => saved,
+        NormSaves::Output => {
+            fused::rms_norm::input_from_output::<B>(saved, weight.clone(), rstd.clone())
+        }
     }
 }

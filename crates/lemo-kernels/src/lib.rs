@@ -11,11 +11,12 @@
 //! ```no_run
 //! # use burn::tensor::{Int, Tensor};
 //! # use lemo_kernels::ComputeBackend;
+//! use lemo_kernels::fused::NormSaves;
 //! use lemo_kernels::token_movement::{gather_rms_norm, scatter_add_rows};
 //! # fn block<B: ComputeBackend>(h: Tensor<B, 3>, rows: Tensor<B, 2, Int>, norm: Tensor<B, 1>,
 //! #     f: impl Fn(Tensor<B, 3>) -> Tensor<B, 3>) -> Tensor<B, 3> {
 //! // h: [batch, seq, hidden]; rows: [batch, kept] increasing positions of each sequence.
-//! let x = gather_rms_norm(h.clone(), rows.clone(), norm, 1e-5); // [batch, kept, hidden]
+//! let x = gather_rms_norm(h.clone(), rows.clone(), norm, 1e-5, NormSaves::Input); // [batch, kept, hidden]
 //! scatter_add_rows(h, rows, f(x)) // h with f(x) added into the kept rows, in place
 //! # }
 //! ```

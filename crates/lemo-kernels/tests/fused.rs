@@ -4,7 +4,7 @@
 use burn::backend::Autodiff;
 use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
 use lemo_kernels::WgpuBackend;
-use lemo_kernels::fused::{self, rms_norm, rope, swiglu};
+use lemo_kernels::fused::{self, NormSaves, rms_norm, rope, swiglu};
 use lemo_test_support::seed_backend as seed;
 
 type B = Autodiff<WgpuBackend>;
@@ -25,15 +25,12 @@ fn assert_close<const D: usize>(name: &str, actual: Tensor<B, D>, expected: Tens
     lemo_test_support::assert_close(name, actual, expected, TOLERANCE);
 }
 
+/// Output, `d x` and `d weight` against the reference, whichever the norm saves.
 fn rms_norm_case(shape: [usize; 3]) {
     let device = seeded();
     let x = random(shape, &device).require_grad();
     let weight = (random([shape[2]], &device) * 0.5 + 1.0).require_grad();
     let upstream = random(shape, &device);
-
-    let out = rms_norm(x.clone(), weight.clone(), 1e-5);
-    let grads = (out.clone() * upstream.clone()).sum().backward();
-    let (grad_x, grad_w) = (x.grad(&grads).unwrap(), weight.grad(&grads).unwrap());
 
     let (expected, _) = fused::rms_norm::reference::forward::<B>(
         x.clone().into_primitive().tensor(),
@@ -41,18 +38,26 @@ fn rms_norm_case(shape: [usize; 3]) {
         1e-5,
     );
     let expected = Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(expected));
-    let grads = (expected.clone() * upstream).sum().backward();
-    assert_close("rms_norm out", out, expected);
-    assert_close(
-        "rms_norm d x",
-        Tensor::from_inner(grad_x),
-        Tensor::from_inner(x.grad(&grads).unwrap()),
-    );
-    assert_close(
-        "rms_norm d weight",
-        Tensor::from_inner(grad_w),
-        Tensor::from_inner(weight.grad(&grads).unwrap()),
-    );
+    let grads = (expected.clone() * upstream.clone()).sum().backward();
+    let (expected_x, expected_w) = (x.grad(&grads).unwrap(), weight.grad(&grads).unwrap());
+
+    for saves in [NormSaves::Input, NormSaves::Output] {
+        let out = rms_norm(x.clone(), weight.clone(), 1e-5, saves);
+        let grads = (out.clone() * upstream.clone()).sum().backward();
+        let (grad_x, grad_w) = (x.grad(&grads).unwrap(), weight.grad(&grads).unwrap());
+        let name = |what: &str| format!("rms_norm saving its {saves:?}: {what}");
+        assert_close(&name("out"), out, expected.clone());
+        assert_close(
+            &name("d x"),
+            Tensor::from_inner(grad_x),
+            Tensor::from_inner(expected_x.clone()),
+        );
+        assert_close(
+            &name("d weight"),
+            Tensor::from_inner(grad_w),
+            Tensor::from_inner(expected_w.clone()),
+        );
+    }
 }
 
 #[test]

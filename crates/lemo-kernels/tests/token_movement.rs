@@ -1,10 +1,12 @@
 //! Parity of the token-movement kernels (wgpu, f32) with their plain Burn references
 //! (`token_movement::reference`), forward and backward through autodiff, on random inputs and
-//! random kept rows per sequence; and the in-place update of the residual stream.
+//! random kept rows per sequence, with the norm saving its input or its output; and the
+//! in-place update of the residual stream.
 
 use burn::backend::Autodiff;
 use burn::tensor::{Int, Tensor};
 use lemo_kernels::WgpuBackend;
+use lemo_kernels::fused::NormSaves;
 use lemo_kernels::token_movement::{self, reference};
 use lemo_test_support::{HostRng, assert_close, random, random_rows, seed_backend as seed};
 
@@ -49,30 +51,32 @@ fn grad<const D: usize>(
 }
 
 /// Gather-RMSNorm alone: output, `d x` (no gradient of `x` before it: the zero-filled path) and
-/// `d weight`.
+/// `d weight`, whichever the norm saves.
 fn gather_rms_norm_alone(batch: usize, seq: usize, hidden: usize, kept: usize) {
     let case = Case::new(batch, seq, hidden, kept);
     let upstream = random(case.kept_shape(), &case.device);
-    let run = |fused: bool| {
+    let run = |fused: Option<NormSaves>| {
         let (x, rows, weight) = (case.x.clone(), case.rows.clone(), case.weight.clone());
-        let out = if fused {
-            token_movement::gather_rms_norm(x, rows, weight, 1e-5)
-        } else {
-            reference::gather_rms_norm(x, rows, weight, 1e-5)
+        let out = match fused {
+            Some(saves) => token_movement::gather_rms_norm(x, rows, weight, 1e-5, saves),
+            None => reference::gather_rms_norm(x, rows, weight, 1e-5),
         };
         let grads = (out.clone() * upstream.clone()).sum().backward();
         (out, grad(&case.x, &grads), grad(&case.weight, &grads))
     };
-    let (out, grad_x, grad_weight) = run(true);
-    let (expected, expected_x, expected_weight) = run(false);
-    assert_close("gather_rms_norm out", out, expected, NORM_TOLERANCE);
-    assert_close("gather_rms_norm d x", grad_x, expected_x, NORM_TOLERANCE);
-    assert_close(
-        "gather_rms_norm d weight",
-        grad_weight,
-        expected_weight,
-        NORM_TOLERANCE,
-    );
+    let (expected, expected_x, expected_weight) = run(None);
+    for saves in [NormSaves::Input, NormSaves::Output] {
+        let (out, grad_x, grad_weight) = run(Some(saves));
+        let name = |what: &str| format!("gather_rms_norm saving its {saves:?}: {what}");
+        assert_close(&name("out"), out, expected.clone(), NORM_TOLERANCE);
+        assert_close(&name("d x"), grad_x, expected_x.clone(), NORM_TOLERANCE);
+        assert_close(
+            &name("d weight"),
+            grad_weight,
+            expected_weight.clone(),
+            NORM_TOLERANCE,
+        );
+    }
 }
 
 /// A residual block on the kept rows, `h + scatter(f(gather_rms_norm(h)))` with `f` a product
@@ -82,30 +86,37 @@ fn residual_block(batch: usize, seq: usize, hidden: usize, kept: usize) {
     let case = Case::new(batch, seq, hidden, kept);
     let scale = random(case.kept_shape(), &case.device);
     let upstream = random(case.x.dims(), &case.device);
-    let run = |fused: bool| {
+    let run = |fused: Option<NormSaves>| {
         // A tracked intermediate, as the residual stream is inside a model.
         let h = case.x.clone() * 1.0;
         let (rows, weight) = (case.rows.clone(), case.weight.clone());
-        let out = if fused {
-            let y = token_movement::gather_rms_norm(h.clone(), rows.clone(), weight, 1e-5);
-            token_movement::scatter_add_rows(h, rows, y * scale.clone())
-        } else {
-            let y = reference::gather_rms_norm(h.clone(), rows.clone(), weight, 1e-5);
-            reference::scatter_add_rows(h, rows, y * scale.clone())
+        let out = match fused {
+            Some(saves) => {
+                let y =
+                    token_movement::gather_rms_norm(h.clone(), rows.clone(), weight, 1e-5, saves);
+                token_movement::scatter_add_rows(h, rows, y * scale.clone())
+            }
+            None => {
+                let y = reference::gather_rms_norm(h.clone(), rows.clone(), weight, 1e-5);
+                reference::scatter_add_rows(h, rows, y * scale.clone())
+            }
         };
         let grads = (out.clone() * upstream.clone()).sum().backward();
         (out, grad(&case.x, &grads), grad(&case.weight, &grads))
     };
-    let (out, grad_x, grad_weight) = run(true);
-    let (expected, expected_x, expected_weight) = run(false);
-    assert_close("residual block out", out, expected, NORM_TOLERANCE);
-    assert_close("residual block d x", grad_x, expected_x, NORM_TOLERANCE);
-    assert_close(
-        "residual block d weight",
-        grad_weight,
-        expected_weight,
-        NORM_TOLERANCE,
-    );
+    let (expected, expected_x, expected_weight) = run(None);
+    for saves in [NormSaves::Input, NormSaves::Output] {
+        let (out, grad_x, grad_weight) = run(Some(saves));
+        let name = |what: &str| format!("residual block saving its {saves:?}: {what}");
+        assert_close(&name("out"), out, expected.clone(), NORM_TOLERANCE);
+        assert_close(&name("d x"), grad_x, expected_x.clone(), NORM_TOLERANCE);
+        assert_close(
+            &name("d weight"),
+            grad_weight,
+            expected_weight.clone(),
+            NORM_TOLERANCE,
+        );
+    }
 }
 
 /// Scatter-add and gather on their own: outputs, `d x` and `d values` (exact: rows only move,
@@ -243,19 +254,21 @@ fn scatter_add_is_in_place_only_when_unshared() {
     assert_close("in-place scatter-add", out, expected, EXACT);
 }
 
-/// Under autodiff the gather keeps only the kept rows, so the residual stream stays unshared and
-/// the scatter-add that ends the block writes into it.
+/// Under autodiff the gather keeps only the kept rows (or its output), so the residual stream
+/// stays unshared and the scatter-add that ends the block writes into it.
 #[test]
 fn residual_stream_updated_in_place_under_autodiff() {
     let case = Case::new(2, 30, 64, 12);
-    let h = case.x.clone() * 1.0;
-    let y =
-        token_movement::gather_rms_norm(h.clone(), case.rows.clone(), case.weight.clone(), 1e-5);
-    let buffer_before = buffer(h.clone().inner());
-    let out = token_movement::scatter_add_rows(h, case.rows.clone(), y);
-    assert_eq!(
-        buffer(out.inner()),
-        buffer_before,
-        "the residual stream was copied"
-    );
+    for saves in [NormSaves::Input, NormSaves::Output] {
+        let h = case.x.clone() * 1.0;
+        let (rows, weight) = (case.rows.clone(), case.weight.clone());
+        let y = token_movement::gather_rms_norm(h.clone(), rows.clone(), weight, 1e-5, saves);
+        let buffer_before = buffer(h.clone().inner());
+        let out = token_movement::scatter_add_rows(h, rows, y);
+        assert_eq!(
+            buffer(out.inner()),
+            buffer_before,
+            "the residual stream was copied (the norm saving its {saves:?})"
+        );
+    }
 }

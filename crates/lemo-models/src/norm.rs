@@ -4,7 +4,7 @@
 use burn::module::{Module, Param};
 use burn::tensor::{DType, Int, Tensor, backend::Backend};
 use lemo_kernels::ComputeBackend;
-use lemo_kernels::fused::rms_norm;
+use lemo_kernels::fused::{NormSaves, rms_norm};
 use lemo_kernels::recomputed_rows::FrozenNorm;
 use lemo_kernels::token_movement::gather_rms_norm;
 
@@ -13,13 +13,29 @@ use lemo_kernels::token_movement::gather_rms_norm;
 pub struct RmsNorm<B: Backend> {
     pub weight: Param<Tensor<B, 1>>,
     pub eps: f64,
+    /// Whether the loaded weight has no zero entry, so that a frozen norm's backward pass can
+    /// recover its input from its output (see [`NormSaves::Output`]).
+    pub invertible: bool,
 }
 
 impl<B: Backend> RmsNorm<B> {
     pub fn new(weight: Tensor<B, 1>, eps: f64) -> Self {
         Self {
+            invertible: NormSaves::output_if_invertible(&weight) == NormSaves::Output,
             weight: Param::from_tensor(weight).set_require_grad(false),
             eps,
+        }
+    }
+
+    /// What the norm keeps for its backward pass: a frozen invertible norm keeps its output,
+    /// which the adapters that read it save anyway (the attention block's projections), instead
+    /// of a copy of its input: at 8K tokens a Llama-2-7B layer's input is 64 MiB. A trainable
+    /// weight (LongLoRA) may cross zero, so it keeps its input.
+    fn saves(&self) -> NormSaves {
+        if self.invertible && !self.weight.is_require_grad() {
+            NormSaves::Output
+        } else {
+            NormSaves::Input
         }
     }
 }
@@ -36,14 +52,14 @@ impl<B: ComputeBackend> RmsNorm<B> {
     /// The fused kernel; a trainable (f32) weight is cast to `x`'s dtype on use.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
         let weight = self.weight.val().cast(x.dtype());
-        rms_norm(x, weight, self.eps as f32)
+        rms_norm(x, weight, self.eps as f32, self.saves())
     }
 
     /// The norm of the rows `rows: [batch, kept]` of `x: [batch, seq, hidden]`, read from `x`
     /// by the norm itself (no compacted copy of `x`).
     pub fn forward_rows(&self, x: Tensor<B, 3>, rows: Tensor<B, 2, Int>) -> Tensor<B, 3> {
         let weight = self.weight.val().cast(x.dtype());
-        gather_rms_norm(x, rows, weight, self.eps as f32)
+        gather_rms_norm(x, rows, weight, self.eps as f32, self.saves())
     }
 }
 

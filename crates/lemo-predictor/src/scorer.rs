@@ -7,7 +7,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Tensor, TensorData};
 use lemo_kernels::ComputeBackend;
-use lemo_kernels::fused::rms_norm;
+use lemo_kernels::fused::{NormSaves, rms_norm};
 
 /// A dense map's initial values: uniform `U(-k, k)`, `k = 1 / sqrt(inputs)`.
 pub(crate) fn initial_distribution(inputs: usize) -> Distribution {
@@ -199,7 +199,7 @@ pub fn block_token_rows<B: ComputeBackend>(
     let [batch, seq, hidden] = x.dims();
     let blocks = seq.div_ceil(block_size);
     let unit = Tensor::ones([hidden], (&x.device(), DType::F32));
-    let normalized = rms_norm(x.cast(DType::F32), unit, 1e-6);
+    let normalized = rms_norm(x.cast(DType::F32), unit, 1e-6, NormSaves::Input);
     let padded = blocks * block_size;
     let normalized = if padded > seq {
         normalized.pad((0, 0, 0, padded - seq), 0.0)

@@ -29,7 +29,7 @@
 //!
 //! ```no_run
 //! # use burn::tensor::{Tensor, Int, backend::Backend};
-//! # use lemo_kernels::{LemoBackend, token_movement::{gather_rms_norm, scatter_add_rows}};
+//! # use lemo_kernels::{LemoBackend, fused::NormSaves, token_movement::{gather_rms_norm, scatter_add_rows}};
 //! # use lemo_sparsity::{informativeness, selection::KeptRows};
 //! # fn block<B: LemoBackend>(h: Tensor<B, 3>, q: Tensor<B, 4>, k: Tensor<B, 4>, w: Tensor<B, 1>,
 //! #     f: impl Fn(Tensor<B, 3>) -> Tensor<B, 3>) -> Tensor<B, 3> {
@@ -38,7 +38,7 @@
 //! let scores = informativeness::attention(q, k, 64);
 //! let kept = KeptRows::select(&scores, 64, seq, 0.5, 0.25);
 //! let rows = kept.to_tensor::<B>(&h.device());
-//! let y = gather_rms_norm(h.clone(), rows.clone(), w, 1e-5); // only the kept rows
+//! let y = gather_rms_norm(h.clone(), rows.clone(), w, 1e-5, NormSaves::Input); // only the kept rows
 //! scatter_add_rows(h, rows, f(y)) // added in place into those rows
 //! # }
 //! ```

@@ -10,6 +10,7 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, ElementConversion, Int, Tensor};
 use lemo_kernels::attention::{AttentionOptions, attention};
+use lemo_kernels::fused::NormSaves;
 use lemo_kernels::token_movement::{gather_rms_norm, scatter_add_rows};
 use lemo_kernels::{CpuBackend, LemoBackend};
 use lemo_sparsity::{KeptRows, informativeness};
@@ -46,7 +47,8 @@ impl<B: LemoBackend> Block<B> {
 
     /// Token-block informativeness of the block's input, outside the graph.
     fn scores(&self, h: Tensor<B, 3>, block_size: usize) -> Tensor<B, 2> {
-        let x = lemo_kernels::fused::rms_norm(h.detach(), self.norm.clone(), 1e-5);
+        let x =
+            lemo_kernels::fused::rms_norm(h.detach(), self.norm.clone(), 1e-5, NormSaves::Input);
         let q = self.split(x.clone().matmul(self.wq.clone().unsqueeze()));
         let k = self.split(x.matmul(self.wk.clone().unsqueeze()));
         informativeness::attention(q, k, block_size)
@@ -54,7 +56,13 @@ impl<B: LemoBackend> Block<B> {
 
     /// The block on the kept rows `rows: [batch, kept]` of `h` only.
     fn forward(&self, h: Tensor<B, 3>, rows: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let x = gather_rms_norm(h.clone(), rows.clone(), self.norm.clone(), 1e-5);
+        let x = gather_rms_norm(
+            h.clone(),
+            rows.clone(),
+            self.norm.clone(),
+            1e-5,
+            NormSaves::Input,
+        );
         let [batch, kept, hidden] = x.dims();
         let project = |w: &Tensor<B, 2>| self.split(x.clone().matmul(w.clone().unsqueeze()));
         let head_dim = hidden / self.heads;

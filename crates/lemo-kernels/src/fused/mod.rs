@@ -9,7 +9,7 @@ pub mod rope;
 pub mod swiglu;
 
 pub use adamw::{AdamWStep, adamw_step};
-pub use rms_norm::rms_norm;
+pub use rms_norm::{NormSaves, rms_norm};
 pub use rope::{rope, rope_tables};
 pub use swiglu::swiglu;
 

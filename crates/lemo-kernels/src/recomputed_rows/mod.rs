@@ -26,6 +26,7 @@ use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
 
 use crate::ComputeBackend;
+use crate::fused::NormSaves;
 use crate::gemm::matmul;
 use crate::precision::lora_delta;
 
@@ -140,8 +141,14 @@ impl<B: ComputeBackend> FrozenNorm<B> {
                 let (out, rstd) =
                     B::lemo_rms_norm_forward(primitive(x.clone()), weight.clone(), *eps as f32);
                 let grad = forward(wrap(out));
-                let (grad_x, _) =
-                    B::lemo_rms_norm_backward(primitive(x), weight, rstd, primitive(grad), false);
+                let (grad_x, _) = B::lemo_rms_norm_backward(
+                    primitive(x),
+                    weight,
+                    rstd,
+                    primitive(grad),
+                    false,
+                    NormSaves::Input,
+                );
                 wrap(grad_x)
             }
             FrozenNorm::Layer { weight, bias, eps } => {

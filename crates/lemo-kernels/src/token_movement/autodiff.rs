@@ -1,5 +1,6 @@
 //! Autodiff of token movement. Gather-RMSNorm saves the kept rows of `x` (copied by its forward
-//! pass), the weight, `rstd` and the rows, never `x` itself: the residual stream stays
+//! pass) or its own output (see [`NormSaves`]), the weight, `rstd` and the rows, never `x`
+//! itself: the residual stream stays
 //! exclusively owned, so the scatter-add that follows updates it in place. The scatter-add passes
 //! `d out` through to `x` and gathers `d values` from it; both gathers add their row gradients
 //! straight into the gradient `x` already has, instead of a zero-padded full-size tensor.
@@ -15,6 +16,7 @@ use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape, TensorMetadata};
 
 use crate::ComputeBackend;
+use crate::fused::rms_norm::NormSaves;
 
 /// The gradient registered so far for the parent `$node`, taken out of `$grads`: the caller
 /// adds into it (in place when nothing else holds it) and registers the sum, where
@@ -39,13 +41,15 @@ type AutodiffKey<B> = FloatTensor<Autodiff<B>>;
 struct GatherRmsNormBackward;
 
 impl<B: ComputeBackend> Backward<B, 2> for GatherRmsNormBackward {
-    /// Kept input rows `[batch, kept, hidden]`, rows, weight, `rstd`, `seq`.
+    /// Kept input rows `[batch, kept, hidden]` (or the output), rows, weight, `rstd`, `seq`,
+    /// which of the two was saved.
     type State = (
         FloatTensor<B>,
         IntTensor<B>,
         FloatTensor<B>,
         FloatTensor<B>,
         usize,
+        NormSaves,
     );
 
     fn backward(
@@ -56,7 +60,7 @@ impl<B: ComputeBackend> Backward<B, 2> for GatherRmsNormBackward {
     ) {
         let [node_x, node_weight] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let (saved, rows, weight, rstd, seq) = ops.state;
+        let (saved, rows, weight, rstd, seq, saves) = ops.state;
         let grad_x = node_x
             .as_ref()
             .and_then(|node| take_grad!(B, grads, node, rstd.clone()));
@@ -69,6 +73,7 @@ impl<B: ComputeBackend> Backward<B, 2> for GatherRmsNormBackward {
             grad_x,
             seq,
             node_weight.is_some(),
+            saves,
         );
         if let Some(node) = node_x {
             grads.register::<B>(node.id, grad_x);
@@ -84,6 +89,7 @@ pub(crate) fn gather_rms_norm<B: ComputeBackend, C: CheckpointStrategy>(
     rows: IntTensor<B>,
     weight: FloatTensor<Autodiff<B, C>>,
     eps: f32,
+    saves: NormSaves,
 ) -> FloatTensor<Autodiff<B, C>> {
     let seq = x.shape()[1];
     match GatherRmsNormBackward
@@ -92,19 +98,22 @@ pub(crate) fn gather_rms_norm<B: ComputeBackend, C: CheckpointStrategy>(
         .stateful()
     {
         OpsKind::Tracked(prep) => {
-            let (out, rstd, saved) = B::lemo_gather_rms_norm_forward(
+            let (out, rstd, kept) = B::lemo_gather_rms_norm_forward(
                 x.primitive,
                 rows.clone(),
                 weight.primitive.clone(),
                 eps,
+                saves == NormSaves::Input,
             );
-            prep.finish((saved, rows, weight.primitive, rstd, seq), out)
+            let saved = kept.unwrap_or_else(|| out.clone());
+            prep.finish((saved, rows, weight.primitive, rstd, seq, saves), out)
         }
         OpsKind::UnTracked(prep) => prep.finish(B::lemo_gather_rms_norm(
             x.primitive,
             rows,
             weight.primitive,
             eps,
+            saves,
         )),
     }
 }

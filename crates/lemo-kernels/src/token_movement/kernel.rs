@@ -11,7 +11,7 @@ use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
 use crate::fused::rms_norm::kernel::{RowMap, backward_rows, forward_rows};
-use crate::fused::vector_size;
+use crate::fused::{NormSaves, vector_size};
 
 /// `x[b, rows[b, i]] += values[b, i]` in f32, one thread per `N`-vector of `values [batch * kept,
 /// vectors]`; `x` is `[batch * seq, vectors]`. Rows outside `0..seq` are skipped.
@@ -99,10 +99,12 @@ pub(crate) fn gather_rms_norm<R: CubeRuntime>(
     forward_rows(x, Some(RowMap::new(rows, seq)), weight, eps, save_input)
 }
 
-/// Gather-RMSNorm backward for `x`: the RMSNorm gradient of the saved kept rows, added into
+/// Gather-RMSNorm backward for `x`: the RMSNorm gradient of the saved kept rows (or of the
+/// output, see [`NormSaves`]), added into
 /// their rows of `grad_x` (the gradient `x` already has; in place when it is exclusively owned)
 /// or of zeros `[batch, seq, hidden]`. One cube per kept row: O(batch * kept * hidden) bytes,
 /// plus writing the zeros when there is no gradient yet.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn gather_rms_norm_backward<R: CubeRuntime>(
     saved: CubeTensor<R>,
     rows: CubeTensor<R>,
@@ -111,6 +113,7 @@ pub(crate) fn gather_rms_norm_backward<R: CubeRuntime>(
     grad: CubeTensor<R>,
     grad_x: Option<CubeTensor<R>>,
     seq: usize,
+    saves: NormSaves,
 ) -> CubeTensor<R> {
     let ([batch, _, hidden], _) = dims(&saved, &rows);
     let target = match grad_x {
@@ -136,6 +139,7 @@ pub(crate) fn gather_rms_norm_backward<R: CubeRuntime>(
         rstd,
         grad,
         Some((RowMap::new(rows, seq), target)),
+        saves,
     )
 }
 

@@ -19,20 +19,24 @@ pub mod reference;
 use burn::tensor::{Int, Tensor, TensorPrimitive};
 
 use crate::ComputeBackend;
+use crate::fused::rms_norm::NormSaves;
 
 /// RMSNorm of the kept rows: `[batch, kept, hidden]` from `x: [batch, seq, hidden]`,
-/// `rows: [batch, kept]` and `weight: [hidden]` (differentiable in `x` and `weight`).
+/// `rows: [batch, kept]` and `weight: [hidden]` (differentiable in `x` and `weight`), keeping
+/// what `saves` says for the backward pass.
 pub fn gather_rms_norm<B: ComputeBackend>(
     x: Tensor<B, 3>,
     rows: Tensor<B, 2, Int>,
     weight: Tensor<B, 1>,
     eps: f32,
+    saves: NormSaves,
 ) -> Tensor<B, 3> {
     Tensor::from_primitive(TensorPrimitive::Float(B::lemo_gather_rms_norm(
         x.into_primitive().tensor(),
         rows.into_primitive(),
         weight.into_primitive().tensor(),
         eps,
+        saves,
     )))
 }
 

@@ -239,6 +239,7 @@ fn fused_parity() -> Vec<Value> {
         rstd.clone(),
         prim(g.clone()),
         false,
+        fused::NormSaves::Input,
     );
     let (edx, _) = fused::rms_norm::reference::backward::<B>(
         prim(x),
@@ -429,6 +430,7 @@ fn fused_timings(args: &Args, client: &Client) -> Vec<Value> {
             rstd.clone(),
             prim(&g),
             false,
+            fused::NormSaves::Input,
         )
         .0
     });

@@ -37,6 +37,7 @@ use burn::tensor::{
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
 use lemo_kernel_bench::time_calls;
 use lemo_kernels::ComputeBackend;
+use lemo_kernels::fused::NormSaves;
 use lemo_kernels::token_movement::{self, reference};
 use serde_json::{Value, json};
 
@@ -217,8 +218,10 @@ fn forward<B: ComputeBackend>(
                 rows.clone().into_primitive(),
                 prim(weight.clone()),
                 EPS,
+                true,
             );
             let out = token_movement::scatter_add_rows(x, rows.clone(), float(y));
+            let kept = kept.expect("the kept rows, asked for");
             (out, Saved { kept, rstd })
         }
         naive => {
@@ -252,6 +255,7 @@ fn backward<B: ComputeBackend>(
                 Some(prim(grad)),
                 seq,
                 false,
+                NormSaves::Input,
             );
             float(grad_x)
         }
@@ -262,6 +266,7 @@ fn backward<B: ComputeBackend>(
                 saved.rstd,
                 prim(grad_y),
                 false,
+                NormSaves::Input,
             );
             let padded = naive.pad(&grad, rows.clone(), float(grad_kept));
             grad + padded
@@ -301,7 +306,13 @@ fn parity<B: ComputeBackend>(hidden: usize, dtype: DType, tolerance: f64) -> Vec
         (
             "gather_rms_norm",
             relative(
-                token_movement::gather_rms_norm(x.clone(), rows.clone(), weight.clone(), EPS),
+                token_movement::gather_rms_norm(
+                    x.clone(),
+                    rows.clone(),
+                    weight.clone(),
+                    EPS,
+                    NormSaves::Input,
+                ),
                 reference::gather_rms_norm(x.clone(), rows.clone(), weight.clone(), EPS),
             ),
         ),

@@ -1,5 +1,6 @@
-//! Autodiff of RMSNorm: saves `x`, the weight and the per-row `rstd` (4 bytes a row), and calls
-//! [`ComputeBackend::lemo_rms_norm_backward`]; the weight gradient only when it is tracked.
+//! Autodiff of RMSNorm: saves `x` (or the output, see [`NormSaves`]), the weight and the per-row
+//! `rstd` (4 bytes a row), and calls [`ComputeBackend::lemo_rms_norm_backward`]; the weight
+//! gradient only when it is tracked.
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -8,14 +9,15 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::ops::FloatTensor;
 
+use super::NormSaves;
 use crate::ComputeBackend;
 
 #[derive(Debug)]
 struct RmsNormBackward;
 
 impl<B: ComputeBackend> Backward<B, 2> for RmsNormBackward {
-    /// `x, weight, rstd`.
-    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>);
+    /// `x` (or the output), weight, rstd, which of the two was saved.
+    type State = (FloatTensor<B>, FloatTensor<B>, FloatTensor<B>, NormSaves);
 
     fn backward(
         self,
@@ -25,9 +27,9 @@ impl<B: ComputeBackend> Backward<B, 2> for RmsNormBackward {
     ) {
         let [node_x, node_weight] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let (x, weight, rstd) = ops.state;
+        let (saved, weight, rstd, saves) = ops.state;
         let (grad_x, grad_weight) =
-            B::lemo_rms_norm_backward(x, weight, rstd, grad, node_weight.is_some());
+            B::lemo_rms_norm_backward(saved, weight, rstd, grad, node_weight.is_some(), saves);
         if let Some(node) = node_x {
             grads.register::<B>(node.id, grad_x);
         }
@@ -41,6 +43,7 @@ pub(crate) fn rms_norm<B: ComputeBackend, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     weight: FloatTensor<Autodiff<B, C>>,
     eps: f32,
+    saves: NormSaves,
 ) -> FloatTensor<Autodiff<B, C>> {
     match RmsNormBackward
         .prepare::<C>([x.node.clone(), weight.node.clone()])
@@ -50,10 +53,14 @@ pub(crate) fn rms_norm<B: ComputeBackend, C: CheckpointStrategy>(
         OpsKind::Tracked(prep) => {
             let (out, rstd) =
                 B::lemo_rms_norm_forward(x.primitive.clone(), weight.primitive.clone(), eps);
-            prep.finish((x.primitive, weight.primitive, rstd), out)
+            let saved = match saves {
+                NormSaves::Input => x.primitive,
+                NormSaves::Output => out.clone(),
+            };
+            prep.finish((saved, weight.primitive, rstd, saves), out)
         }
         OpsKind::UnTracked(prep) => {
-            prep.finish(B::lemo_rms_norm(x.primitive, weight.primitive, eps))
+            prep.finish(B::lemo_rms_norm(x.primitive, weight.primitive, eps, saves))
         }
     }
 }

@@ -5,7 +5,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 
-use crate::fused::{cube_count, vector_size};
+use crate::fused::{NormSaves, cube_count, vector_size};
 
 /// Threads of the cube that handles one row.
 const THREADS: usize = 256;
@@ -115,8 +115,9 @@ pub(crate) fn rms_norm_forward_kernel<F: Float, I: Int, N: Size>(
 }
 
 /// `d x = r (w g) - x r^3 mean(w g x)`, one cube per row of `x [rows, hidden / N]` like the
-/// forward. The row is written to row `CUBE_POS` of `grad_x`, or, with `scatter`, added into its
-/// row through the map (see [`row_start`]).
+/// forward. With `from_output`, `x` holds the norm's output `y` and each input value is
+/// recovered as `y / (w r)` where it is read. The row is written to row `CUBE_POS` of `grad_x`,
+/// or, with `scatter`, added into its row through the map (see [`row_start`]).
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn rms_norm_backward_kernel<F: Float, I: Int, N: Size>(
@@ -129,6 +130,7 @@ pub(crate) fn rms_norm_backward_kernel<F: Float, I: Int, N: Size>(
     rows: usize,
     seq: usize,
     #[comptime] threads: usize,
+    #[comptime] from_output: bool,
     #[define(F, I)] _dtypes: [StorageType; 2],
 ) {
     let row = CUBE_POS;
@@ -141,6 +143,7 @@ pub(crate) fn rms_norm_backward_kernel<F: Float, I: Int, N: Size>(
     let target = row_start::<I>(row, scatter, seq, vectors);
     let unit = UNIT_POS as usize;
     let steps = vectors.div_ceil(threads);
+    let r = rstd[row];
 
     let mut dot = 0.0f32;
     for step in 0..steps {
@@ -148,18 +151,18 @@ pub(crate) fn rms_norm_backward_kernel<F: Float, I: Int, N: Size>(
         if i < vectors {
             let weighted =
                 Vector::<f32, N>::cast_from(grad[start + i]) * Vector::cast_from(weight[i]);
-            dot += lane_sum::<N>(weighted * Vector::cast_from(x[start + i]));
+            let value = input_value::<F, N>(x[start + i], weight[i], r, from_output);
+            dot += lane_sum::<N>(weighted * value);
         }
     }
     let total = cube_sum(dot, threads);
-    let r = rstd[row];
     let correction = r * r * r * total / f32::cast_from(hidden);
     for step in 0..steps {
         let i = unit + step * threads;
         if i < vectors {
             let weighted =
                 Vector::<f32, N>::cast_from(grad[start + i]) * Vector::cast_from(weight[i]);
-            let value = Vector::<f32, N>::cast_from(x[start + i]);
+            let value = input_value::<F, N>(x[start + i], weight[i], r, from_output);
             let mut grad_row = weighted * Vector::new(r) - value * Vector::new(correction);
             #[comptime]
             if let ComptimeOption::Some(_) = scatter {
@@ -167,6 +170,23 @@ pub(crate) fn rms_norm_backward_kernel<F: Float, I: Int, N: Size>(
             }
             grad_x[target + i] = Vector::cast_from(grad_row);
         }
+    }
+}
+
+/// The norm's input value, in f32, from what its forward pass saved: the input itself, or,
+/// `from_output`, the output `y = x w r`.
+#[cube]
+fn input_value<F: Float, N: Size>(
+    saved: Vector<F, N>,
+    weight: Vector<F, N>,
+    r: f32,
+    #[comptime] from_output: bool,
+) -> Vector<f32, N> {
+    let value = Vector::<f32, N>::cast_from(saved);
+    if from_output {
+        value / (Vector::<f32, N>::cast_from(weight) * Vector::new(r))
+    } else {
+        value
     }
 }
 
@@ -279,16 +299,17 @@ pub(crate) fn forward<R: CubeRuntime>(
     (out, rstd)
 }
 
-/// RMSNorm backward for `x` (the rows the forward read): one cube per row, reads `x` and `d y`
-/// once (twice from cache). Without `scatter` it writes `d x` shaped like `x`; with it, `d x` is
-/// added into the mapped rows of `target` (contiguous, `x`'s dtype, written in place and
-/// returned). O(rows * hidden) bytes either way.
+/// RMSNorm backward for `x` (the rows the forward read; the output there where `saves` says
+/// so): one cube per row, reads `x` and `d y` once (twice from cache). Without `scatter` it
+/// writes `d x` shaped like `x`; with it, `d x` is added into the mapped rows of `target`
+/// (contiguous, `x`'s dtype, written in place and returned). O(rows * hidden) bytes either way.
 pub(crate) fn backward_rows<R: CubeRuntime>(
     x: CubeTensor<R>,
     weight: CubeTensor<R>,
     rstd: CubeTensor<R>,
     grad: CubeTensor<R>,
     scatter: Option<(RowMap<R>, CubeTensor<R>)>,
+    saves: NormSaves,
 ) -> CubeTensor<R> {
     let x = into_contiguous(x);
     let grad = into_contiguous(grad);
@@ -339,6 +360,7 @@ pub(crate) fn backward_rows<R: CubeRuntime>(
             rows,
             seq,
             THREADS,
+            saves == NormSaves::Output,
             dtypes,
         );
     }
@@ -351,6 +373,7 @@ pub(crate) fn backward<R: CubeRuntime>(
     weight: CubeTensor<R>,
     rstd: CubeTensor<R>,
     grad: CubeTensor<R>,
+    saves: NormSaves,
 ) -> CubeTensor<R> {
-    backward_rows(x, weight, rstd, grad, None)
+    backward_rows(x, weight, rstd, grad, None, saves)
 }
