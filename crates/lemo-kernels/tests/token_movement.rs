@@ -50,6 +50,28 @@ fn grad<const D: usize>(
     tensor.grad(grads).expect("gradient")
 }
 
+/// Output, `d x` and `d weight` of a case: `None` runs the reference, `Some` the kernels with the
+/// norm saving what it says.
+type NormRun<'a> =
+    &'a dyn Fn(Option<NormSaves>) -> (Tensor<B, 3>, Tensor<WgpuBackend, 3>, Tensor<WgpuBackend, 1>);
+
+/// The kernels, the norm saving its input and then its output, against the reference.
+fn compare_with_reference(what: &str, run: NormRun) {
+    let (expected, expected_x, expected_weight) = run(None);
+    for saves in [NormSaves::Input, NormSaves::Output] {
+        let (out, grad_x, grad_weight) = run(Some(saves));
+        let name = |value: &str| format!("{what} saving its {saves:?}: {value}");
+        assert_close(&name("out"), out, expected.clone(), NORM_TOLERANCE);
+        assert_close(&name("d x"), grad_x, expected_x.clone(), NORM_TOLERANCE);
+        assert_close(
+            &name("d weight"),
+            grad_weight,
+            expected_weight.clone(),
+            NORM_TOLERANCE,
+        );
+    }
+}
+
 /// Gather-RMSNorm alone: output, `d x` (no gradient of `x` before it: the zero-filled path) and
 /// `d weight`, whichever the norm saves.
 fn gather_rms_norm_alone(batch: usize, seq: usize, hidden: usize, kept: usize) {
@@ -64,19 +86,7 @@ fn gather_rms_norm_alone(batch: usize, seq: usize, hidden: usize, kept: usize) {
         let grads = (out.clone() * upstream.clone()).sum().backward();
         (out, grad(&case.x, &grads), grad(&case.weight, &grads))
     };
-    let (expected, expected_x, expected_weight) = run(None);
-    for saves in [NormSaves::Input, NormSaves::Output] {
-        let (out, grad_x, grad_weight) = run(Some(saves));
-        let name = |what: &str| format!("gather_rms_norm saving its {saves:?}: {what}");
-        assert_close(&name("out"), out, expected.clone(), NORM_TOLERANCE);
-        assert_close(&name("d x"), grad_x, expected_x.clone(), NORM_TOLERANCE);
-        assert_close(
-            &name("d weight"),
-            grad_weight,
-            expected_weight.clone(),
-            NORM_TOLERANCE,
-        );
-    }
+    compare_with_reference("gather_rms_norm", &run);
 }
 
 /// A residual block on the kept rows, `h + scatter(f(gather_rms_norm(h)))` with `f` a product
@@ -104,19 +114,7 @@ fn residual_block(batch: usize, seq: usize, hidden: usize, kept: usize) {
         let grads = (out.clone() * upstream.clone()).sum().backward();
         (out, grad(&case.x, &grads), grad(&case.weight, &grads))
     };
-    let (expected, expected_x, expected_weight) = run(None);
-    for saves in [NormSaves::Input, NormSaves::Output] {
-        let (out, grad_x, grad_weight) = run(Some(saves));
-        let name = |what: &str| format!("residual block saving its {saves:?}: {what}");
-        assert_close(&name("out"), out, expected.clone(), NORM_TOLERANCE);
-        assert_close(&name("d x"), grad_x, expected_x.clone(), NORM_TOLERANCE);
-        assert_close(
-            &name("d weight"),
-            grad_weight,
-            expected_weight.clone(),
-            NORM_TOLERANCE,
-        );
-    }
+    compare_with_reference("residual block", &run);
 }
 
 /// Scatter-add and gather on their own: outputs, `d x` and `d values` (exact: rows only move,
