@@ -125,6 +125,18 @@ pub trait ComputeBackend: Backend {
         fused::rope::reference::rope::<Self>(x, cos, sin, positions, inverse)
     }
 
+    /// LayerNorm with constant parameters; see [`fused::layer_norm`] (what it saves matters only
+    /// under autodiff).
+    fn lemo_layer_norm(
+        x: FloatTensor<Self>,
+        weight: Option<FloatTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        eps: f32,
+        _saves: NormSaves,
+    ) -> FloatTensor<Self> {
+        fused::layer_norm::reference::forward::<Self>(x, weight.as_ref(), bias.as_ref(), eps).0
+    }
+
     /// `silu(gate) * up`; see [`fused::swiglu`].
     fn lemo_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {
         fused::swiglu::reference::forward::<Self>(gate, up)
@@ -602,6 +614,16 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
 
     fn lemo_gather_rows(x: FloatTensor<Self>, rows: IntTensor<Self>) -> FloatTensor<Self> {
         token_movement::autodiff::gather_rows::<B, C>(x, rows)
+    }
+
+    fn lemo_layer_norm(
+        x: FloatTensor<Self>,
+        weight: Option<FloatTensor<Self>>,
+        bias: Option<FloatTensor<Self>>,
+        eps: f32,
+        saves: NormSaves,
+    ) -> FloatTensor<Self> {
+        fused::layer_norm::autodiff::layer_norm::<B, C>(x, weight, bias, eps, saves)
     }
 
     fn lemo_swiglu(gate: FloatTensor<Self>, up: FloatTensor<Self>) -> FloatTensor<Self> {

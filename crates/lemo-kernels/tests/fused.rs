@@ -1,10 +1,11 @@
-//! Parity of the fused RMSNorm, RoPE and SwiGLU kernels (wgpu, f32) with their plain Burn
-//! references, forward and backward (both through autodiff), on fresh random inputs.
+//! Parity of the fused RMSNorm, RoPE and SwiGLU kernels and the LayerNorm op (wgpu, f32) with
+//! their plain Burn references, forward and backward (both through autodiff), on fresh random
+//! inputs.
 
 use burn::backend::Autodiff;
 use burn::tensor::{Int, Tensor, TensorData, TensorPrimitive};
 use lemo_kernels::WgpuBackend;
-use lemo_kernels::fused::{self, NormSaves, rms_norm, rope, swiglu};
+use lemo_kernels::fused::{self, NormSaves, layer_norm, rms_norm, rope, swiglu};
 use lemo_test_support::seed_backend as seed;
 
 type B = Autodiff<WgpuBackend>;
@@ -58,6 +59,50 @@ fn rms_norm_case(shape: [usize; 3]) {
             Tensor::from_inner(expected_w.clone()),
         );
     }
+}
+
+/// LayerNorm with constant parameters, `x`'s gradient, whichever the op saves, against the same
+/// chain of plain tensor ops under autodiff (with and without a weight and a bias).
+fn layer_norm_case(shape: [usize; 3], affine: bool) {
+    let device = seeded();
+    let x = random(shape, &device).require_grad();
+    let weight = affine.then(|| random::<1>([shape[2]], &device) * 0.5 + 1.0);
+    let bias = affine.then(|| random::<1>([shape[2]], &device) * 0.1);
+    let upstream = random(shape, &device);
+
+    let centered = x.clone() - x.clone().mean_dim(2);
+    let variance = centered.clone().square().mean_dim(2);
+    let mut expected = centered / variance.add_scalar(1e-5).sqrt();
+    if let Some(weight) = &weight {
+        expected = expected * weight.clone().unsqueeze();
+    }
+    if let Some(bias) = &bias {
+        expected = expected + bias.clone().unsqueeze();
+    }
+    let grads = (expected.clone() * upstream.clone()).sum().backward();
+    let expected_x = x.grad(&grads).unwrap();
+
+    for saves in [NormSaves::Input, NormSaves::Output] {
+        let out = layer_norm(x.clone(), weight.clone(), bias.clone(), 1e-5, saves);
+        let grads = (out.clone() * upstream.clone()).sum().backward();
+        let name = |what: &str| format!("layer_norm saving its {saves:?}: {what}");
+        assert_close(&name("out"), out, expected.clone());
+        assert_close(
+            &name("d x"),
+            Tensor::from_inner(x.grad(&grads).unwrap()),
+            Tensor::from_inner(expected_x.clone()),
+        );
+    }
+}
+
+#[test]
+fn layer_norm_with_weight_and_bias() {
+    layer_norm_case([2, 5, 300], true);
+}
+
+#[test]
+fn layer_norm_without_parameters() {
+    layer_norm_case([3, 4, 64], false);
 }
 
 #[test]

@@ -2,9 +2,9 @@
 //! input's dtype (as transformers computes them for bf16 models).
 
 use burn::module::{Module, Param};
-use burn::tensor::{DType, Int, Tensor, backend::Backend};
+use burn::tensor::{DType, ElementConversion, Int, Tensor, backend::Backend};
 use lemo_kernels::ComputeBackend;
-use lemo_kernels::fused::{NormSaves, rms_norm};
+use lemo_kernels::fused::{NormSaves, layer_norm, rms_norm};
 use lemo_kernels::recomputed_rows::FrozenNorm;
 use lemo_kernels::token_movement::gather_rms_norm;
 
@@ -70,12 +70,37 @@ pub struct LayerNorm<B: Backend> {
     pub weight: Option<Param<Tensor<B, 1>>>,
     pub bias: Option<Param<Tensor<B, 1>>>,
     pub eps: f64,
+    /// Whether the backward pass can recover the normalized input from the output,
+    /// `(y - b) / w`, about as precisely as from a saved copy: a weight (if any) without zero
+    /// entries and a bias no larger than the weight in any channel (where it is larger, the
+    /// subtraction cancels the leading digits of a bf16 output).
+    pub invertible: bool,
 }
 
 impl<B: Backend> LayerNorm<B> {
     pub fn new(weight: Option<Tensor<B, 1>>, bias: Option<Tensor<B, 1>>, eps: f64) -> Self {
         let frozen = |t| Param::from_tensor(t).set_require_grad(false);
+        let bias_within_weight = match (&weight, &bias) {
+            (Some(w), Some(b)) => {
+                let ratio = b.clone().cast(DType::F32).abs() / w.clone().cast(DType::F32).abs();
+                ratio.max().into_scalar().elem::<f32>() <= 1.0
+            }
+            (None, Some(b)) => {
+                b.clone()
+                    .cast(DType::F32)
+                    .abs()
+                    .max()
+                    .into_scalar()
+                    .elem::<f32>()
+                    <= 1.0
+            }
+            (_, None) => true,
+        };
         Self {
+            invertible: bias_within_weight
+                && weight
+                    .as_ref()
+                    .is_none_or(|w| NormSaves::output_if_invertible(w) == NormSaves::Output),
             weight: weight.map(frozen),
             bias: bias.map(frozen),
             eps,
@@ -91,8 +116,35 @@ impl<B: Backend> LayerNorm<B> {
             eps: self.eps,
         }
     }
+}
 
+impl<B: ComputeBackend> LayerNorm<B> {
+    /// Whether the weight or the bias trains (LongLoRA).
+    fn trainable(&self) -> bool {
+        [&self.weight, &self.bias]
+            .into_iter()
+            .flatten()
+            .any(|p| p.is_require_grad())
+    }
+
+    /// Frozen: one op that keeps its output (or, for a weight with a zero entry, its input) for
+    /// the backward pass; trainable: the plain tensor ops, which give the parameters' gradients.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        if !self.trainable() {
+            let saves = if self.invertible {
+                NormSaves::Output
+            } else {
+                NormSaves::Input
+            };
+            let value = |p: &Param<Tensor<B, 1>>| p.val();
+            return layer_norm(
+                x,
+                self.weight.as_ref().map(value),
+                self.bias.as_ref().map(value),
+                self.eps as f32,
+                saves,
+            );
+        }
         let dtype = x.dtype();
         let x = x.cast(DType::F32);
         let mean = x.clone().mean_dim(D - 1);

@@ -1,14 +1,17 @@
 //! Fused element-wise kernels of a Llama layer, each with its backward: RMSNorm, rotate-half
 //! RoPE at explicit positions, and SwiGLU; and the optimizer's AdamW update. Each sits next to
 //! its plain Burn reference; CubeCL backends run the kernels (vectorized 16-byte accesses, f32
-//! arithmetic in registers, one pass over the data), any other backend the reference.
+//! arithmetic in registers, one pass over the data), any other backend the reference. OPT's
+//! LayerNorm is one op with its own backward too, on plain tensor ops everywhere (no kernel yet).
 
 pub mod adamw;
+pub mod layer_norm;
 pub mod rms_norm;
 pub mod rope;
 pub mod swiglu;
 
 pub use adamw::{AdamWStep, adamw_step};
+pub use layer_norm::layer_norm;
 pub use rms_norm::{NormSaves, rms_norm};
 pub use rope::{rope, rope_tables};
 pub use swiglu::swiglu;
