@@ -138,6 +138,59 @@ fn tiny_preset_trains_writes_outputs_and_resumes_exactly() {
     assert_eq!(losses(&signalled), uninterrupted);
 }
 
+/// `--keep-exactly`: every step keeps exactly the asked fraction (no calibration; calibrated
+/// thresholds keep 0.58 of the rows at some steps of this run), the file
+/// beside the adapter says so for `eval`, and a thresholds file alongside is refused.
+#[test]
+fn lemo_keeps_exactly_its_fractions_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("exact");
+    let args = [
+        "--method",
+        "lemo",
+        "--keep-exactly",
+        "--target-keep",
+        "0.5",
+        "--block-size",
+        "8",
+    ];
+    train(&out, &args);
+    let text = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let steps: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .filter(|v: &serde_json::Value| v["kind"] == "train")
+        .collect();
+    assert_eq!(steps.len(), 12);
+    for step in &steps {
+        assert_eq!(step["keep_attention"].as_f64(), Some(0.5), "{step}");
+        assert_eq!(step["keep_mlp"].as_f64(), Some(0.5), "{step}");
+    }
+    let saved = std::fs::read_to_string(out.join("adapter/thresholds.json")).unwrap();
+    let saved: serde_json::Value = serde_json::from_str(&saved).unwrap();
+    assert_eq!(saved["block_min_keep"], serde_json::json!([0.5, 0.5]));
+    // No calibration: no measured kept fraction, and no threshold selects beyond the floor.
+    assert!(saved["measured"].is_null(), "{saved}");
+    for layer in saved["layers"].as_array().unwrap().iter().skip(1) {
+        let threshold = layer["attention"].as_f64().unwrap() as f32;
+        assert_eq!(threshold, f32::MAX, "{layer}");
+    }
+
+    let output = train_command(
+        &dir.path().join("both"),
+        &[&args[..], &["--thresholds", "thresholds.json"]].concat(),
+    )
+    .output()
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("--keep-exactly and --thresholds"),
+        "{stderr}"
+    );
+}
+
 /// `train --resume out`, which must succeed.
 fn resume(out: &Path) {
     let output = lemo()

@@ -129,8 +129,9 @@ pub fn check_coverage(predictors: &Predictors, path: &Path, thresholds: &Thresho
     Ok(())
 }
 
-/// The thresholds given by `--thresholds`, else those the predictors were trained with, else
-/// `otherwise()` (calibration, a run folder's file...), with the predictors. A run whose model
+/// The thresholds given by `--thresholds`, else [`keep_exactly`]'s with `--keep-exactly`, else
+/// those the predictors were trained with, else `otherwise()` (calibration, a run folder's
+/// file...), with the predictors. A run whose model
 /// runs at `position_interpolation` (its linear RoPE factor; `None`: not a question, as for
 /// `bench`) is warned when the predictors learned from another one.
 pub fn elimination(
@@ -142,6 +143,7 @@ pub fn elimination(
     let predictors = read_predictors(settings, config)?;
     let thresholds = match (&settings.thresholds, &predictors) {
         (Some(path), _) => super::read_thresholds(path, config)?,
+        (None, _) if settings.keep_exactly => keep_exactly(config, settings),
         (None, Some(predictors)) => predictors.header.thresholds.clone(),
         (None, None) => otherwise()?,
     };

@@ -102,6 +102,8 @@ pub struct TrainConfig {
     pub scores: Option<ScoreSource>,
     /// lemo: the MLP blocks' backward pass on their dropped rows ("exact" or "residual").
     pub mlp_dropped_rows: MlpDroppedRows,
+    /// lemo: keep exactly the kept fraction of every sequence's blocks (no thresholds).
+    pub keep_exactly: bool,
     /// Rows of the vocabulary projection per segment of the segment-based loss.
     pub loss_segment: usize,
     pub seed: u64,
@@ -175,6 +177,7 @@ impl Default for TrainConfig {
             predictors: lemo.predictors,
             scores: lemo.scores,
             mlp_dropped_rows: lemo.mlp_dropped_rows,
+            keep_exactly: lemo.keep_exactly,
             loss_segment: 1024,
             seed: 42,
             val_fraction: 0.02,
@@ -268,6 +271,7 @@ impl TrainConfig {
             predictors: self.predictors.clone(),
             scores: self.scores,
             mlp_dropped_rows: self.mlp_dropped_rows,
+            keep_exactly: self.keep_exactly,
         }
     }
 
@@ -620,6 +624,9 @@ impl TrainArgs {
                     .map(|s| s.to_possible_value().expect("named").get_name().to_string()),
             ),
         );
+        if lemo.keep_exactly {
+            put("keep_exactly", Some(toml::Value::Boolean(true)));
+        }
         put("loss_segment", int("loss_segment", self.loss_segment)?);
         put("seed", int("seed", self.seed.map(|v| v as usize))?);
         put("val_fraction", float(self.val_fraction));

@@ -195,6 +195,13 @@ fn elimination<B: LemoBackend>(
     }
     model.check_token_elimination(setup.seq_len)?;
     let settings = config.sparsity();
+    if settings.keep_exactly && rank == 0 {
+        eprintln!(
+            "lemo: every token-eliminating block keeps exactly {:.3} (attention) / {:.3} (MLP) of each sequence's blocks",
+            settings.block_keep(Block::Attention),
+            settings.block_keep(Block::Mlp)
+        );
+    }
     let saved = config.out.join(THRESHOLDS_FILE);
     let interpolation = Some(setup.info.linear_factor().unwrap_or(1.0));
     let elimination = sparsity::elimination(&settings, &setup.model_config, interpolation, || {
