@@ -21,7 +21,7 @@ pub struct RmsNorm<B: Backend> {
 impl<B: Backend> RmsNorm<B> {
     pub fn new(weight: Tensor<B, 1>, eps: f64) -> Self {
         Self {
-            invertible: NormSaves::output_if_invertible(&weight) == NormSaves::Output,
+            invertible: NormSaves::invertible(&weight),
             weight: Param::from_tensor(weight).set_require_grad(false),
             eps,
         }
@@ -80,27 +80,17 @@ pub struct LayerNorm<B: Backend> {
 impl<B: Backend> LayerNorm<B> {
     pub fn new(weight: Option<Tensor<B, 1>>, bias: Option<Tensor<B, 1>>, eps: f64) -> Self {
         let frozen = |t| Param::from_tensor(t).set_require_grad(false);
-        let bias_within_weight = match (&weight, &bias) {
-            (Some(w), Some(b)) => {
-                let ratio = b.clone().cast(DType::F32).abs() / w.clone().cast(DType::F32).abs();
-                ratio.max().into_scalar().elem::<f32>() <= 1.0
-            }
-            (None, Some(b)) => {
-                b.clone()
-                    .cast(DType::F32)
-                    .abs()
-                    .max()
-                    .into_scalar()
-                    .elem::<f32>()
-                    <= 1.0
-            }
-            (_, None) => true,
-        };
+        let magnitude = |t: &Tensor<B, 1>| t.clone().cast(DType::F32).abs();
+        // The largest |bias| per unit of |weight| (a weight of one where there is none).
+        let bias_within_weight = bias.as_ref().is_none_or(|b| {
+            let ratio = match &weight {
+                Some(w) => magnitude(b) / magnitude(w),
+                None => magnitude(b),
+            };
+            ratio.max().into_scalar().elem::<f32>() <= 1.0
+        });
         Self {
-            invertible: bias_within_weight
-                && weight
-                    .as_ref()
-                    .is_none_or(|w| NormSaves::output_if_invertible(w) == NormSaves::Output),
+            invertible: bias_within_weight && weight.as_ref().is_none_or(NormSaves::invertible),
             weight: weight.map(frozen),
             bias: bias.map(frozen),
             eps,

@@ -182,13 +182,7 @@ fn lemo_keeps_exactly_its_fractions_when_asked() {
     )
     .output()
     .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(
-        stderr.contains("--keep-exactly and --thresholds"),
-        "{stderr}"
-    );
+    lemo_test_support::assert_clean_error(&output, "--keep-exactly and --thresholds");
 }
 
 /// `train --resume out`, which must succeed.

@@ -16,11 +16,32 @@ pub use rms_norm::{NormSaves, rms_norm};
 pub use rope::{rope, rope_tables};
 pub use swiglu::swiglu;
 
+use burn::tensor::backend::Backend;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{DType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 use burn_cubecl::CubeRuntime;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use cubecl::server::CubeCountSelection;
+
+/// `[rows, hidden]` f32 view of `t` (every leading dimension is a row), with `t`'s shape and
+/// dtype, which the row-wise ops' references and tensor-op paths give their results back in.
+pub(crate) fn rows_f32<B: Backend>(t: FloatTensor<B>) -> (Tensor<B, 2>, Shape, DType) {
+    let (shape, dtype) = (t.shape(), t.dtype());
+    let hidden = shape[shape.num_dims() - 1];
+    let rows = shape.num_elements() / hidden.max(1);
+    let t = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::float_reshape(
+        t,
+        [rows, hidden].into(),
+    )));
+    (t.cast(DType::F32), shape, dtype)
+}
+
+/// f32 copy of a parameter vector.
+pub(crate) fn vector_f32<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 1> {
+    Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t)).cast(DType::F32)
+}
 
 /// The widest vector (at most 16 bytes) dividing `len` elements of `tensor`'s dtype.
 pub(crate) fn vector_size<R: CubeRuntime>(tensor: &CubeTensor<R>, len: usize) -> usize {

@@ -3,27 +3,13 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{Tensor, TensorMetadata, TensorPrimitive};
 
-use crate::fused::NormSaves;
-
-/// `[rows, hidden]` f32 view of `t`.
-fn rows_f32<B: Backend>(t: FloatTensor<B>) -> Tensor<B, 2> {
-    let shape = t.shape();
-    let hidden = shape[shape.num_dims() - 1];
-    let rows = shape.num_elements() / hidden.max(1);
-    Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::float_reshape(
-        t,
-        [rows, hidden].into(),
-    )))
-    .cast(DType::F32)
-}
+use crate::fused::{NormSaves, rows_f32, vector_f32};
 
 /// `[1, hidden]` f32 row of a parameter.
 fn row_f32<B: Backend>(t: &FloatTensor<B>) -> Tensor<B, 2> {
-    Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(t.clone()))
-        .cast(DType::F32)
-        .unsqueeze()
+    vector_f32::<B>(t.clone()).unsqueeze()
 }
 
 /// `(y, rstd)`: the output in `x`'s dtype and shape, and the f32 `1 / sqrt(var + eps)` of each
@@ -34,8 +20,7 @@ pub fn forward<B: Backend>(
     bias: Option<&FloatTensor<B>>,
     eps: f32,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let (shape, dtype) = (x.shape(), x.dtype());
-    let x = rows_f32::<B>(x);
+    let (x, shape, dtype) = rows_f32::<B>(x);
     let rows = x.dims()[0];
     let centered = x.clone() - x.mean_dim(1);
     let rstd = centered
@@ -70,7 +55,7 @@ pub fn backward<B: Backend>(
     saves: NormSaves,
 ) -> FloatTensor<B> {
     let (shape, dtype) = (grad.shape(), grad.dtype());
-    let saved = rows_f32::<B>(saved);
+    let (saved, _, _) = rows_f32::<B>(saved);
     let [rows, hidden] = saved.dims();
     let rstd = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(rstd)).reshape([rows, 1]);
     let normalized = match saves {
@@ -86,7 +71,7 @@ pub fn backward<B: Backend>(
             }
         }
     };
-    let mut g = rows_f32::<B>(grad);
+    let (mut g, _, _) = rows_f32::<B>(grad);
     if let Some(weight) = weight {
         g = g * row_f32::<B>(weight);
     }

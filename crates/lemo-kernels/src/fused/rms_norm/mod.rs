@@ -7,9 +7,10 @@ pub mod reference;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, ElementConversion, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{DType, ElementConversion, Tensor, TensorPrimitive};
 
 use crate::ComputeBackend;
+use crate::fused::{rows_f32, vector_f32};
 
 /// What an RMSNorm keeps for its backward pass besides `rstd` (4 bytes a row).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,9 +26,9 @@ pub enum NormSaves {
 }
 
 impl NormSaves {
-    /// [`NormSaves::Output`] where `weight` allows it (a host read of the weight: decide once,
-    /// when the weight is loaded), else [`NormSaves::Input`].
-    pub fn output_if_invertible<B: Backend>(weight: &Tensor<B, 1>) -> Self {
+    /// Whether `weight` allows [`NormSaves::Output`]: no zero or subnormal entry (a host read of
+    /// the weight: decide once, when the weight is loaded).
+    pub fn invertible<B: Backend>(weight: &Tensor<B, 1>) -> bool {
         let smallest = weight
             .clone()
             .cast(DType::F32)
@@ -35,11 +36,7 @@ impl NormSaves {
             .min()
             .into_scalar()
             .elem::<f32>();
-        if smallest >= f32::MIN_POSITIVE {
-            NormSaves::Output
-        } else {
-            NormSaves::Input
-        }
+        smallest >= f32::MIN_POSITIVE
     }
 }
 
@@ -66,16 +63,9 @@ pub(crate) fn input_from_output<B: Backend>(
     weight: FloatTensor<B>,
     rstd: FloatTensor<B>,
 ) -> FloatTensor<B> {
-    let (shape, dtype) = (y.shape(), y.dtype());
-    let hidden = shape[shape.num_dims() - 1];
-    let rows = shape.num_elements() / hidden.max(1);
-    let y = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::float_reshape(
-        y,
-        [rows, hidden].into(),
-    )))
-    .cast(DType::F32);
-    let weight = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(weight)).cast(DType::F32);
+    let (y, shape, dtype) = rows_f32::<B>(y);
+    let rows = y.dims()[0];
     let rstd = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(rstd)).reshape([rows, 1]);
-    let x = y / (weight.unsqueeze::<2>() * rstd);
+    let x = y / (vector_f32::<B>(weight).unsqueeze::<2>() * rstd);
     B::float_reshape(x.cast(dtype).into_primitive().tensor(), shape)
 }

@@ -2,24 +2,9 @@
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{DType, Shape, Tensor, TensorMetadata, TensorPrimitive};
+use burn::tensor::{Tensor, TensorPrimitive};
 
-/// `[rows, hidden]` f32 view of `x`, and `x`'s shape and dtype.
-fn rows_f32<B: Backend>(x: FloatTensor<B>) -> (Tensor<B, 2>, Shape, DType) {
-    let shape = x.shape();
-    let dtype = x.dtype();
-    let hidden = shape[shape.num_dims() - 1];
-    let rows = shape.num_elements() / hidden.max(1);
-    let x = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(B::float_reshape(
-        x,
-        [rows, hidden].into(),
-    )));
-    (x.cast(DType::F32), shape, dtype)
-}
-
-fn vector_f32<B: Backend>(tensor: FloatTensor<B>) -> Tensor<B, 1> {
-    Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(tensor)).cast(DType::F32)
-}
+use crate::fused::{rows_f32, vector_f32};
 
 /// `(y, rstd)`: the output in `x`'s dtype and shape, and the f32 `1 / rms` of each row, `[rows]`.
 pub fn forward<B: Backend>(
