@@ -213,6 +213,17 @@ fn bad_inputs_give_one_line_errors() {
         "--stride",
     );
     assert_clean_error(
+        &[
+            "calibrate",
+            "--model",
+            model,
+            "--data",
+            tokens,
+            "--keep-exactly",
+        ],
+        "--keep-exactly is for train and eval",
+    );
+    assert_clean_error(
         &["generate", "--model", "/no/such/model", "--prompt", "a"],
         "--model /no/such/model",
     );

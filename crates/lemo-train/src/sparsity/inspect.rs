@@ -94,6 +94,11 @@ pub fn run_train_predictors(args: TrainPredictorsArgs) -> Result<PathBuf> {
 fn run(args: InspectArgs, task: Task) -> Result<PathBuf> {
     let settings = args.sparsity.settings();
     settings.validate()?;
+    if settings.keep_exactly {
+        bail!(
+            "--keep-exactly is for train and eval: calibrate, profile and train-predictors work with thresholds"
+        );
+    }
     let device = args.device.resolve();
     let precision = device.precision(args.precision)?;
     device.run(InspectJob {
