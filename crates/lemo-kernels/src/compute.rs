@@ -43,6 +43,18 @@ pub trait ComputeBackend: Backend {
         gemm::matmul_scaled_reference::<Self>(lhs, rhs, alpha, out_dtype)
     }
 
+    /// `onto + alpha * lhs x rhs` in `onto`'s dtype (`onto` of the product's shape), summed in
+    /// f32; see [`gemm::matmul_onto_reference`]. Not differentiable, like
+    /// [`Self::lemo_matmul_scaled`].
+    fn lemo_matmul_onto(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        alpha: f32,
+        onto: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        gemm::matmul_onto_reference::<Self>(lhs, rhs, alpha, onto)
+    }
+
     /// `value`, the product `lhs x rhs` computed earlier; see [`known_value::matmul_with_value`].
     fn lemo_matmul_with_value(
         _lhs: FloatTensor<Self>,
@@ -67,15 +79,17 @@ pub trait ComputeBackend: Backend {
         x
     }
 
-    /// `scale * (x A^T) B^T` in the adapter's dtype, returned in `x`'s; see
-    /// [`precision::lora_delta`].
-    fn lemo_lora_delta(
+    /// `frozen + scale * (x A^T) B^T`, with the backward pass of the whole projection when the
+    /// frozen `weight` is given; see [`precision::lora_linear`].
+    fn lemo_lora_linear(
         x: FloatTensor<Self>,
+        frozen: FloatTensor<Self>,
+        _weight: Option<FloatTensor<Self>>,
         a: FloatTensor<Self>,
         b: FloatTensor<Self>,
         scale: f32,
     ) -> FloatTensor<Self> {
-        precision::lora_delta_forward::<Self>(x, a, b, scale).0
+        precision::lora_linear_forward::<Self>(x, frozen, a, b, scale).0
     }
 
     /// RMSNorm over the last dimension; see [`fused::rms_norm`] (what it saves matters only
@@ -323,6 +337,20 @@ where
         gemm::matmul_scaled_reference::<Self>(lhs, rhs, alpha, out_dtype)
     }
 
+    fn lemo_matmul_onto(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        alpha: f32,
+        onto: FloatTensor<Self>,
+    ) -> FloatTensor<Self> {
+        #[cfg(feature = "cuda")]
+        let onto = match gemm::cublaslt::try_matmul_onto(&lhs, &rhs, alpha, onto) {
+            Ok(out) => return out,
+            Err(onto) => onto,
+        };
+        gemm::matmul_onto_reference::<Self>(lhs, rhs, alpha, onto)
+    }
+
     fn lemo_rms_norm_forward(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
@@ -488,13 +516,15 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
         recomputed_rows::autodiff::with_recomputed_rows::<B, C>(x, rows, mlp)
     }
 
-    fn lemo_lora_delta(
+    fn lemo_lora_linear(
         x: FloatTensor<Self>,
+        frozen: FloatTensor<Self>,
+        weight: Option<FloatTensor<Self>>,
         a: FloatTensor<Self>,
         b: FloatTensor<Self>,
         scale: f32,
     ) -> FloatTensor<Self> {
-        precision::autodiff::lora_delta::<B, C>(x, a, b, scale)
+        precision::autodiff::lora_linear::<B, C>(x, frozen, weight, a, b, scale)
     }
 
     fn lemo_rms_norm(

@@ -10,7 +10,7 @@ use burn::tensor::{DType, Distribution, Tensor, backend::Backend};
 use lemo_kernels::ComputeBackend;
 use lemo_kernels::gemm::matmul;
 use lemo_kernels::known_value::matmul_with_value;
-use lemo_kernels::precision::lora_delta;
+use lemo_kernels::precision::lora_linear;
 use lemo_kernels::recomputed_rows::FrozenLinear;
 
 use crate::weights::seeded_random;
@@ -224,7 +224,9 @@ impl<B: ComputeBackend> Linear<B> {
     }
 
     /// `x W^T + bias` (or `base`, its value computed earlier), plus the adapter's term when there
-    /// is an adapter and either `tracked` or a `base` was given.
+    /// is an adapter and either `tracked` or a `base` was given. Tracked, the frozen product's
+    /// gradient and the adapter's are one op ([`lora_linear`] with the weight), unless dropout
+    /// makes the adapter read another `x`.
     fn project<const D: usize>(
         &self,
         x: Tensor<B, D>,
@@ -235,33 +237,44 @@ impl<B: ComputeBackend> Linear<B> {
         out_dims[D - 1] = self.out_features();
         let rows: usize = x.dims()[..D - 1].iter().product();
         let x = x.reshape([rows, self.in_features()]);
-        let weight = self.weight.val().transpose();
-        let adapt = base.is_some() || tracked;
-        let mut y = match base {
-            Some(base) => {
-                let base = base.reshape([rows, self.out_features()]);
-                if tracked {
-                    matmul_with_value(x.clone(), weight, base)
-                } else {
-                    base
-                }
+        let base = base.map(|base| base.reshape([rows, self.out_features()]));
+        let adapter = self.lora.as_ref().filter(|_| base.is_some() || tracked);
+        let y = match adapter {
+            None => match base {
+                Some(base) if tracked => matmul_with_value(x, self.weight.val().transpose(), base),
+                Some(base) => base,
+                None => self.frozen_product(x),
+            },
+            Some(lora) if !tracked => {
+                let base = base.expect("an untracked adapter term needs the frozen product");
+                let (a, b) = (untracked(lora.a.val()), untracked(lora.b.val()));
+                lora_linear(untracked(x), base, None, a, b, lora.scaling as f32)
             }
-            None => {
-                let y = matmul(x.clone(), weight);
-                match &self.bias {
-                    Some(bias) => y + bias.val().unsqueeze_dim(0),
-                    None => y,
-                }
+            Some(lora) if lora.dropout.prob == 0.0 => {
+                let frozen = base.unwrap_or_else(|| self.frozen_product(untracked(x.clone())));
+                let weight = Some(self.weight.val());
+                let (a, b) = (lora.a.val(), lora.b.val());
+                lora_linear(x, frozen, weight, a, b, lora.scaling as f32)
+            }
+            Some(lora) => {
+                let frozen = match base {
+                    Some(base) => matmul_with_value(x.clone(), self.weight.val().transpose(), base),
+                    None => self.frozen_product(x.clone()),
+                };
+                let (a, b) = (lora.a.val(), lora.b.val());
+                let dropped = lora.dropout.forward(x);
+                lora_linear(dropped, frozen, None, a, b, lora.scaling as f32)
             }
         };
-        if let (Some(lora), true) = (&self.lora, adapt) {
-            let (a, b) = (lora.a.val(), lora.b.val());
-            y = if tracked {
-                y + lora_delta(lora.dropout.forward(x), a, b, lora.scaling as f32)
-            } else {
-                y + lora_delta(x, untracked(a), untracked(b), lora.scaling as f32)
-            };
-        }
         y.reshape(out_dims)
+    }
+
+    /// `x W^T + bias` for `x [rows, in]`.
+    fn frozen_product(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let y = matmul(x, self.weight.val().transpose());
+        match &self.bias {
+            Some(bias) => y + bias.val().unsqueeze_dim(0),
+            None => y,
+        }
     }
 }

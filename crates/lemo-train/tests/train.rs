@@ -138,9 +138,9 @@ fn tiny_preset_trains_writes_outputs_and_resumes_exactly() {
     assert_eq!(losses(&signalled), uninterrupted);
 }
 
-/// `--keep-exactly`: every step keeps exactly the asked fraction (no calibration; calibrated
-/// thresholds keep 0.58 of the rows at some steps of this run), the file
-/// beside the adapter says so for `eval`, and a thresholds file alongside is refused.
+/// `--keep-exactly`: every step keeps exactly the asked fractions, `--target-keep 0.5` split as
+/// 0.75 (attention) / 0.25 (MLP) (no calibration), the file beside the adapter says so for
+/// `eval`, and a thresholds file alongside is refused.
 #[test]
 fn lemo_keeps_exactly_its_fractions_when_asked() {
     let dir = tempfile::tempdir().unwrap();
@@ -163,12 +163,12 @@ fn lemo_keeps_exactly_its_fractions_when_asked() {
         .collect();
     assert_eq!(steps.len(), 12);
     for step in &steps {
-        assert_eq!(step["keep_attention"].as_f64(), Some(0.5), "{step}");
-        assert_eq!(step["keep_mlp"].as_f64(), Some(0.5), "{step}");
+        assert_eq!(step["keep_attention"].as_f64(), Some(0.75), "{step}");
+        assert_eq!(step["keep_mlp"].as_f64(), Some(0.25), "{step}");
     }
     let saved = std::fs::read_to_string(out.join("adapter/thresholds.json")).unwrap();
     let saved: serde_json::Value = serde_json::from_str(&saved).unwrap();
-    assert_eq!(saved["block_min_keep"], serde_json::json!([0.5, 0.5]));
+    assert_eq!(saved["block_min_keep"], serde_json::json!([0.75, 0.25]));
     // No calibration: no measured kept fraction, and no threshold selects beyond the floor.
     assert!(saved["measured"].is_null(), "{saved}");
     for layer in saved["layers"].as_array().unwrap().iter().skip(1) {

@@ -43,8 +43,35 @@ pub(crate) fn try_matmul_scaled<R: CubeRuntime>(
 ) -> Option<CubeTensor<R>> {
     let lhs = downcast::<_, CubeTensor<CudaRuntime>>(lhs.clone())?;
     let rhs = downcast::<_, CubeTensor<CudaRuntime>>(rhs.clone())?;
-    let out = matmul_cuda(lhs, rhs, alpha, out_dtype)?;
+    let out = matmul_cuda(lhs, rhs, alpha, out_dtype, None).ok()?;
     downcast::<_, CubeTensor<R>>(out)
+}
+
+/// `onto + alpha * lhs x rhs` in `onto`'s dtype, with the addition in the product's epilogue
+/// (`beta = 1`): one pass instead of a product and an addition. `onto` must be contiguous and of
+/// the product's shape; it is written in place when nothing else holds it. `Err(onto)` where
+/// [`try_matmul_scaled`] would decline.
+pub(crate) fn try_matmul_onto<R: CubeRuntime>(
+    lhs: &CubeTensor<R>,
+    rhs: &CubeTensor<R>,
+    alpha: f32,
+    onto: CubeTensor<R>,
+) -> Result<CubeTensor<R>, CubeTensor<R>> {
+    let cuda = |t: &CubeTensor<R>| downcast::<_, CubeTensor<CudaRuntime>>(t.clone());
+    let (Some(lhs), Some(rhs), Some(target)) = (cuda(lhs), cuda(rhs), cuda(&onto)) else {
+        return Err(onto);
+    };
+    if !target.is_contiguous() {
+        return Err(onto);
+    }
+    let dtype = target.dtype;
+    // `target` shares `onto`'s handle: drop `onto` so that an exclusive one stays writable.
+    drop(onto);
+    let back = |t: CubeTensor<CudaRuntime>| downcast::<_, CubeTensor<R>>(t).expect("CUDA runtime");
+    match matmul_cuda(lhs, rhs, alpha, dtype, Some(target)) {
+        Ok(out) => Ok(back(out)),
+        Err(onto) => Err(back(onto.expect("onto handed back"))),
+    }
 }
 
 fn data_type(dtype: DType) -> Option<lt_sys::cudaDataType> {
@@ -119,7 +146,8 @@ struct PlanKey {
     batch: i32,
     lhs: MatrixLayout,
     rhs: MatrixLayout,
-    /// Largest power of two (at most 256) dividing each pointer: lhs, rhs, out.
+    /// Largest power of two (at most 256) dividing each pointer: lhs, rhs, and the smaller of
+    /// the output's and the added source's.
     alignments: [u32; 3],
 }
 
@@ -153,18 +181,19 @@ fn matmul_cuda(
     rhs: CubeTensor<CudaRuntime>,
     alpha: f32,
     out_dtype: DType,
-) -> Option<CubeTensor<CudaRuntime>> {
+    onto: Option<CubeTensor<CudaRuntime>>,
+) -> Result<CubeTensor<CudaRuntime>, Option<CubeTensor<CudaRuntime>>> {
     let dtype = lhs.dtype;
     if dtype != rhs.dtype || data_type(dtype).is_none() {
-        return None;
+        return Err(onto);
     }
     let widened = matches!(dtype, DType::BF16 | DType::F16) && out_dtype == DType::F32;
     if out_dtype != dtype && !widened {
-        return None;
+        return Err(onto);
     }
     let rank = lhs.meta.num_dims();
     if rank < 2 || rhs.meta.num_dims() != rank {
-        return None;
+        return Err(onto);
     }
     let lhs_shape = lhs.meta.shape().to_vec();
     let rhs_shape = rhs.meta.shape().to_vec();
@@ -174,7 +203,7 @@ fn matmul_cuda(
         rhs_shape[rank - 1],
     );
     if rhs_shape[rank - 2] != k || k == 0 {
-        return None;
+        return Err(onto);
     }
     let lhs_batch: usize = lhs_shape[..rank - 2].iter().product();
     let rhs_batch: usize = rhs_shape[..rank - 2].iter().product();
@@ -183,7 +212,7 @@ fn matmul_cuda(
     } else if lhs_batch == 1 {
         &rhs_shape[..rank - 2]
     } else {
-        return None;
+        return Err(onto);
     };
     let batch = batch_dims.iter().product::<usize>();
     let mut out_shape = batch_dims.to_vec();
@@ -216,25 +245,41 @@ fn matmul_cuda(
         (m, batch)
     };
 
-    let out = empty_device_contiguous_dtype(
-        lhs.client.clone(),
-        lhs.device.clone(),
-        Shape::from(out_shape),
-        out_dtype,
-    );
+    if onto
+        .as_ref()
+        .is_some_and(|onto| onto.meta.shape().to_vec() != out_shape || onto.dtype != out_dtype)
+    {
+        return Err(onto);
+    }
+    // In place when `onto` is ours alone (cuBLASLt's `C` is then `D`); otherwise `onto` is read
+    // as `C` and the sum written to a new buffer.
+    let beta = if onto.is_some() { 1.0 } else { 0.0 };
+    let (out, source) = match onto {
+        Some(onto) if onto.can_mut() => (onto, None),
+        onto => (
+            empty_device_contiguous_dtype(
+                lhs.client.clone(),
+                lhs.device.clone(),
+                Shape::from(out_shape),
+                out_dtype,
+            ),
+            onto,
+        ),
+    };
     if rows * n * batch == 0 {
-        return Some(out);
+        return Ok(out);
     }
 
     let client = lhs.client.clone();
     // Resolving the resources orders cubecl's own streams and keeps the buffers alive until the
     // product is enqueued; cuCtxWaitEvent protects them afterwards.
-    let resources = [&lhs, &rhs, &out].map(|tensor| {
+    let source = source.as_ref().unwrap_or(&out);
+    let resources = [&lhs, &rhs, source, &out].map(|tensor| {
         client
             .get_resource(tensor.handle.clone())
             .expect("cubecl buffer of a GEMM operand")
     });
-    let [lhs_ptr, rhs_ptr, out_ptr] = [0, 1, 2].map(|i| resources[i].resource().ptr);
+    let [lhs_ptr, rhs_ptr, source_ptr, out_ptr] = [0, 1, 2, 3].map(|i| resources[i].resource().ptr);
     let alignment = |ptr: u64| 1u32 << ptr.trailing_zeros().min(8);
     let key = PlanKey {
         dtype,
@@ -245,18 +290,28 @@ fn matmul_cuda(
         batch: batch as i32,
         lhs: lhs_layout,
         rhs: rhs_layout,
-        alignments: [alignment(lhs_ptr), alignment(rhs_ptr), alignment(out_ptr)],
+        alignments: [
+            alignment(lhs_ptr),
+            alignment(rhs_ptr),
+            alignment(out_ptr).min(alignment(source_ptr)),
+        ],
     };
+    let pointers = [lhs_ptr, rhs_ptr, source_ptr, out_ptr];
     client
-        .exclusive(move || run(key, alpha, lhs_ptr, rhs_ptr, out_ptr))
+        .exclusive(move || run(key, [alpha, beta], pointers))
         .expect("cubecl device thread")
         .unwrap_or_else(|error| panic!("cuBLASLt matmul {key:?}: {error}"));
     drop(resources);
-    Some(out)
+    Ok(out)
 }
 
-/// Enqueues one product on our stream, between the two context-wide joins.
-fn run(key: PlanKey, alpha: f32, lhs: u64, rhs: u64, out: u64) -> Result<(), String> {
+/// Enqueues `out = alpha * lhs x rhs + beta * source` on our stream, between the two
+/// context-wide joins (`source` may be `out`).
+fn run(
+    key: PlanKey,
+    [alpha, beta]: [f32; 2],
+    [lhs, rhs, source, out]: [u64; 4],
+) -> Result<(), String> {
     let context = current_context()?;
     let mut guard = STATES.lock().unwrap_or_else(|e| e.into_inner());
     let states = guard.get_or_insert_with(HashMap::new);
@@ -270,7 +325,6 @@ fn run(key: PlanKey, alpha: f32, lhs: u64, rhs: u64, out: u64) -> Result<(), Str
             *entry.insert(Plan::new(state.handle, &key)?)
         }
     };
-    let beta = 0.0f32;
     // SAFETY: the pointers are live cubecl buffers of the sizes the plan describes; the handle,
     // stream, events and workspace belong to the current context.
     unsafe {
@@ -284,7 +338,7 @@ fn run(key: PlanKey, alpha: f32, lhs: u64, rhs: u64, out: u64) -> Result<(), Str
             plan.a,
             lhs as *const c_void,
             plan.b,
-            out as *const c_void,
+            source as *const c_void,
             plan.d,
             out as *mut c_void,
             plan.d,

@@ -64,3 +64,25 @@ pub fn matmul_scaled_reference<B: Backend>(
         B::float_cast(scaled, out_dtype.into())
     }
 }
+
+/// `onto + alpha * lhs x rhs` in `onto`'s dtype, summed in f32 before one rounding, in Burn
+/// operations: the default of [`ComputeBackend::lemo_matmul_onto`], which CUDA runs as one
+/// cuBLASLt product that adds `onto` in its epilogue.
+pub fn matmul_onto_reference<B: Backend>(
+    lhs: FloatTensor<B>,
+    rhs: FloatTensor<B>,
+    alpha: f32,
+    onto: FloatTensor<B>,
+) -> FloatTensor<B> {
+    let dtype = onto.dtype();
+    let product = matmul_scaled_reference::<B>(lhs, rhs, alpha, DType::F32);
+    let onto = match dtype {
+        DType::F32 => onto,
+        _ => B::float_cast(onto, DType::F32.into()),
+    };
+    let sum = B::float_add(onto, product);
+    match dtype {
+        DType::F32 => sum,
+        _ => B::float_cast(sum, dtype.into()),
+    }
+}

@@ -4,7 +4,7 @@
 //! storage type. The kernels of this crate follow it: every fused kernel loads its storage type
 //! and computes in f32, GEMMs accumulate in f32 (cuBLASLt `COMPUTE_32F`), the loss is f32.
 //! The adapters' products read the activations as stored, with `A` and `B` rounded to meet them
-//! (as PyTorch's bf16 autocast does; see [`lora_delta`]).
+//! (as PyTorch's bf16 autocast does; see [`lora_linear`]).
 
 pub(crate) mod autodiff;
 
@@ -45,39 +45,59 @@ impl Precision {
     };
 }
 
-/// The LoRA update of a linear layer, `scale * (x A^T) B^T` for `x [.., in]` in the activation
-/// dtype and f32 `a [r, in]`, `b [out, r]` (PEFT's layout), returned in `x`'s dtype, ready to add
-/// to the frozen projection. Each of its products reads the large operand (`x`, or the output
-/// gradient) as stored, in one pass, and accumulates in f32; the small ones (`A`, `B` and the
-/// rank-`r` intermediate `x A^T`) are rounded to the activation dtype to meet it, as under
-/// PyTorch's bf16 autocast. The intermediate and the adapters' gradients stay f32. With f32
-/// activations every step is f32. Differentiable in `x`, `a` and `b`; under autodiff it keeps
-/// `x` as it came (usually the same tensor the frozen projection reads) and the f32 `x A^T`.
-pub fn lora_delta<B: ComputeBackend, const D: usize>(
+/// A linear layer with a LoRA adapter: `frozen + scale * (x A^T) B^T` for `x [.., in]` in the
+/// activation dtype, `frozen [.., out]` the frozen projection's output and f32 `a [r, in]`,
+/// `b [out, r]` (PEFT's layout), returned in `frozen`'s dtype. The adapter's second product adds
+/// `frozen` in its epilogue (one rounding, no separate addition). Each product reads the large
+/// operand (`x`, or the output gradient) as stored, in one pass, and accumulates in f32; the
+/// small ones (`A`, `B` and the rank-`r` intermediate `x A^T`) are rounded to the activation
+/// dtype to meet it, as under PyTorch's bf16 autocast. The intermediate and the adapters'
+/// gradients stay f32. With f32 activations every step is f32.
+///
+/// With `weight` (`W [out, in]`, frozen), `frozen` is the value `x W^T (+ bias)` computed outside
+/// the graph, and the backward pass is that of the whole projection: `d x = d y W + scale
+/// (d y B) A`, the adapter's part added in the epilogue of `d y W`'s product. Without it,
+/// `frozen` is a tensor of the graph and receives `d y` unchanged (with dropout, where the
+/// adapter reads another `x` than the frozen product). Differentiable in `x`, `a` and `b`; under
+/// autodiff it keeps `x` as it came (usually the tensor the frozen projection reads too) and the
+/// f32 `x A^T`.
+pub fn lora_linear<B: ComputeBackend, const D: usize>(
     x: Tensor<B, D>,
+    frozen: Tensor<B, D>,
+    weight: Option<Tensor<B, 2>>,
     a: Tensor<B, 2>,
     b: Tensor<B, 2>,
     scale: f32,
 ) -> Tensor<B, D> {
-    Tensor::from_primitive(TensorPrimitive::Float(B::lemo_lora_delta(
+    Tensor::from_primitive(TensorPrimitive::Float(B::lemo_lora_linear(
         x.into_primitive().tensor(),
+        frozen.into_primitive().tensor(),
+        weight.map(|w| w.into_primitive().tensor()),
         a.into_primitive().tensor(),
         b.into_primitive().tensor(),
         scale,
     )))
 }
 
-/// [`lora_delta`] in Burn tensor operations, differentiated by Burn: what the tests compare with.
-pub fn lora_delta_reference<B: Backend, const D: usize>(
+/// [`lora_linear`] in Burn tensor operations, differentiated by Burn: what the tests compare
+/// with. With `weight`, `frozen` is ignored and `x W^T` is computed in the graph.
+pub fn lora_linear_reference<B: Backend, const D: usize>(
     x: Tensor<B, D>,
+    frozen: Tensor<B, D>,
+    weight: Option<Tensor<B, 2>>,
     a: Tensor<B, 2>,
     b: Tensor<B, 2>,
     scale: f32,
 ) -> Tensor<B, D> {
-    let dtype = x.dtype();
+    let dtype = frozen.dtype();
+    let frozen = match weight {
+        Some(weight) => x.clone().matmul(weight.transpose().unsqueeze::<D>()),
+        None => frozen,
+    };
     let x = x.cast(a.dtype());
     let down = x.matmul(a.transpose().unsqueeze::<D>());
-    (down.matmul(b.transpose().unsqueeze::<D>()) * scale).cast(dtype)
+    let delta = down.matmul(b.transpose().unsqueeze::<D>()) * scale;
+    (frozen.cast(delta.dtype()) + delta).cast(dtype)
 }
 
 /// `x [.., in]` as `[rows, in]`.
@@ -87,17 +107,17 @@ fn rows<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
     B::float_reshape(x, Shape::new([shape.num_elements() / width, width]))
 }
 
-/// The output of [`lora_delta`] and `down = x A^T` (`[rows, r]`, the adapter's dtype), which the
-/// backward pass reuses: two products of rank `r`, O(rows * r * (in + out)).
-pub(crate) fn lora_delta_forward<B: ComputeBackend>(
+/// The output of [`lora_linear`] and `down = x A^T` (`[rows, r]`, the adapter's dtype), which
+/// the backward pass reuses: two products of rank `r`, O(rows * r * (in + out)), the second
+/// adding `frozen` as it writes.
+pub(crate) fn lora_linear_forward<B: ComputeBackend>(
     x: FloatTensor<B>,
+    frozen: FloatTensor<B>,
     a: FloatTensor<B>,
     b: FloatTensor<B>,
     scale: f32,
 ) -> (FloatTensor<B>, FloatTensor<B>) {
-    let mut out_shape = x.shape();
-    let last = out_shape.num_dims() - 1;
-    out_shape[last] = b.shape()[0];
+    let out_shape = frozen.shape();
     let (dtype, adapter) = (x.dtype(), a.dtype());
     let to_activations = |t: FloatTensor<B>| B::float_cast(t, dtype.into());
     let down = B::lemo_matmul_scaled(
@@ -106,19 +126,22 @@ pub(crate) fn lora_delta_forward<B: ComputeBackend>(
         1.0,
         adapter,
     );
-    let out = B::lemo_matmul_scaled(
+    let out = B::lemo_matmul_onto(
         to_activations(down.clone()),
         B::float_transpose(to_activations(b)),
         scale,
-        dtype,
+        rows::<B>(frozen),
     );
     (B::float_reshape(out, out_shape), down)
 }
 
-/// `(d x, d a, d b)` of [`lora_delta`] from the saved `x`, `a`, `b`, `down` and `d out`, each
-/// when asked for: four products of rank `r`, each reading `x` or `d out` once as stored.
-pub(crate) fn lora_delta_backward<B: ComputeBackend>(
+/// `(d x, d a, d b)` of [`lora_linear`] from the saved `x`, `a`, `b`, `down`, the frozen
+/// `weight` if any and `d out`, each when asked for: four products of rank `r`, each reading `x`
+/// or `d out` once as stored, and with `weight` the product `d out W` that the adapter's part of
+/// `d x` is added onto.
+pub(crate) fn lora_linear_backward<B: ComputeBackend>(
     [x, a, b, down]: [FloatTensor<B>; 4],
+    weight: Option<FloatTensor<B>>,
     grad: FloatTensor<B>,
     scale: f32,
     [want_x, want_a, want_b]: [bool; 3],
@@ -130,6 +153,9 @@ pub(crate) fn lora_delta_backward<B: ComputeBackend>(
         let down = to_activations(down);
         B::lemo_matmul_scaled(B::float_transpose(grad.clone()), down, scale, adapter)
     });
+    let frozen_grad_x = weight
+        .filter(|_| want_x)
+        .map(|weight| B::lemo_matmul(grad.clone(), weight));
     let grad_down = (want_x || want_a).then(|| {
         to_activations(B::lemo_matmul_scaled(
             grad,
@@ -142,7 +168,10 @@ pub(crate) fn lora_delta_backward<B: ComputeBackend>(
         B::lemo_matmul_scaled(B::float_transpose(grad_down), rows::<B>(x), 1.0, adapter)
     });
     let grad_x = grad_down.filter(|_| want_x).map(|grad_down| {
-        let grad_x = B::lemo_matmul_scaled(grad_down, to_activations(a), 1.0, dtype);
+        let grad_x = match frozen_grad_x {
+            Some(onto) => B::lemo_matmul_onto(grad_down, to_activations(a), 1.0, onto),
+            None => B::lemo_matmul_scaled(grad_down, to_activations(a), 1.0, dtype),
+        };
         B::float_reshape(grad_x, x_shape)
     });
     [grad_x, grad_a, grad_b]

@@ -81,9 +81,10 @@ pub struct TrainConfig {
     pub checkpointing: bool,
     /// lemo: thresholds file; unset: calibrate on the first training sequences.
     pub thresholds: Option<PathBuf>,
-    /// lemo: kept fraction calibration aims at.
+    /// lemo: mean kept fraction of the attention and the MLP blocks, what calibration aims at.
     pub target_keep: f64,
-    /// lemo: kept fractions of the attention and the MLP blocks; unset: `target_keep`.
+    /// lemo: kept fractions of the attention and the MLP blocks; unset: from `target_keep`
+    /// (`SparsitySettings::block_keep`).
     pub attention_keep: Option<f64>,
     pub mlp_keep: Option<f64>,
     /// lemo: tokens per block of the elimination.

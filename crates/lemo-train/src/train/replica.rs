@@ -212,8 +212,9 @@ fn elimination<B: LemoBackend>(
         let sequences: Vec<Vec<u32>> = (0..count).map(|i| setup.corpus.train_sequence(i)).collect();
         if rank == 0 {
             eprintln!(
-                "lemo: calibrating per-layer thresholds on {count} training sequences toward a kept fraction of {}",
-                settings.target_keep
+                "lemo: calibrating per-layer thresholds on {count} training sequences toward kept fractions of {} (attention) / {} (MLP)",
+                settings.block_keep(Block::Attention),
+                settings.block_keep(Block::Mlp)
             );
         }
         sparsity::calibrate(

@@ -294,35 +294,47 @@ fn fused_parity() -> Vec<Value> {
     push("swiglu_backward_gate", gpu_relative(back3(dg), back3(edg)));
     push("swiglu_backward_up", gpu_relative(back3(du), back3(edu)));
 
-    // The adapter's term on bf16 activations (A, B and the rank-r intermediate rounded to bf16
-    // inside the products) against the same term computed in f32 by Burn, forward and backward.
+    // A LoRA projection on bf16 activations (A, B and the rank-r intermediate rounded to bf16
+    // inside the products, the frozen output added in the adapter product's epilogue, and
+    // `d y W` taking the adapter's part of `d x` in its own) against the same projection
+    // computed by Burn, forward and backward.
     let x = Tensor::<AD, 3>::from_inner(random([2, 1000, 4096], DType::BF16)).require_grad();
+    let weight = Tensor::<AD, 2>::from_inner(random([4096, 4096], DType::BF16) * 0.02);
+    let frozen =
+        lemo_kernels::gemm::matmul(x.clone().detach(), weight.clone().transpose().unsqueeze());
     let a = Tensor::<AD, 2>::from_inner(random([8, 4096], DType::F32) * 0.02).require_grad();
     let b = Tensor::<AD, 2>::from_inner(random([4096, 8], DType::F32)).require_grad();
     let upstream = Tensor::<AD, 3>::from_inner(random([2, 1000, 4096], DType::F32));
     let run = |reference: bool| {
-        let term = if reference {
-            precision::lora_delta_reference(x.clone(), a.clone(), b.clone(), 2.0)
+        let args = (
+            x.clone(),
+            frozen.clone(),
+            Some(weight.clone()),
+            a.clone(),
+            b.clone(),
+        );
+        let out = if reference {
+            precision::lora_linear_reference(args.0, args.1, args.2, args.3, args.4, 2.0)
         } else {
-            precision::lora_delta(x.clone(), a.clone(), b.clone(), 2.0)
+            precision::lora_linear(args.0, args.1, args.2, args.3, args.4, 2.0)
         };
-        let grads = (term.clone().cast(DType::F32) * upstream.clone())
+        let grads = (out.clone().cast(DType::F32) * upstream.clone())
             .sum()
             .backward();
         let grad_of = |grad: Option<Tensor<B, 3>>| grad.expect("gradient");
         (
-            term.inner(),
+            out.inner(),
             grad_of(x.grad(&grads)),
             a.grad(&grads).expect("gradient"),
             b.grad(&grads).expect("gradient"),
         )
     };
-    let (term, dx, da, db) = run(false);
+    let (out, dx, da, db) = run(false);
     let (expected, edx, eda, edb) = run(true);
-    push("lora_delta_forward_bf16", gpu_relative(term, expected));
-    push("lora_delta_backward_x_bf16", gpu_relative(dx, edx));
-    push("lora_delta_backward_a_bf16", gpu_relative(da, eda));
-    push("lora_delta_backward_b_bf16", gpu_relative(db, edb));
+    push("lora_linear_forward_bf16", gpu_relative(out, expected));
+    push("lora_linear_backward_x_bf16", gpu_relative(dx, edx));
+    push("lora_linear_backward_a_bf16", gpu_relative(da, eda));
+    push("lora_linear_backward_b_bf16", gpu_relative(db, edb));
 
     let logits = random([300, 32000], DType::BF16) * 4.0;
     let targets: Vec<i32> = (0..300)
