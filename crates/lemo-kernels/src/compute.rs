@@ -79,17 +79,19 @@ pub trait ComputeBackend: Backend {
         x
     }
 
-    /// `frozen + scale * (x A^T) B^T`, with the backward pass of the whole projection when the
-    /// frozen `weight` is given; see [`precision::lora_linear`].
+    /// `frozen + scale * (x A^T) B^T` (`frozen` itself when `whole`), with the backward pass
+    /// of the whole projection when the frozen `weight` is given; see
+    /// [`precision::lora_linear`].
     fn lemo_lora_linear(
         x: FloatTensor<Self>,
         frozen: FloatTensor<Self>,
         _weight: Option<FloatTensor<Self>>,
+        whole: bool,
         a: FloatTensor<Self>,
         b: FloatTensor<Self>,
         scale: f32,
     ) -> FloatTensor<Self> {
-        precision::lora_linear_forward::<Self>(x, frozen, a, b, scale).0
+        precision::lora_linear_forward::<Self>(x, frozen, whole, a, b, scale).0
     }
 
     /// RMSNorm over the last dimension; see [`fused::rms_norm`] (what it saves matters only
@@ -520,11 +522,12 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
         x: FloatTensor<Self>,
         frozen: FloatTensor<Self>,
         weight: Option<FloatTensor<Self>>,
+        whole: bool,
         a: FloatTensor<Self>,
         b: FloatTensor<Self>,
         scale: f32,
     ) -> FloatTensor<Self> {
-        precision::autodiff::lora_linear::<B, C>(x, frozen, weight, a, b, scale)
+        precision::autodiff::lora_linear::<B, C>(x, frozen, weight, whole, a, b, scale)
     }
 
     fn lemo_rms_norm(

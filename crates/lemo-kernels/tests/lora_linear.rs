@@ -7,7 +7,7 @@
 use burn::backend::Autodiff;
 use burn::tensor::{Distribution, Tensor};
 use lemo_kernels::CpuBackend;
-use lemo_kernels::precision::{lora_linear, lora_linear_reference};
+use lemo_kernels::precision::{Frozen, lora_linear, lora_linear_reference};
 
 type B = Autodiff<CpuBackend>;
 
@@ -19,9 +19,18 @@ fn relative<const D: usize>(actual: Tensor<B, D>, expected: Tensor<B, D>) -> f32
     error / scale
 }
 
-/// With `with_weight`, the frozen output is the value `x W^T` and `d x` includes `d y W`;
-/// without, it is a tensor of the graph that must receive `d y`.
-fn check(x_needs_grad: bool, with_weight: bool) {
+/// How the frozen part is given to the op under test.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    /// A tensor of the graph, which must receive `d y`.
+    Graph,
+    /// The value `x W^T`, with `W`: `d x` includes `d y W`.
+    Value,
+    /// The whole output, with `W`: only `x A^T` is computed, the gradients are the same.
+    Output,
+}
+
+fn check(x_needs_grad: bool, mode: Mode) {
     let device = Default::default();
     lemo_test_support::seed_backend::<B>(&device);
     let normal = Distribution::Normal(0.0, 1.0);
@@ -34,33 +43,31 @@ fn check(x_needs_grad: bool, with_weight: bool) {
     let a = Tensor::<B, 2>::random([rank, input], normal, &device).require_grad();
     let b = Tensor::<B, 2>::random([output, rank], normal, &device).require_grad();
     let scale = 2.5;
-    let frozen = match with_weight {
-        true => x
-            .clone()
-            .detach()
-            .matmul(weight.clone().transpose().unsqueeze()),
-        false => Tensor::<B, 3>::random([batch, len, output], normal, &device).require_grad(),
+    // A value computed from `x` in the graph: the op must keep it out of the graph.
+    let value = x
+        .clone()
+        .detach()
+        .matmul(weight.clone().transpose().unsqueeze());
+    let graph_frozen = Tensor::<B, 3>::random([batch, len, output], normal, &device).require_grad();
+    let frozen = || match mode {
+        Mode::Graph => Frozen::Graph(graph_frozen.clone()),
+        Mode::Value => Frozen::Value(value.clone(), weight.clone()),
+        Mode::Output => {
+            let whole = lora_linear_reference(
+                x.clone().detach(),
+                Frozen::Value(value.clone().detach(), weight.clone()),
+                a.clone().detach(),
+                b.clone().detach(),
+                scale,
+            );
+            Frozen::Output(whole, weight.clone())
+        }
     };
-    let weight = with_weight.then_some(weight);
 
-    let out = lora_linear(
-        x.clone(),
-        frozen.clone(),
-        weight.clone(),
-        a.clone(),
-        b.clone(),
-        scale,
-    );
+    let out = lora_linear(x.clone(), frozen(), a.clone(), b.clone(), scale);
     let upstream = out.random_like(normal);
     let grads = (out.clone() * upstream.clone()).sum().backward();
-    let expected = lora_linear_reference(
-        x.clone(),
-        frozen.clone(),
-        weight,
-        a.clone(),
-        b.clone(),
-        scale,
-    );
+    let expected = lora_linear_reference(x.clone(), frozen(), a.clone(), b.clone(), scale);
     let expected_grads = (expected.clone() * upstream).sum().backward();
 
     let grad_of = |t: &Tensor<B, 3>, grads| t.grad(grads).map(Tensor::<CpuBackend, 3>::from);
@@ -71,8 +78,8 @@ fn check(x_needs_grad: bool, with_weight: bool) {
         errors.push((name, relative(actual, expected)));
     }
     let mut inputs = vec![("d x", &x, x_needs_grad)];
-    if !with_weight {
-        inputs.push(("d frozen", &frozen, true));
+    if mode == Mode::Graph {
+        inputs.push(("d frozen", &graph_frozen, true));
     }
     for (name, input, needs_grad) in inputs {
         let (actual, expected) = (grad_of(input, &grads), grad_of(input, &expected_grads));
@@ -93,16 +100,22 @@ fn check(x_needs_grad: bool, with_weight: bool) {
 
 #[test]
 fn lora_linear_matches_the_reference_forward_and_backward() {
-    check(true, false);
+    check(true, Mode::Graph);
 }
 
 #[test]
 fn lora_linear_with_its_frozen_weight_gives_the_whole_input_gradient() {
-    check(true, true);
+    check(true, Mode::Value);
+}
+
+#[test]
+fn lora_linear_given_its_output_computes_the_same_gradients() {
+    check(true, Mode::Output);
 }
 
 #[test]
 fn lora_linear_of_an_input_without_gradient() {
-    check(false, false);
-    check(false, true);
+    for mode in [Mode::Graph, Mode::Value, Mode::Output] {
+        check(false, mode);
+    }
 }

@@ -109,7 +109,7 @@ pub struct BlockPass<B: Backend> {
     pub output: Tensor<B, 3>,
     /// Token-block informativeness `[batch, blocks]`, when asked for.
     pub scores: Option<Tensor<B, 2>>,
-    /// The frozen products of every row that the graph of the kept rows reuses instead of
+    /// The products of every row that the graph of the kept rows reuses instead of
     /// computing them again (each model documents its own).
     pub products: Vec<Tensor<B, 3>>,
 }

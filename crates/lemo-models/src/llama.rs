@@ -60,9 +60,9 @@ impl<B: LemoBackend> LlamaAttention<B> {
     ) -> Tensor<B, 3> {
         let product = |i: usize| sparse.map(|s| s.product_rows(i));
         let [batch, len, _] = x.dims();
-        let q = self.q_proj.forward_with_base(x.clone(), product(0));
-        let k = self.k_proj.forward_with_base(x.clone(), product(1));
-        let v = self.v_proj.forward_with_base(x, product(2));
+        let q = self.q_proj.forward_with_product(x.clone(), product(0));
+        let k = self.k_proj.forward_with_product(x.clone(), product(1));
+        let v = self.v_proj.forward_with_product(x, product(2));
         let q = rotation.apply(self.heads(q, self.num_heads));
         let k = rotation.apply(self.heads(k, self.num_kv_heads));
         let v = self.heads(v, self.num_kv_heads);
@@ -83,12 +83,12 @@ impl<B: LemoBackend> LlamaAttention<B> {
             }
         };
         self.o_proj
-            .forward_with_base(self.merge_heads(out), product(3))
+            .forward_with_product(self.merge_heads(out), product(3))
     }
 
     /// The block on every row of `x` outside the graph, with the token-block informativeness
-    /// of its rotated queries and keys when `block_size` is given. Products: the frozen parts of
-    /// `q`, `k`, `v` and `o`, the attention output `[batch, len, heads * head_dim]` and its
+    /// of its rotated queries and keys when `block_size` is given. Products: those of the
+    /// projections `q`, `k`, `v` and `o` ([`Linear::pass`]), the attention output `[batch, len, heads * head_dim]` and its
     /// `logsumexp` `[batch, heads, len]`.
     fn pass(
         &self,
@@ -98,21 +98,19 @@ impl<B: LemoBackend> LlamaAttention<B> {
     ) -> BlockPass<B> {
         let x = x.detach();
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
-        let [q_base, k_base, v_base] = projections.map(|p| p.base_untracked(x.clone()));
-        let q = self.q_proj.adapt_untracked(x.clone(), q_base.clone());
-        let k = self.k_proj.adapt_untracked(x.clone(), k_base.clone());
-        let v = self.v_proj.adapt_untracked(x, v_base.clone());
+        let [(q, q_product), (k, k_product), (v, v_product)] =
+            projections.map(|p| p.pass(x.clone()));
         let q = rotation.apply(self.heads(q, self.num_heads));
         let k = rotation.apply(self.heads(k, self.num_kv_heads));
         let v = self.heads(v, self.num_kv_heads);
         let scores = block_size.map(|size| informativeness::attention(q.clone(), k.clone(), size));
         let (out, lse) = attention_with_lse(q, k, v, self.options());
         let out = self.merge_heads(out);
-        let o_base = self.o_proj.base_untracked(out.clone());
+        let (output, o_product) = self.o_proj.pass(out.clone());
         BlockPass {
-            output: self.o_proj.adapt_untracked(out.clone(), o_base.clone()),
+            output,
             scores,
-            products: vec![q_base, k_base, v_base, o_base, out, lse],
+            products: vec![q_product, k_product, v_product, o_product, out, lse],
         }
     }
 
@@ -147,13 +145,13 @@ pub struct LlamaMlp<B: Backend> {
 
 impl<B: LemoBackend> LlamaMlp<B> {
     /// `down(silu(gate(x)) * up(x))` in the graph; with `sparse`, on its kept rows reusing the
-    /// pass's frozen products.
+    /// pass's products.
     fn forward(&self, x: Tensor<B, 3>, sparse: Option<&SparseBlock<B>>) -> Tensor<B, 3> {
         let product = |i: usize| sparse.map(|s| s.product_rows(i));
-        let gate = self.gate_proj.forward_with_base(x.clone(), product(0));
-        let up = self.up_proj.forward_with_base(x, product(1));
+        let gate = self.gate_proj.forward_with_product(x.clone(), product(0));
+        let up = self.up_proj.forward_with_product(x, product(1));
         self.down_proj
-            .forward_with_base(swiglu(gate, up), product(2))
+            .forward_with_product(swiglu(gate, up), product(2))
     }
 
     /// This MLP after `norm`, frozen, as its dropped rows' recomputed backward pass reads it.
@@ -167,25 +165,19 @@ impl<B: LemoBackend> LlamaMlp<B> {
     }
 
     /// The block on every row of `x` outside the graph, with the token-block informativeness
-    /// of `silu(gate) * up` when `block_size` is given. Products: the frozen parts of `gate`,
-    /// `up` and `down`.
+    /// of `silu(gate) * up` when `block_size` is given. Products: those of `gate`, `up` and
+    /// `down` ([`Linear::pass`]).
     fn pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
         let x = x.detach();
-        let gate_base = self.gate_proj.base_untracked(x.clone());
-        let up_base = self.up_proj.base_untracked(x.clone());
-        let activations = swiglu(
-            self.gate_proj.adapt_untracked(x.clone(), gate_base.clone()),
-            self.up_proj.adapt_untracked(x, up_base.clone()),
-        );
+        let (gate, gate_product) = self.gate_proj.pass(x.clone());
+        let (up, up_product) = self.up_proj.pass(x);
+        let activations = swiglu(gate, up);
         let scores = block_size.map(|size| informativeness::mlp(activations.clone(), size));
-        let down_base = self.down_proj.base_untracked(activations.clone());
-        let output = self
-            .down_proj
-            .adapt_untracked(activations, down_base.clone());
+        let (output, down_product) = self.down_proj.pass(activations);
         BlockPass {
             output,
             scores,
-            products: vec![gate_base, up_base, down_base],
+            products: vec![gate_product, up_product, down_product],
         }
     }
 }

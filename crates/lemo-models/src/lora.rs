@@ -10,7 +10,7 @@ use burn::tensor::{DType, Distribution, Tensor, backend::Backend};
 use lemo_kernels::ComputeBackend;
 use lemo_kernels::gemm::matmul;
 use lemo_kernels::known_value::matmul_with_value;
-use lemo_kernels::precision::lora_linear;
+use lemo_kernels::precision::{Frozen, lora_linear};
 use lemo_kernels::recomputed_rows::FrozenLinear;
 
 use crate::weights::seeded_random;
@@ -169,17 +169,9 @@ impl<B: ComputeBackend> Linear<B> {
 
     /// `x: [..., in] -> [..., out]`.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.project(x, None, true)
+        self.forward_with_product(x, None)
     }
 
-    /// [`Self::forward`] outside the graph: the adapter is read detached and without dropout
-    /// (what token-elimination scores see).
-    pub fn forward_untracked<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let base = self.base_untracked(x.clone());
-        self.adapt_untracked(x, base)
-    }
-
-    /// The frozen part `x W^T + bias`, outside the graph.
     /// `[in, out]` in f32 with each input row scaled by `row_scale` (a norm's weight folded
     /// in), and the bias `[out]` (zeros when there is none); the frozen map, without LoRA.
     pub fn folded_f32(&self, row_scale: Option<Tensor<B, 1>>) -> (Tensor<B, 2>, Tensor<B, 1>) {
@@ -195,78 +187,81 @@ impl<B: ComputeBackend> Linear<B> {
         (weight, bias)
     }
 
-    pub fn base_untracked<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        self.project(untracked(x), None, false)
-    }
-
-    /// `base`, the frozen part of the projection of `x`, plus the adapter's term, outside the
-    /// graph: [`Self::forward_untracked`] reusing its frozen product.
-    pub fn adapt_untracked<const D: usize>(
-        &self,
-        x: Tensor<B, D>,
-        base: Tensor<B, D>,
-    ) -> Tensor<B, D> {
-        match &self.lora {
-            Some(_) => self.project(untracked(x), Some(base), false),
-            None => base,
-        }
-    }
-
-    /// [`Self::forward`] of `x`; with `base`, its frozen part computed earlier (the rows of
-    /// [`Self::base_untracked`] over more rows), the graph has the backward pass of the full
-    /// projection but only the adapter's product is computed.
-    pub fn forward_with_base<const D: usize>(
-        &self,
-        x: Tensor<B, D>,
-        base: Option<Tensor<B, D>>,
-    ) -> Tensor<B, D> {
-        self.project(x, base, true)
-    }
-
-    /// `x W^T + bias` (or `base`, its value computed earlier), plus the adapter's term when there
-    /// is an adapter and either `tracked` or a `base` was given. Tracked, the frozen product's
-    /// gradient and the adapter's are one op ([`lora_linear`] with the weight), unless dropout
-    /// makes the adapter read another `x`.
-    fn project<const D: usize>(
-        &self,
-        x: Tensor<B, D>,
-        base: Option<Tensor<B, D>>,
-        tracked: bool,
-    ) -> Tensor<B, D> {
-        let mut out_dims = x.dims();
-        out_dims[D - 1] = self.out_features();
-        let rows: usize = x.dims()[..D - 1].iter().product();
-        let x = x.reshape([rows, self.in_features()]);
-        let base = base.map(|base| base.reshape([rows, self.out_features()]));
-        let adapter = self.lora.as_ref().filter(|_| base.is_some() || tracked);
-        let y = match adapter {
-            None => match base {
-                Some(base) if tracked => matmul_with_value(x, self.weight.val().transpose(), base),
-                Some(base) => base,
-                None => self.frozen_product(x),
-            },
-            Some(lora) if !tracked => {
-                let base = base.expect("an untracked adapter term needs the frozen product");
-                let (a, b) = (untracked(lora.a.val()), untracked(lora.b.val()));
-                lora_linear(untracked(x), base, None, a, b, lora.scaling as f32)
-            }
-            Some(lora) if lora.dropout.prob == 0.0 => {
-                let frozen = base.unwrap_or_else(|| self.frozen_product(untracked(x.clone())));
-                let weight = Some(self.weight.val());
-                let (a, b) = (lora.a.val(), lora.b.val());
-                lora_linear(x, frozen, weight, a, b, lora.scaling as f32)
-            }
+    /// The projection of every row of `x` outside the graph (the adapter read detached and
+    /// without dropout: what the forward pass and token-elimination scores see), and what
+    /// [`Self::forward_with_product`] takes of it for the rows it keeps: the output itself, or,
+    /// where dropout makes the graph's adapter read another `x`, the frozen product. The
+    /// adapter's term is added onto the frozen product in place.
+    pub fn pass<const D: usize>(&self, x: Tensor<B, D>) -> (Tensor<B, D>, Tensor<B, D>) {
+        let (x, out_dims) = self.rows(untracked(x));
+        let base = self.frozen_product(x.clone());
+        let (output, product) = match &self.lora {
+            None => (base.clone(), base),
             Some(lora) => {
-                let frozen = match base {
-                    Some(base) => matmul_with_value(x.clone(), self.weight.val().transpose(), base),
-                    None => self.frozen_product(x.clone()),
+                let (a, b) = (untracked(lora.a.val()), untracked(lora.b.val()));
+                let scale = lora.scaling as f32;
+                if self.product_is_output() {
+                    let output = lora_linear(x, Frozen::Graph(base), a, b, scale);
+                    (output.clone(), output)
+                } else {
+                    (
+                        lora_linear(x, Frozen::Graph(base.clone()), a, b, scale),
+                        base,
+                    )
+                }
+            }
+        };
+        (output.reshape(out_dims), product.reshape(out_dims))
+    }
+
+    /// [`Self::forward`] of `x`; with `product`, the rows of [`Self::pass`]'s product for the
+    /// rows of `x`, the graph has the backward pass of the full projection but computes only
+    /// the adapter's products (or, when `product` is the output, only `x A^T`).
+    pub fn forward_with_product<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        product: Option<Tensor<B, D>>,
+    ) -> Tensor<B, D> {
+        let (x, out_dims) = self.rows(x);
+        let product = product.map(|p| p.reshape([x.dims()[0], self.out_features()]));
+        let weight = || self.weight.val();
+        let frozen_in_graph = |x: Tensor<B, 2>, product: Option<Tensor<B, 2>>| match product {
+            Some(base) => matmul_with_value(x, weight().transpose(), base),
+            None => self.frozen_product(x),
+        };
+        let y = match &self.lora {
+            None => frozen_in_graph(x, product),
+            Some(lora) => {
+                let (a, b, scale) = (lora.a.val(), lora.b.val(), lora.scaling as f32);
+                let frozen = match product {
+                    Some(output) if self.product_is_output() => Frozen::Output(output, weight()),
+                    None if self.product_is_output() => {
+                        Frozen::Value(self.frozen_product(untracked(x.clone())), weight())
+                    }
+                    product => Frozen::Graph(frozen_in_graph(x.clone(), product)),
                 };
-                let (a, b) = (lora.a.val(), lora.b.val());
-                let dropped = lora.dropout.forward(x);
-                lora_linear(dropped, frozen, None, a, b, lora.scaling as f32)
+                let x = match frozen {
+                    Frozen::Graph(_) => lora.dropout.forward(x),
+                    _ => x,
+                };
+                lora_linear(x, frozen, a, b, scale)
             }
         };
         y.reshape(out_dims)
+    }
+
+    /// Whether [`Self::pass`] keeps the output for the graph: with an adapter, unless dropout
+    /// makes the graph's adapter term differ from the pass's.
+    fn product_is_output(&self) -> bool {
+        self.lora.as_ref().is_some_and(|l| l.dropout.prob == 0.0)
+    }
+
+    /// `x [..., in]` as `[rows, in]`, and the output's dims `[..., out]`.
+    fn rows<const D: usize>(&self, x: Tensor<B, D>) -> (Tensor<B, 2>, [usize; D]) {
+        let mut out_dims = x.dims();
+        out_dims[D - 1] = self.out_features();
+        let rows: usize = x.dims()[..D - 1].iter().product();
+        (x.reshape([rows, self.in_features()]), out_dims)
     }
 
     /// `x W^T + bias` for `x [rows, in]`.

@@ -45,7 +45,7 @@ pub struct OptAttention<B: Backend> {
 
 impl<B: LemoBackend> OptAttention<B> {
     /// The block's output for `x`, in the graph. With `sparse`, `x` holds its kept rows and the
-    /// frozen products are the kept rows of the pass's (see [`Self::pass`]).
+    /// products are the kept rows of the pass's (see [`Self::pass`]).
     fn forward(
         &self,
         x: Tensor<B, 3>,
@@ -53,34 +53,30 @@ impl<B: LemoBackend> OptAttention<B> {
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let product = |i: usize| sparse.map(|s| s.product_rows(i));
-        let q = self.heads(self.q_proj.forward_with_base(x.clone(), product(0)));
-        let k = self.heads(self.k_proj.forward_with_base(x.clone(), product(1)));
-        let v = self.heads(self.v_proj.forward_with_base(x, product(2)));
+        let q = self.heads(self.q_proj.forward_with_product(x.clone(), product(0)));
+        let k = self.heads(self.k_proj.forward_with_product(x.clone(), product(1)));
+        let v = self.heads(self.v_proj.forward_with_product(x, product(2)));
         let (k, v) = append_to_cache(cache, k, v);
         self.out_proj
-            .forward_with_base(self.attend(q, k, v), product(3))
+            .forward_with_product(self.attend(q, k, v), product(3))
     }
 
     /// The block on every row of `x` outside the graph, with the token-block informativeness
-    /// of its queries and keys when `block_size` is given. Products: the frozen parts of `q`,
-    /// `k`, `v` and `out`.
+    /// of its queries and keys when `block_size` is given. Products: those of the
+    /// projections `q`, `k`, `v` and `out` ([`Linear::pass`]).
     fn pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
         let x = x.detach();
-        let (q_base, k_base, v_base) = (
-            self.q_proj.base_untracked(x.clone()),
-            self.k_proj.base_untracked(x.clone()),
-            self.v_proj.base_untracked(x.clone()),
-        );
-        let q = self.heads(self.q_proj.adapt_untracked(x.clone(), q_base.clone()));
-        let k = self.heads(self.k_proj.adapt_untracked(x.clone(), k_base.clone()));
-        let v = self.heads(self.v_proj.adapt_untracked(x, v_base.clone()));
+        let (q, q_product) = self.q_proj.pass(x.clone());
+        let (k, k_product) = self.k_proj.pass(x.clone());
+        let (v, v_product) = self.v_proj.pass(x);
+        let (q, k, v) = (self.heads(q), self.heads(k), self.heads(v));
         let scores = block_size.map(|size| informativeness::attention(q.clone(), k.clone(), size));
         let out = self.attend(q, k, v);
-        let out_base = self.out_proj.base_untracked(out.clone());
+        let (output, out_product) = self.out_proj.pass(out);
         BlockPass {
-            output: self.out_proj.adapt_untracked(out, out_base.clone()),
+            output,
             scores,
-            products: vec![q_base, k_base, v_base, out_base],
+            products: vec![q_product, k_product, v_product, out_product],
         }
     }
 
@@ -158,11 +154,11 @@ impl<B: LemoBackend> OptLayer<B> {
     }
 
     /// `fc2(relu(fc1(x)))` in the graph; with `sparse`, on its kept rows reusing the pass's
-    /// frozen products.
+    /// products.
     fn mlp(&self, x: Tensor<B, 3>, sparse: Option<&SparseBlock<B>>) -> Tensor<B, 3> {
         let product = |i: usize| sparse.map(|s| s.product_rows(i));
-        let hidden = relu(self.fc1.forward_with_base(x, product(0)));
-        self.fc2.forward_with_base(hidden, product(1))
+        let hidden = relu(self.fc1.forward_with_product(x, product(0)));
+        self.fc2.forward_with_product(hidden, product(1))
     }
 
     /// The pre-norm MLP, frozen, as its dropped rows' recomputed backward pass reads it.
@@ -176,17 +172,17 @@ impl<B: LemoBackend> OptLayer<B> {
     }
 
     /// The MLP on every row of `x` outside the graph, with the informativeness of its ReLU
-    /// output when `block_size` is given. Products: the frozen parts of `fc1` and `fc2`.
+    /// output when `block_size` is given. Products: those of `fc1` and `fc2` ([`Linear::pass`]).
     fn mlp_pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
         let x = x.detach();
-        let fc1_base = self.fc1.base_untracked(x.clone());
-        let activations = relu(self.fc1.adapt_untracked(x, fc1_base.clone()));
+        let (fc1, fc1_product) = self.fc1.pass(x);
+        let activations = relu(fc1);
         let scores = block_size.map(|size| informativeness::mlp(activations.clone(), size));
-        let fc2_base = self.fc2.base_untracked(activations.clone());
+        let (output, fc2_product) = self.fc2.pass(activations);
         BlockPass {
-            output: self.fc2.adapt_untracked(activations, fc2_base.clone()),
+            output,
             scores,
-            products: vec![fc1_base, fc2_base],
+            products: vec![fc1_product, fc2_product],
         }
     }
 

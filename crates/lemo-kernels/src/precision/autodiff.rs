@@ -46,6 +46,7 @@ pub(crate) fn lora_linear<B: ComputeBackend, C: CheckpointStrategy>(
     x: FloatTensor<Autodiff<B, C>>,
     frozen: FloatTensor<Autodiff<B, C>>,
     weight: Option<FloatTensor<Autodiff<B, C>>>,
+    whole: bool,
     a: FloatTensor<Autodiff<B, C>>,
     b: FloatTensor<Autodiff<B, C>>,
     scale: f32,
@@ -71,6 +72,7 @@ pub(crate) fn lora_linear<B: ComputeBackend, C: CheckpointStrategy>(
             let (out, down) = lora_linear_forward::<B>(
                 x.primitive.clone(),
                 frozen.primitive,
+                whole,
                 a.primitive.clone(),
                 b.primitive.clone(),
                 scale,
@@ -82,6 +84,7 @@ pub(crate) fn lora_linear<B: ComputeBackend, C: CheckpointStrategy>(
             lora_linear_forward::<B>(
                 x.primitive,
                 frozen.primitive,
+                whole,
                 a.primitive,
                 b.primitive,
                 scale,

@@ -45,34 +45,50 @@ impl Precision {
     };
 }
 
+/// The frozen part of a LoRA projection `y = x W^T (+ bias) + scale * (x A^T) B^T`, as
+/// [`lora_linear`] takes it.
+pub enum Frozen<B: Backend, const D: usize> {
+    /// `x W^T (+ bias)` as a tensor of the graph: it receives `d y` unchanged (with dropout,
+    /// where the adapter reads another `x` than the frozen product).
+    Graph(Tensor<B, D>),
+    /// `x W^T (+ bias)` computed outside the graph, and the frozen `W [out, in]`: the backward
+    /// pass is that of the whole projection, `d x = d y W + scale (d y B) A`, the adapter's part
+    /// added in the epilogue of `d y W`'s product.
+    Value(Tensor<B, D>, Tensor<B, 2>),
+    /// The whole output `y` computed outside the graph (without dropout), and `W`: as `Value`,
+    /// but the forward pass computes only `x A^T`, which the backward pass needs.
+    Output(Tensor<B, D>, Tensor<B, 2>),
+}
+
 /// A linear layer with a LoRA adapter: `frozen + scale * (x A^T) B^T` for `x [.., in]` in the
-/// activation dtype, `frozen [.., out]` the frozen projection's output and f32 `a [r, in]`,
-/// `b [out, r]` (PEFT's layout), returned in `frozen`'s dtype. The adapter's second product adds
-/// `frozen` in its epilogue (one rounding, no separate addition). Each product reads the large
-/// operand (`x`, or the output gradient) as stored, in one pass, and accumulates in f32; the
-/// small ones (`A`, `B` and the rank-`r` intermediate `x A^T`) are rounded to the activation
-/// dtype to meet it, as under PyTorch's bf16 autocast. The intermediate and the adapters'
-/// gradients stay f32. With f32 activations every step is f32.
-///
-/// With `weight` (`W [out, in]`, frozen), `frozen` is the value `x W^T (+ bias)` computed outside
-/// the graph, and the backward pass is that of the whole projection: `d x = d y W + scale
-/// (d y B) A`, the adapter's part added in the epilogue of `d y W`'s product. Without it,
-/// `frozen` is a tensor of the graph and receives `d y` unchanged (with dropout, where the
-/// adapter reads another `x` than the frozen product). Differentiable in `x`, `a` and `b`; under
-/// autodiff it keeps `x` as it came (usually the tensor the frozen projection reads too) and the
-/// f32 `x A^T`.
+/// activation dtype, the frozen part `[.., out]` (see [`Frozen`]) and f32 `a [r, in]`,
+/// `b [out, r]` (PEFT's layout), returned in the frozen part's dtype. The adapter's second
+/// product adds the frozen part in its epilogue (one rounding, no separate addition). Each
+/// product reads the large operand (`x`, or the output gradient) as stored, in one pass, and
+/// accumulates in f32; the small ones (`A`, `B` and the rank-`r` intermediate `x A^T`) are
+/// rounded to the activation dtype to meet it, as under PyTorch's bf16 autocast. The
+/// intermediate and the adapters' gradients stay f32. With f32 activations every step is f32.
+/// Differentiable in `x`, `a` and `b`; under autodiff it keeps `x` as it came (usually the
+/// tensor the frozen projection reads too), the f32 `x A^T` and `W`.
 pub fn lora_linear<B: ComputeBackend, const D: usize>(
     x: Tensor<B, D>,
-    frozen: Tensor<B, D>,
-    weight: Option<Tensor<B, 2>>,
+    frozen: Frozen<B, D>,
     a: Tensor<B, 2>,
     b: Tensor<B, 2>,
     scale: f32,
 ) -> Tensor<B, D> {
+    let primitive = |t: Tensor<B, D>| t.into_primitive().tensor();
+    let weight = |w: Tensor<B, 2>| Some(w.into_primitive().tensor());
+    let (frozen, weight, whole) = match frozen {
+        Frozen::Graph(frozen) => (primitive(frozen), None, false),
+        Frozen::Value(frozen, w) => (primitive(frozen), weight(w), false),
+        Frozen::Output(output, w) => (primitive(output), weight(w), true),
+    };
     Tensor::from_primitive(TensorPrimitive::Float(B::lemo_lora_linear(
-        x.into_primitive().tensor(),
-        frozen.into_primitive().tensor(),
-        weight.map(|w| w.into_primitive().tensor()),
+        primitive(x),
+        frozen,
+        weight,
+        whole,
         a.into_primitive().tensor(),
         b.into_primitive().tensor(),
         scale,
@@ -80,20 +96,22 @@ pub fn lora_linear<B: ComputeBackend, const D: usize>(
 }
 
 /// [`lora_linear`] in Burn tensor operations, differentiated by Burn: what the tests compare
-/// with. With `weight`, `frozen` is ignored and `x W^T` is computed in the graph.
+/// with. With a weight, the value given is ignored and `x W^T` is computed in the graph.
 pub fn lora_linear_reference<B: Backend, const D: usize>(
     x: Tensor<B, D>,
-    frozen: Tensor<B, D>,
-    weight: Option<Tensor<B, 2>>,
+    frozen: Frozen<B, D>,
     a: Tensor<B, 2>,
     b: Tensor<B, 2>,
     scale: f32,
 ) -> Tensor<B, D> {
-    let dtype = frozen.dtype();
-    let frozen = match weight {
-        Some(weight) => x.clone().matmul(weight.transpose().unsqueeze::<D>()),
-        None => frozen,
+    let frozen = match frozen {
+        Frozen::Graph(frozen) => frozen,
+        Frozen::Value(value, weight) | Frozen::Output(value, weight) => x
+            .clone()
+            .matmul(weight.transpose().unsqueeze::<D>())
+            .cast(value.dtype()),
     };
+    let dtype = frozen.dtype();
     let x = x.cast(a.dtype());
     let down = x.matmul(a.transpose().unsqueeze::<D>());
     let delta = down.matmul(b.transpose().unsqueeze::<D>()) * scale;
@@ -109,10 +127,12 @@ fn rows<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
 
 /// The output of [`lora_linear`] and `down = x A^T` (`[rows, r]`, the adapter's dtype), which
 /// the backward pass reuses: two products of rank `r`, O(rows * r * (in + out)), the second
-/// adding `frozen` as it writes.
+/// adding `frozen` as it writes; with `whole`, `frozen` is the output and only `down` is
+/// computed.
 pub(crate) fn lora_linear_forward<B: ComputeBackend>(
     x: FloatTensor<B>,
     frozen: FloatTensor<B>,
+    whole: bool,
     a: FloatTensor<B>,
     b: FloatTensor<B>,
     scale: f32,
@@ -126,6 +146,9 @@ pub(crate) fn lora_linear_forward<B: ComputeBackend>(
         1.0,
         adapter,
     );
+    if whole {
+        return (frozen, down);
+    }
     let out = B::lemo_matmul_onto(
         to_activations(down.clone()),
         B::float_transpose(to_activations(b)),

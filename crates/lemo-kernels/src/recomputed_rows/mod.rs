@@ -28,7 +28,7 @@ use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
 use crate::ComputeBackend;
 use crate::fused::NormSaves;
 use crate::gemm::matmul;
-use crate::precision::lora_linear;
+use crate::precision::{Frozen, lora_linear};
 
 /// The activation between an MLP's input and output projections.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,7 +110,13 @@ impl<B: ComputeBackend> FrozenLinear<B> {
             y = y + wrap::<B, 1>(bias.clone()).cast(dtype).unsqueeze();
         }
         if let Some((a, b, scale)) = &self.lora {
-            y = lora_linear(x, y, None, wrap(a.clone()), wrap(b.clone()), *scale as f32);
+            y = lora_linear(
+                x,
+                Frozen::Graph(y),
+                wrap(a.clone()),
+                wrap(b.clone()),
+                *scale as f32,
+            );
         }
         y
     }
@@ -123,8 +129,7 @@ impl<B: ComputeBackend> FrozenLinear<B> {
             let (a, b): (Tensor<B, 2>, Tensor<B, 2>) = (wrap(a.clone()), wrap(b.clone()));
             grad_x = lora_linear(
                 grad,
-                grad_x,
-                None,
+                Frozen::Graph(grad_x),
                 b.transpose(),
                 a.transpose(),
                 *scale as f32,

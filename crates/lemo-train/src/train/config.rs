@@ -81,7 +81,7 @@ pub struct TrainConfig {
     pub checkpointing: bool,
     /// lemo: thresholds file; unset: calibrate on the first training sequences.
     pub thresholds: Option<PathBuf>,
-    /// lemo: mean kept fraction of the attention and the MLP blocks, what calibration aims at.
+    /// lemo: what the kept fractions of the attention and the MLP blocks follow where not given.
     pub target_keep: f64,
     /// lemo: kept fractions of the attention and the MLP blocks; unset: from `target_keep`
     /// (`SparsitySettings::block_keep`).

@@ -306,17 +306,11 @@ fn fused_parity() -> Vec<Value> {
     let b = Tensor::<AD, 2>::from_inner(random([4096, 8], DType::F32)).require_grad();
     let upstream = Tensor::<AD, 3>::from_inner(random([2, 1000, 4096], DType::F32));
     let run = |reference: bool| {
-        let args = (
-            x.clone(),
-            frozen.clone(),
-            Some(weight.clone()),
-            a.clone(),
-            b.clone(),
-        );
+        let frozen = precision::Frozen::Value(frozen.clone(), weight.clone());
         let out = if reference {
-            precision::lora_linear_reference(args.0, args.1, args.2, args.3, args.4, 2.0)
+            precision::lora_linear_reference(x.clone(), frozen, a.clone(), b.clone(), 2.0)
         } else {
-            precision::lora_linear(args.0, args.1, args.2, args.3, args.4, 2.0)
+            precision::lora_linear(x.clone(), frozen, a.clone(), b.clone(), 2.0)
         };
         let grads = (out.clone().cast(DType::F32) * upstream.clone())
             .sum()
