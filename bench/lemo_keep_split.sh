@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Held-out perplexity of `--method lemo` with the attention and the MLP blocks calibrated to
-# different kept fractions: for each split "A/M" of SPLITS, `calibrate` writes thresholds at
-# --target-keep A and at M, the attention thresholds of the first and the MLP ones of the second
+# different kept fractions: for each split "A/M" of SPLITS, `calibrate` writes thresholds that
+# keep A and M in both kinds of block, the attention thresholds of the first and the MLP ones of the second
 # are merged into one file, and bench/lemo_accuracy.sh trains and evaluates with it. Same
 # environment as bench/lemo_accuracy.sh (MODEL, TRAIN, HELD_OUT, SEQ, STEPS, LR, WARMUP,
 # PRECISION, DEVICE, RUNS, LEMO), plus SPLITS (default "0.3/0.7 0.4/0.6").
@@ -22,7 +22,7 @@ calibrated() { # keep -> thresholds file
   local file=$RUNS/thresholds-$1.json
   if [ ! -f "$file" ]; then
     "$LEMO" calibrate --model "$MODEL" --data "$TRAIN" --seq-len "$SEQ" --target-context "$SEQ" \
-      --target-keep "$1" --device "$DEVICE" --precision "$PRECISION" --out "$file" \
+      --attention-keep "$1" --mlp-keep "$1" --device "$DEVICE" --precision "$PRECISION" --out "$file" \
       >"$file.log" 2>&1 || { tail -n 1 "$file.log" >&2; exit 1; }
   fi
   echo "$file"

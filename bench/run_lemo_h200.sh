@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# `--method lemo` (token elimination, --target-keep of each block's token blocks) against
+# `--method lemo` (token elimination; --target-keep F keeps 1.4 F of the attention blocks' and
+# F / 2 of the MLP blocks' token blocks) against
 # PyTorch + PEFT dense LoRA on the same shapes, one process per case, with the device-level peak
 # of every process taken by nvidia-smi polling (20 ms) beside each framework's own figure (lemo:
 # its pool's bytes in use; PEFT: torch.cuda.max_memory_allocated). Merges into

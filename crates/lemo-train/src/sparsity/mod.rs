@@ -560,3 +560,35 @@ pub fn write_thresholds(path: &Path, thresholds: &Thresholds) -> Result<()> {
     lemo_models::adapter::write_atomically(path, thresholds.to_json().as_bytes())
         .with_context(|| format!("cannot write {}", path.display()))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keeps(target: f64, attention: Option<f64>, mlp: Option<f64>) -> [f64; 2] {
+        let settings = SparsitySettings {
+            target_keep: target,
+            attention_keep: attention,
+            mlp_keep: mlp,
+            ..SparsitySettings::default()
+        };
+        [Block::Attention, Block::Mlp].map(|block| settings.block_keep(block))
+    }
+
+    #[test]
+    fn target_keep_gives_each_kind_of_block_its_share_unless_its_own_is_given() {
+        let close = |[a, m]: [f64; 2], [ea, em]: [f64; 2]| {
+            assert!(
+                (a - ea).abs() < 1e-12 && (m - em).abs() < 1e-12,
+                "{a} / {m}"
+            )
+        };
+        close(keeps(0.5, None, None), [0.7, 0.25]);
+        close(keeps(0.3, None, None), [0.42, 0.15]);
+        // Every token at 1, and the MLP share rising to meet it.
+        close(keeps(1.0, None, None), [1.0, 1.0]);
+        close(keeps(0.8, None, None), [1.0, 0.6]);
+        close(keeps(0.5, Some(0.9), None), [0.9, 0.25]);
+        close(keeps(0.5, Some(0.6), Some(0.4)), [0.6, 0.4]);
+    }
+}
