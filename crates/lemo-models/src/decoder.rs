@@ -19,7 +19,6 @@ use lemo_kernels::memory::exact_size_buffers;
 use lemo_kernels::recomputed_rows::{FrozenMlp, with_recomputed_rows};
 use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
 
-use lemo_predictor::MlpInputMap;
 use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 
@@ -78,10 +77,6 @@ pub trait Decoder<B: Backend> {
     /// token-block informativeness (from its intermediate activations) when `block_size` is
     /// given.
     fn mlp_pass(&self, index: usize, a: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B>;
-
-    /// The MLP's input side of layer `index` as the predictors' MLP sketch reads it (norm
-    /// folded in, f32); `None` where the MLP block stays dense (post-norm OPT).
-    fn mlp_input_map(&self, index: usize) -> Option<MlpInputMap<B>>;
 
     /// The MLP block of layer `index` as constants, when nothing in it trains (no adapters on
     /// its projections, a frozen norm) and it is pre-norm: its backward pass can then be

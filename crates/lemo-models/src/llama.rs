@@ -17,7 +17,6 @@ use lemo_kernels::attention::{attention, attention_with_lse, attention_with_valu
 use lemo_kernels::fused::swiglu;
 use lemo_kernels::recomputed_rows::{FrozenMlp, MlpActivation};
 use lemo_kernels::{AttentionOptions, LemoBackend};
-use lemo_predictor::MlpInputMap;
 use lemo_sparsity::informativeness;
 
 use crate::Result;
@@ -397,18 +396,6 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         let layer = &self.layers[index];
         let x = layer.post_attention_layernorm.forward(a).detach();
         layer.mlp.pass(x, block_size)
-    }
-
-    fn mlp_input_map(&self, index: usize) -> Option<MlpInputMap<B>> {
-        let layer = &self.layers[index];
-        let norm = layer.post_attention_layernorm.weight.val();
-        let (gate, _) = layer.mlp.gate_proj.folded_f32(Some(norm.clone()));
-        let (up, up_bias) = layer.mlp.up_proj.folded_f32(Some(norm));
-        Some(MlpInputMap {
-            gate: Some(gate),
-            up,
-            up_bias,
-        })
     }
 
     fn frozen_mlp(&self, index: usize) -> Option<FrozenMlp<B>> {

@@ -172,21 +172,6 @@ impl<B: ComputeBackend> Linear<B> {
         self.forward_with_product(x, None)
     }
 
-    /// `[in, out]` in f32 with each input row scaled by `row_scale` (a norm's weight folded
-    /// in), and the bias `[out]` (zeros when there is none); the frozen map, without LoRA.
-    pub fn folded_f32(&self, row_scale: Option<Tensor<B, 1>>) -> (Tensor<B, 2>, Tensor<B, 1>) {
-        let weight = self.weight.val().cast(DType::F32).transpose();
-        let weight = match row_scale {
-            Some(scale) => weight * scale.cast(DType::F32).unsqueeze_dim(1),
-            None => weight,
-        };
-        let bias = match &self.bias {
-            Some(bias) => bias.val().cast(DType::F32),
-            None => Tensor::zeros([self.out_features()], &weight.device()),
-        };
-        (weight, bias)
-    }
-
     /// The projection of every row of `x` outside the graph (the adapter read detached and
     /// without dropout: what the forward pass and token-elimination scores see), and what
     /// [`Self::forward_with_product`] takes of it for the rows it keeps: the output itself, or,

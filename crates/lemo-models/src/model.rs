@@ -172,15 +172,6 @@ impl<B: LemoBackend> CausalLm<B> {
         out
     }
 
-    /// The MLP's input side of layer `index` for the predictors' MLP sketch
-    /// ([`Decoder::mlp_input_map`]).
-    pub fn mlp_input_map(&self, index: usize) -> Option<lemo_predictor::MlpInputMap<B>> {
-        match self {
-            CausalLm::Llama(m) => m.mlp_input_map(index),
-            CausalLm::Opt(m) => m.mlp_input_map(index),
-        }
-    }
-
     /// `[vocab, dim]`: the output projection.
     pub fn lm_head_weight(&self) -> Tensor<B, 2> {
         match self {

@@ -12,10 +12,9 @@ use std::ops::Range;
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::relu;
-use burn::tensor::{DType, Int, Tensor, backend::Backend};
+use burn::tensor::{Int, Tensor, backend::Backend};
 use lemo_kernels::token_movement::gather_rows;
 use lemo_kernels::{AttentionOptions, LemoBackend, attention::attention};
-use lemo_predictor::MlpInputMap;
 use lemo_sparsity::informativeness;
 
 use crate::Result;
@@ -379,34 +378,6 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
     fn mlp_pass(&self, index: usize, a: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
         let layer = &self.layers[index];
         layer.mlp_pass(layer.mlp_input(a), block_size)
-    }
-
-    /// `LayerNorm(a) fc1 = c (diag(w) W) + (b W + bias)`, `c` the centered, unit-variance
-    /// row, which the sketch computes from its RMS-normalized row.
-    fn mlp_input_map(&self, index: usize) -> Option<MlpInputMap<B>> {
-        let layer = &self.layers[index];
-        if !layer.norm_before {
-            return None;
-        }
-        let norm = &layer.final_layer_norm;
-        let (up, fc1_bias) = layer.fc1.folded_f32(norm.weight.as_ref().map(|w| w.val()));
-        let up_bias = match &norm.bias {
-            Some(bias) => {
-                let (unscaled, _) = layer.fc1.folded_f32(None);
-                let shifted = bias
-                    .val()
-                    .cast(DType::F32)
-                    .unsqueeze_dim(0)
-                    .matmul(unscaled);
-                fc1_bias + shifted.squeeze_dim(0)
-            }
-            None => fc1_bias,
-        };
-        Some(MlpInputMap {
-            gate: None,
-            up,
-            up_bias,
-        })
     }
 
     fn frozen_mlp(&self, index: usize) -> Option<FrozenMlp<B>> {

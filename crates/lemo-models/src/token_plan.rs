@@ -45,7 +45,7 @@ pub struct BlockRecord {
     /// Exact token-block scores, row-major `[batch, blocks]`.
     pub scores: Vec<f32>,
     /// The block input's normalized token rows, `[batch, blocks, tokens, hidden]` with the
-    /// recorded tokens per block, when asked for (what predictors read).
+    /// recorded tokens per block, when asked for (what attention predictors read).
     pub token_rows: Option<Vec<f32>>,
 }
 
@@ -71,8 +71,8 @@ pub enum Record {
     Nothing,
     /// The exact scores of every block (profiling, calibration).
     Scores,
-    /// The exact scores and `tokens_per_block` evenly spaced normalized token rows of each token
-    /// block of the block inputs (training predictors).
+    /// The exact scores, and `tokens_per_block` evenly spaced normalized token rows of each
+    /// token block of the attention blocks' inputs (training predictors).
     ScoresAndTokenRows {
         tokens_per_block: usize,
     },
@@ -138,8 +138,10 @@ pub enum TokenSparsity<'a> {
     /// Every block processes every row.
     Dense,
     /// Each block keeps the token blocks whose informativeness reaches its layer's threshold (a
-    /// `None` threshold keeps the block dense): predicted by `predictors` where they have the
-    /// block, else exact. The choice is recorded in `plan`, with what `record` asks for.
+    /// `None` threshold keeps the block dense), exact scores; or, for attention blocks that
+    /// `predictors` score, the layer's fixed fraction of predicted ones
+    /// ([`Thresholds::selection`]). The choice is recorded in `plan`, with what `record` asks
+    /// for.
     Select {
         thresholds: &'a Thresholds,
         predictors: Option<&'a Predictors>,
@@ -227,18 +229,20 @@ impl<'a> TokenSparsity<'a> {
                 plan,
                 record,
             } => {
-                let threshold = thresholds.layers[layer].block(block);
                 *plan.layer_mut(layer).block_mut(block) = None;
-                if threshold.is_none() && *record == Record::Nothing {
+                if thresholds.layers[layer].block(block).is_none() && *record == Record::Nothing {
                     return None;
                 }
                 let block_size = thresholds.block_size;
-                let predicted = match (predictors, *record) {
-                    (Some(predictors), Record::Nothing) => {
-                        predictors.token_block_scores(layer, block, input.clone())
+                // Only attention blocks are predicted: an MLP block's exact scores are a
+                // reduction of the activations its pass computes anyway.
+                let predicted = match (predictors, *record, block) {
+                    (Some(predictors), Record::Nothing, Block::Attention) => {
+                        predictors.token_block_scores(layer, input.clone())
                     }
                     _ => None,
                 };
+                let selection = thresholds.selection(layer, block, predicted.is_some());
                 let (pass, scores) = match predicted {
                     Some(scores) => (pass(None), scores),
                     None => {
@@ -256,27 +260,29 @@ impl<'a> TokenSparsity<'a> {
                     .convert::<f32>()
                     .into_vec()
                     .expect("f32 scores");
-                let kept = threshold.map(|t| {
+                let kept = selection.map(|(threshold, floor)| {
                     let per_sequence: Vec<&[f32]> =
                         values.chunks(blocks.max(1)).take(batch).collect();
                     KeptRows::from_block_scores_aligned(
                         &per_sequence,
                         block_size,
                         seq,
-                        t,
-                        thresholds.min_keep_of(block),
+                        threshold,
+                        floor,
                         FUSED_ATTENTION_LENGTH_MULTIPLE,
                     )
                 });
                 if *record != Record::Nothing {
-                    let token_rows = match *record {
-                        Record::ScoresAndTokenRows { tokens_per_block } => Some(
-                            block_token_rows(input.clone(), block_size, tokens_per_block)
-                                .into_data()
-                                .convert::<f32>()
-                                .into_vec()
-                                .expect("f32 token rows"),
-                        ),
+                    let token_rows = match (*record, block) {
+                        (Record::ScoresAndTokenRows { tokens_per_block }, Block::Attention) => {
+                            Some(
+                                block_token_rows(input.clone(), block_size, tokens_per_block)
+                                    .into_data()
+                                    .convert::<f32>()
+                                    .into_vec()
+                                    .expect("f32 token rows"),
+                            )
+                        }
                         _ => None,
                     };
                     plan.record(

@@ -292,9 +292,9 @@ fn each_sequence_of_a_batch_keeps_its_own_rows() {
 }
 
 #[test]
-fn predicted_scores_choose_the_kept_rows_and_the_pass_stays_exact() {
+fn predicted_attention_scores_choose_a_fixed_fraction_and_the_pass_stays_exact() {
     use lemo_models::token_plan::Record;
-    use lemo_predictor::{BlockPredictor, LayerPredictors, Predictors, PredictorsHeader};
+    use lemo_predictor::{Predictors, PredictorsHeader, QueryKey};
     type B = CpuBackend;
     let device = Default::default();
     let model =
@@ -302,17 +302,14 @@ fn predicted_scores_choose_the_kept_rows_and_the_pass_stays_exact() {
     let model = burn::module::AutodiffModule::valid(&model);
     let [vocab, hidden] = model.lm_head_weight().dims();
     let tokens = random_tokens::<B>(vocab, [1, 96], &device);
-    let thresholds = half_kept(&model, 8);
-    let layers: Vec<LayerPredictors<B>> = (0..model.num_layers())
-        .map(|_| LayerPredictors {
-            attention: Some(BlockPredictor::untrained(
-                Block::Attention,
-                hidden,
-                8,
-                &device,
-            )),
-            mlp: Some(BlockPredictor::untrained(Block::Mlp, hidden, 8, &device)),
-        })
+    // Exact scores select at the mean score; predicted attention scores keep a quarter.
+    let mut thresholds = half_kept(&model, 8);
+    thresholds.min_keep = 0.1;
+    for layer in &mut thresholds.layers {
+        (layer.attention, layer.mlp, layer.attention_keep) = (Some(1.0), Some(1.0), Some(0.25));
+    }
+    let layers: Vec<Option<QueryKey<B>>> = (0..model.num_layers())
+        .map(|_| Some(QueryKey::new(hidden, 8, 1, &device)))
         .collect();
     let predictors = Predictors::new(PredictorsHeader::new(thresholds.clone(), 8), &layers);
 
@@ -332,74 +329,27 @@ fn predicted_scores_choose_the_kept_rows_and_the_pass_stays_exact() {
     let scale: f32 = dense.clone().abs().max().into_scalar();
     let difference: f32 = (sparse - dense).abs().max().into_scalar();
     assert!(difference <= 1e-5 * scale, "{difference}");
-    // Each block kept what its predictor's scores of the block input select.
     let mut differs_from_exact = false;
     for (layer, predictor) in layers.iter().enumerate() {
-        for block in [Block::Attention, Block::Mlp] {
-            let record = recorded.scores[layer].block(block).unwrap();
-            let token_rows = Tensor::<B, 1>::from_floats(
-                record.token_rows.as_ref().unwrap().as_slice(),
-                &device,
-            )
-            .reshape([1, 12, 8, hidden]);
-            let scores = predictor.block(block).unwrap().log_scores(token_rows).exp();
-            let expected = KeptRows::select(&scores, 8, 96, f32::MAX, 0.5);
-            let kept = plan.layers[layer].block(block).unwrap();
-            assert_eq!(kept, &expected, "layer {layer} {block:?}");
-            differs_from_exact |= recorded.layers[layer].block(block) != Some(kept);
-        }
+        // Each attention block kept a quarter of its blocks, the best by its predictor's
+        // scores of the block input.
+        let record = recorded.scores[layer].block(Block::Attention).unwrap();
+        let token_rows =
+            Tensor::<B, 1>::from_floats(record.token_rows.as_ref().unwrap().as_slice(), &device)
+                .reshape([1, 12, 8, hidden]);
+        let scores = predictor.as_ref().unwrap().log_scores(token_rows).exp();
+        let expected = KeptRows::select(&scores, 8, 96, f32::MAX, 0.25);
+        let kept = plan.layers[layer].attention.as_ref().unwrap();
+        assert_eq!(kept, &expected, "layer {layer}");
+        assert_eq!(kept.kept, 3 * 8, "layer {layer}");
+        differs_from_exact |= recorded.layers[layer].attention.as_ref() != Some(kept);
+        // The MLP blocks selected from their exact scores, and recorded no token rows.
+        assert_eq!(plan.layers[layer].mlp, recorded.layers[layer].mlp);
+        let mlp = recorded.scores[layer].block(Block::Mlp).unwrap();
+        assert!(mlp.token_rows.is_none(), "layer {layer}");
     }
     assert!(
         differs_from_exact,
         "the predictors chose the exact rows everywhere"
     );
-}
-
-/// The predictors' MLP sketch reads the MLP through `mlp_input_map` (norm folded into the
-/// projections); over every channel it must give the scores the MLP pass itself computes.
-#[test]
-fn the_mlp_input_map_over_every_channel_gives_the_exact_mlp_scores() {
-    use lemo_models::token_plan::Record;
-    type B = CpuBackend;
-    let device = Default::default();
-    for fixture in ["llama_gqa_tied", "opt_prenorm_proj"] {
-        let model = trainable_model::<Autodiff<B>>(fixture, &["q_proj"], false, &device);
-        let model = burn::module::AutodiffModule::valid(&model);
-        let [vocab, _] = model.lm_head_weight().dims();
-        let tokens = random_tokens::<B>(vocab, [1, 64], &device);
-        let thresholds = half_kept(&model, 8);
-        let mut recording = TokenSparsity::recording(
-            &thresholds,
-            Record::ScoresAndTokenRows {
-                tokens_per_block: 8,
-            },
-        );
-        model.hidden_states(tokens, None, &mut recording);
-        let recorded = recording.into_plan().unwrap();
-        for layer in 0..model.num_layers() {
-            let record = recorded.scores[layer].block(Block::Mlp).unwrap();
-            // The MLP's width, not the output projection's (OPT may project out).
-            let map = model.mlp_input_map(layer).unwrap();
-            let hidden = map.hidden();
-            let token_rows = record.token_rows.as_ref().unwrap();
-            let blocks = record.scores.len();
-            let tokens = token_rows.len() / (blocks * hidden);
-            let rows = Tensor::<B, 1>::from_floats(token_rows.as_slice(), &device)
-                .reshape([1, blocks, tokens, hidden]);
-            let channels = map.channels();
-            let sketch = map.sketch(&(0..channels).collect::<Vec<_>>());
-            // The sketch weighs every channel 1: its score is `channels` times the mean.
-            let sketched: Vec<f32> = (sketch.forward(rows).exp() / channels as f32)
-                .into_data()
-                .to_vec()
-                .unwrap();
-            for (got, exact) in sketched.iter().zip(&record.scores) {
-                assert!(
-                    (got - exact).abs() <= 1e-3 * exact.abs(),
-                    "{fixture} layer {layer}: {got} vs {exact} ({sketched:?} vs {:?})",
-                    record.scores
-                );
-            }
-        }
-    }
 }

@@ -1,50 +1,118 @@
-//! A layer's predictors and what they predict: token-block log-scores of its attention block
-//! (`log sum_c I_c(K_n) mean_{m >= n} I_c(Q_m)`, the column mean of the block matrix
-//! `I(B_mn) = sum_c I_c(Q_m) I_c(K_n)`, of rank `c`, over the query blocks that see key block
-//! `n`) and of its MLP block (a sketch of the MLP's own channels, [`crate::sketch`]).
+//! A layer's attention predictors and what they predict: token-block log-scores
+//! `log sum_c I_c(K_n) mean_{m >= n} D(m - n) I_c(Q_m)`, the column mean of the block matrix
+//! `I(B_mn) = D(m - n) sum_c I_c(Q_m) I_c(K_n)`, of rank `c`, over the query blocks that see key
+//! block `n`.
+//!
+//! `D` is a learned weight per bucket of block distance ([`DISTANCE_BUCKETS`]). A product of
+//! query and key scores alone cannot say that a query block attends most to the key blocks
+//! next to it (rotary positions make scores fall with distance, and many heads attend
+//! locally), so without it every key block would seem to be seen alike by near and far
+//! queries, and a late block, which only near queries see, would be scored like an early one.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use lemo_kernels::ComputeBackend;
-use lemo_sparsity::calibration::Block;
 
 use crate::scorer::{Scorer, block_token_rows, log_mean_exp_over_tokens};
-use crate::sketch::MlpSketch;
 
 /// Initial hidden width of the query and key scorers.
 pub const DEFAULT_RANK: usize = 64;
 /// Rank of the block matrix the query and key scorers approximate (their log-scores per token).
 pub const DEFAULT_COMPONENTS: usize = 1;
-/// Initial channels of an MLP sketch (at most the MLP's own).
-pub const DEFAULT_MLP_CHANNELS: usize = 128;
 
-/// The attention block's predictors: token-block log-scores of queries and of keys.
+/// Buckets of the block distance `m - n` between a query block and a key block that the
+/// attention predictors weigh apart: 0, 1, 2, 3-4, 5-8, ..., 65-128, and 129 or more.
+pub const DISTANCE_BUCKETS: usize = 10;
+
+/// The bucket of block distance `distance` (see [`DISTANCE_BUCKETS`]).
+pub fn distance_bucket(distance: usize) -> usize {
+    match distance {
+        0 => 0,
+        d => (1 + (usize::BITS - (d - 1).leading_zeros()) as usize).min(DISTANCE_BUCKETS - 1),
+    }
+}
+
+/// A layer's attention predictors: token-block log-scores of queries and of keys, and the
+/// log-weights of block distances.
 #[derive(Module, Debug)]
 pub struct QueryKey<B: Backend> {
     pub query: Scorer<B>,
     pub key: Scorer<B>,
+    /// `log D` per distance bucket, `[DISTANCE_BUCKETS]`.
+    pub distance: Param<Tensor<B, 1>>,
 }
 
 impl<B: Backend> QueryKey<B> {
+    /// Untrained scorers, every distance weighed alike.
     pub fn new(hidden: usize, rank: usize, components: usize, device: &B::Device) -> Self {
         Self {
             query: Scorer::new(hidden, rank, components, device),
             key: Scorer::new(hidden, rank, components, device),
+            distance: Param::from_tensor(Tensor::zeros([DISTANCE_BUCKETS], device)),
         }
+    }
+
+    pub fn num_params(&self) -> usize {
+        self.query.num_params() + self.key.num_params() + DISTANCE_BUCKETS
+    }
+
+    /// Natural-log token-block scores `[batch, blocks]` from the block input's token rows
+    /// `[batch, blocks, tokens, hidden]` ([`block_token_rows`]), up to a constant per sequence
+    /// (selection is relative to the sequence's mean, so only ratios matter).
+    pub fn log_scores(&self, rows: Tensor<B, 4>) -> Tensor<B, 2> {
+        attention_log_scores(
+            self.query.forward(rows.clone()),
+            self.key.forward(rows),
+            self.distance.val().unsqueeze(),
+        )
+    }
+
+    /// Hidden widths: the query scorer's two and the key scorer's two.
+    pub fn widths(&self) -> Vec<usize> {
+        [self.query.widths(), self.key.widths()].concat()
     }
 }
 
+/// `[groups, blocks, blocks]`: entry `(n, m)` is group `g`'s log-weight of the distance
+/// `m - n` (`distance: [groups, DISTANCE_BUCKETS]`) where query block `m` sees key block `n`,
+/// and `-1e30` (no weight) where it does not (`m < n`).
+fn distance_log_weights<B: Backend>(distance: Tensor<B, 2>, blocks: usize) -> Tensor<B, 3> {
+    let [groups, _] = distance.dims();
+    let device = distance.device();
+    let pairs = || (0..blocks).flat_map(|n| (0..blocks).map(move |m| (n, m)));
+    let buckets: Vec<i64> = pairs()
+        .map(|(n, m)| {
+            if m >= n {
+                distance_bucket(m - n) as i64
+            } else {
+                0
+            }
+        })
+        .collect();
+    let unseen: Vec<f32> = pairs()
+        .map(|(n, m)| if m >= n { 0.0 } else { -1e30 })
+        .collect();
+    let buckets =
+        Tensor::<B, 1, Int>::from_data(TensorData::new(buckets, [blocks * blocks]), &device);
+    let unseen = Tensor::<B, 1>::from_data(TensorData::new(unseen, [blocks * blocks]), &device);
+    (distance.select(1, buckets) + unseen.unsqueeze()).reshape([groups, blocks, blocks])
+}
+
 /// Token-block log-scores `[batch, blocks]` from the query and key scorers' per-token
-/// log-scores `[batch, blocks, tokens, components]`: each pooled over its block's tokens, then
-/// `log sum_c exp(k_nc + log mean_{m >= n} exp(q_mc))`. Every reduction runs over the last
-/// dimension (one component at a time), the layout CubeCL's fused reductions handle on every
-/// backend.
+/// log-scores `[batch, blocks, tokens, components]` and the distance log-weights
+/// `[groups, DISTANCE_BUCKETS]` of `groups` consecutive runs of sequences (the layers of a
+/// stacked batch; one group for one layer): each scorer pooled over its block's tokens, then
+/// `log sum_c exp(k_nc + log mean_{m >= n} exp(q_mc + log D(m - n)))`. Every reduction runs
+/// over the last dimension (one component at a time), the layout CubeCL's fused reductions
+/// handle on every backend.
 pub(crate) fn attention_log_scores<B: Backend>(
     query: Tensor<B, 4>,
     key: Tensor<B, 4>,
+    distance: Tensor<B, 2>,
 ) -> Tensor<B, 2> {
     let [batch, blocks, tokens, components] = key.dims();
+    let distance = distance_log_weights(distance, blocks);
     let pooled = |per_token: &Tensor<B, 4>, component: usize| {
         log_mean_exp_over_tokens(
             per_token
@@ -54,7 +122,7 @@ pub(crate) fn attention_log_scores<B: Backend>(
         )
     };
     let terms: Vec<Tensor<B, 2>> = (0..components)
-        .map(|c| pooled(&key, c) + suffix_log_mean_exp(pooled(&query, c)))
+        .map(|c| pooled(&key, c) + column_log_mean_exp(pooled(&query, c), distance.clone()))
         .collect();
     if components == 1 {
         return terms.into_iter().next().expect("one component");
@@ -64,115 +132,32 @@ pub(crate) fn attention_log_scores<B: Backend>(
     ((terms - largest.clone()).exp().sum_dim(2).log() + largest).reshape([batch, blocks])
 }
 
-/// The predictor of one block of a layer.
-// One per block of a layer, never moved in a hot loop: the variants' size difference is moot.
-#[allow(clippy::large_enum_variant)]
-#[derive(Module, Debug)]
-pub enum BlockPredictor<B: Backend> {
-    Attention(QueryKey<B>),
-    Mlp(MlpSketch<B>),
-}
-
-impl<B: Backend> BlockPredictor<B> {
-    /// An untrained predictor of `block` for a model of width `hidden`: scorers of width
-    /// `rank` and [`DEFAULT_COMPONENTS`], or a sketch of `rank` random channels (trained MLP
-    /// sketches start from the model's own channels, [`crate::sketch::MlpInputMap::sketch`]).
-    pub fn untrained(block: Block, hidden: usize, rank: usize, device: &B::Device) -> Self {
-        match block {
-            Block::Attention => {
-                Self::Attention(QueryKey::new(hidden, rank, DEFAULT_COMPONENTS, device))
-            }
-            Block::Mlp => Self::Mlp(MlpSketch::random(hidden, rank, device)),
-        }
-    }
-
-    pub fn block(&self) -> Block {
-        match self {
-            Self::Attention(_) => Block::Attention,
-            Self::Mlp(_) => Block::Mlp,
-        }
-    }
-
-    /// Natural-log token-block scores `[batch, blocks]` from the block input's token rows
-    /// `[batch, blocks, tokens, hidden]` ([`block_token_rows`]), up to a constant per sequence
-    /// (selection is relative to the sequence's mean, so only ratios matter).
-    pub fn log_scores(&self, rows: Tensor<B, 4>) -> Tensor<B, 2> {
-        match self {
-            Self::Attention(QueryKey { query, key }) => {
-                attention_log_scores(query.forward(rows.clone()), key.forward(rows))
-            }
-            Self::Mlp(sketch) => sketch.forward(rows),
-        }
-    }
-
-    /// Hidden widths: the query scorer's two and the key scorer's two, or the sketch's
-    /// channel count.
-    pub fn widths(&self) -> Vec<usize> {
-        match self {
-            Self::Attention(QueryKey { query, key }) => [query.widths(), key.widths()].concat(),
-            Self::Mlp(sketch) => vec![sketch.width()],
-        }
-    }
-
-    pub fn num_params(&self) -> usize {
-        match self {
-            Self::Attention(QueryKey { query, key }) => query.num_params() + key.num_params(),
-            Self::Mlp(sketch) => sketch.num_params(),
-        }
-    }
-}
-
-/// `log(mean_{m >= n} exp(v_m))` for every `n`, of `v: [batch, blocks]`, stably: the log of the
-/// mean query score over the query blocks that see key block `n`. O(batch * blocks^2).
-pub fn suffix_log_mean_exp<B: Backend>(v: Tensor<B, 2>) -> Tensor<B, 2> {
+/// `log(mean_{m >= n} exp(v_m + w_nm))` for every `n`, of `v: [batch, blocks]` and the
+/// weights `w: [groups, blocks, blocks]` of `groups` consecutive runs of sequences
+/// ([`distance_log_weights`]), stably: the log of the weighted mean query score over the query
+/// blocks that see key block `n`. O(batch * blocks^2).
+fn column_log_mean_exp<B: Backend>(v: Tensor<B, 2>, weights: Tensor<B, 3>) -> Tensor<B, 2> {
     let [batch, blocks] = v.dims();
+    let [groups, _, _] = weights.dims();
     let device = v.device();
-    let mask: Vec<f32> = (0..blocks)
-        .flat_map(|n| (0..blocks).map(move |m| if m >= n { 0.0 } else { -1e30 }))
-        .collect();
-    let mask = Tensor::<B, 1>::from_data(TensorData::new(mask, [blocks * blocks]), &device)
-        .reshape([1, blocks, blocks]);
-    let terms = v.reshape([batch, 1, blocks]) + mask;
-    let largest = terms.clone().max_dim(2).detach();
-    let log_sum = (terms - largest.clone()).exp().sum_dim(2).log() + largest;
+    let terms = v.reshape([groups, batch / groups, 1, blocks])
+        + weights.reshape([groups, 1, blocks, blocks]);
+    let largest = terms.clone().max_dim(3).detach();
+    let log_sum = (terms - largest.clone()).exp().sum_dim(3).log() + largest;
     let log_count: Vec<f32> = (0..blocks).map(|n| ((blocks - n) as f32).ln()).collect();
     let log_count = Tensor::<B, 1>::from_data(TensorData::new(log_count, [blocks]), &device)
         .reshape([1, blocks]);
     log_sum.reshape([batch, blocks]) - log_count
 }
 
-impl<B: ComputeBackend> BlockPredictor<B> {
+impl<B: ComputeBackend> QueryKey<B> {
     /// Token-block scores `[batch, blocks]` (f32, each sequence's largest 1) of the block input
     /// `x: [batch, seq, hidden]`: a few small GEMMs over the tokens (O(seq * hidden * rank))
-    /// and the pooling.
+    /// and the pooling (O(batch * blocks^2)).
     pub fn token_block_scores(&self, x: Tensor<B, 3>, block_size: usize) -> Tensor<B, 2> {
         let log_scores = self.log_scores(block_token_rows(x, block_size, block_size));
         let largest = log_scores.clone().max_dim(1);
         (log_scores - largest).exp()
-    }
-}
-
-/// The predictors of one layer; `None` where that block of the layer stays dense.
-#[derive(Module, Debug)]
-pub struct LayerPredictors<B: Backend> {
-    pub attention: Option<BlockPredictor<B>>,
-    pub mlp: Option<BlockPredictor<B>>,
-}
-
-impl<B: Backend> LayerPredictors<B> {
-    pub fn block(&self, block: Block) -> Option<&BlockPredictor<B>> {
-        match block {
-            Block::Attention => self.attention.as_ref(),
-            Block::Mlp => self.mlp.as_ref(),
-        }
-    }
-
-    pub fn num_params(&self) -> usize {
-        [&self.attention, &self.mlp]
-            .into_iter()
-            .flatten()
-            .map(BlockPredictor::num_params)
-            .sum()
     }
 }
 
@@ -185,14 +170,20 @@ mod tests {
     type B = NdArray<f32>;
 
     #[test]
-    fn attention_scores_are_column_means_of_the_causal_block_matrix() {
+    fn attention_scores_are_column_means_of_the_distance_weighted_causal_block_matrix() {
         let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
-        let (blocks, components) = (5, 2);
-        let scorers = QueryKey::<B>::new(8, 4, components, &device);
+        let (blocks, components) = (6, 2);
+        let mut scorers = QueryKey::<B>::new(8, 4, components, &device);
+        scorers.distance = Param::from_tensor(Tensor::random(
+            [DISTANCE_BUCKETS],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        ));
+        let log_weights: Vec<f32> = scorers.distance.val().into_data().to_vec().unwrap();
         let rows =
             Tensor::<B, 4>::random([2, blocks, 3, 8], Distribution::Normal(0.0, 1.0), &device);
-        let predictor = BlockPredictor::Attention(scorers.clone());
+        let predictor = scorers.clone();
         let scores: Vec<f32> = predictor
             .log_scores(rows.clone())
             .exp()
@@ -215,11 +206,14 @@ mod tests {
         };
         for sequence in 0..2 {
             for n in 0..blocks {
-                // Block matrix I(B_mn) = sum_c q_mc k_nc for m >= n; key block n's score is its
-                // column mean over the blocks - n query blocks that see it.
+                // Block matrix I(B_mn) = D(m - n) sum_c q_mc k_nc for m >= n; key block n's
+                // score is its column mean over the blocks - n query blocks that see it.
                 let column: f32 = (n..blocks)
                     .flat_map(|m| (0..components).map(move |c| (m, c)))
-                    .map(|(m, c)| at(&query, sequence, m, c) * at(&key, sequence, n, c))
+                    .map(|(m, c)| {
+                        let weight = log_weights[distance_bucket(m - n)].exp();
+                        weight * at(&query, sequence, m, c) * at(&key, sequence, n, c)
+                    })
                     .sum::<f32>()
                     / (blocks - n) as f32;
                 let got = scores[sequence * blocks + n];
@@ -232,10 +226,18 @@ mod tests {
     }
 
     #[test]
+    fn distance_buckets_double_in_width_up_to_the_last() {
+        let buckets: Vec<usize> = [0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65, 128, 129, 10_000]
+            .map(distance_bucket)
+            .to_vec();
+        assert_eq!(buckets, [0, 1, 2, 3, 3, 4, 4, 5, 5, 6, 7, 8, 8, 9, 9]);
+    }
+
+    #[test]
     fn token_block_scores_keep_the_ratios_and_put_the_largest_at_one() {
         let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
-        let predictor = BlockPredictor::<B>::untrained(Block::Mlp, 8, 4, &device);
+        let predictor = QueryKey::<B>::new(8, 4, DEFAULT_COMPONENTS, &device);
         let x = Tensor::<B, 3>::random([1, 40, 8], Distribution::Normal(0.0, 1.0), &device);
         let scores: Vec<f32> = predictor
             .token_block_scores(x.clone(), 8)

@@ -15,7 +15,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
 use crate::agreement::{Recall, Selection, agreement};
-use crate::predictor::{BlockPredictor, QueryKey, attention_log_scores};
+use crate::predictor::{DISTANCE_BUCKETS, QueryKey, attention_log_scores};
 use crate::scorer::{Dense, Scorer, ScorerShape, initial_distribution};
 use crate::training::{
     BlockSamples, TrainOptions, TrainedBlock, log_thresholds, selection_loss, surviving_count,
@@ -133,10 +133,17 @@ impl<B: Backend> StackedScorer<B> {
     }
 }
 
+/// Adam moves each parameter by about the learning rate per step: the distance log-weights,
+/// which need a range of a few nats within a few hundred steps, are trained as this fraction
+/// of their value.
+const DISTANCE_STEP: f32 = 0.1;
+
 #[derive(Module, Debug)]
 struct StackedQueryKey<B: Backend> {
     query: StackedScorer<B>,
     key: StackedScorer<B>,
+    /// Every layer's distance log-weights times [`DISTANCE_STEP`], `[layers, DISTANCE_BUCKETS]`.
+    distance: Param<Tensor<B, 2>>,
 }
 
 /// Training rows of every layer: `[layers, sequences * blocks * tokens, hidden]` and the shape
@@ -230,7 +237,7 @@ impl Alive {
 
 impl<B: Backend> StackedQueryKey<B> {
     /// Natural-log token-block scores `[layers * sequences, blocks]` (as
-    /// [`BlockPredictor::log_scores`], every layer at once).
+    /// [`QueryKey::log_scores`], every layer at once).
     fn log_scores(&self, data: &StackedRows<B>, masks: &Masks<B>) -> Tensor<B, 2> {
         let layers = data.rows.dims()[0];
         let per_token = |scorer: &StackedScorer<B>, index: usize| {
@@ -244,7 +251,16 @@ impl<B: Backend> StackedQueryKey<B> {
                 components,
             ])
         };
-        attention_log_scores(per_token(&self.query, 0), per_token(&self.key, 1))
+        attention_log_scores(
+            per_token(&self.query, 0),
+            per_token(&self.key, 1),
+            self.distance_log_weights(),
+        )
+    }
+
+    /// `[layers, DISTANCE_BUCKETS]`.
+    fn distance_log_weights(&self) -> Tensor<B, 2> {
+        self.distance.val().div_scalar(DISTANCE_STEP)
     }
 
     /// How often each hidden neuron is zero on `data` (the full width; masked neurons always
@@ -279,9 +295,13 @@ impl<B: Backend> StackedQueryKey<B> {
     }
 
     fn blend(&self, other: &Self, take: Tensor<B, 3>) -> Self {
+        let [layers, _, _] = take.dims();
+        let (mine, theirs) = (self.distance.val(), other.distance.val());
+        let distance = mine.clone() + (theirs - mine) * take.clone().reshape([layers, 1]);
         Self {
             query: self.query.blend(&other.query, take.clone()),
             key: self.key.blend(&other.key, take),
+            distance: Param::from_tensor(distance.detach()),
         }
     }
 }
@@ -403,6 +423,7 @@ pub fn train_attention_layers<B: AutodiffBackend>(
     let initial = StackedQueryKey {
         query: StackedScorer::new(layers, hidden, rank, components, device),
         key: StackedScorer::new(layers, hidden, rank, components, device),
+        distance: Param::from_tensor(Tensor::zeros([layers, DISTANCE_BUCKETS], device)),
     };
     let mut model = fit(initial, &alive, options.epochs);
     let unpruned = validation_recalls(&model, &alive);
@@ -459,13 +480,21 @@ pub fn train_attention_layers<B: AutodiffBackend>(
         .into_vec()
         .expect("f64 losses");
     let model = model.valid();
-    let params_before = 2 * Scorer::<B>::params_of(hidden, [rank, rank], components);
+    let distance = model.distance_log_weights();
+    let params_before =
+        2 * Scorer::<B>::params_of(hidden, [rank, rank], components) + DISTANCE_BUCKETS;
     (0..layers)
         .map(|layer| TrainedBlock {
-            predictor: BlockPredictor::Attention(QueryKey {
+            predictor: QueryKey {
                 query: model.query.layer(layer, alive.of_layer(0, layer)),
                 key: model.key.layer(layer, alive.of_layer(1, layer)),
-            }),
+                distance: Param::from_tensor(
+                    distance
+                        .clone()
+                        .narrow(0, layer, 1)
+                        .reshape([DISTANCE_BUCKETS]),
+                ),
+            },
             params_before,
             validation_before: unpruned[layer],
             validation: kept[layer],

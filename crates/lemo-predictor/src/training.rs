@@ -1,10 +1,8 @@
-//! Offline training of the predictors on (token rows, exact token-block scores) of the frozen
-//! model, with elastic size transformation, and the recall they reach: the MLP sketches one
-//! block at a time (a closed form, [`train_mlp_block`]), the attention scorers of every layer at
-//! once ([`crate::stacked::train_attention_layers`]).
+//! Offline training of the attention predictors on (token rows, exact token-block scores) of the
+//! frozen model, with elastic size transformation, and the recall they reach (the scorers of
+//! every layer at once, [`crate::stacked::train_attention_layers`]).
 //!
-//! The attention scorers' loss
-//! has two terms, both on natural-log scores of each sequence:
+//! The loss has two terms, both on natural-log scores of each sequence:
 //! - shape: the mean squared difference of the predicted and exact log-scores, each centered on
 //!   its sequence's mean (selection is relative to the sequence, so a constant does not matter);
 //! - selection: a logistic loss on the predicted margin `log s_n - log mean(s) - log threshold`,
@@ -12,11 +10,10 @@
 //!   layer's threshold, where the kept set is decided, weigh most.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{ElementConversion, Tensor, TensorData};
+use burn::tensor::{Tensor, TensorData};
 
-use crate::agreement::{Recall, Selection, recall};
-use crate::predictor::BlockPredictor;
-use crate::sketch::{MlpInputMap, MlpSketch};
+use crate::agreement::Recall;
+use crate::predictor::QueryKey;
 
 /// Sharpness of the selection term: a margin of 0.25 in log-score is a confident side.
 const SHARPNESS: f64 = 4.0;
@@ -150,7 +147,7 @@ pub struct TrainOptions {
     pub learning_rate: f64,
     /// Epochs of the attention scorers between prunings (0: no elastic size transformation).
     pub prune_every: usize,
-    /// Fraction of each hidden layer's neurons (of each sketch's channels) one pruning removes.
+    /// Fraction of each hidden layer's neurons one pruning removes.
     pub prune_fraction: f64,
     /// Largest loss of validation recall a pruning may cost (absolute, e.g. 0.005).
     pub recall_tolerance: f64,
@@ -170,9 +167,9 @@ impl Default for TrainOptions {
     }
 }
 
-/// A trained block predictor and how it got there.
+/// A layer's trained attention predictors and how they got there.
 pub struct TrainedBlock<B: Backend> {
-    pub predictor: BlockPredictor<B>,
+    pub predictor: QueryKey<B>,
     pub params_before: usize,
     /// Recall on the validation sequences before pruning and at the end.
     pub validation_before: Recall,
@@ -196,116 +193,25 @@ pub(crate) fn survivors(uselessness: &[f32], fraction: f64) -> Vec<usize> {
     keep
 }
 
-/// The MLP predictor training starts from: the sketch of the `channels` channels of `map` that
-/// [`MlpInputMap::select_neurons`] picks on `train`.
-pub fn initial_sketch<B: Backend>(
-    map: &MlpInputMap<B>,
-    train: &BlockSamples,
-    channels: usize,
-    device: &B::Device,
-) -> MlpSketch<B> {
-    let shape = [train.sequences(), train.blocks];
-    let scores = Tensor::from_data(TensorData::new(train.scores.clone(), shape), device);
-    // Sequences per product, so that `[rows, ffn]` stays near 2^28 values.
-    let rows_per_sequence = (train.blocks * train.tokens).max(1);
-    let chunk = ((1usize << 28) / (rows_per_sequence * map.channels()).max(1)).max(1);
-    let neurons = map.select_neurons(
-        train.token_rows(device),
-        scores,
-        channels.min(map.channels()),
-        chunk,
-    );
-    map.sketch(&neurons)
-}
-
-/// Fits `initial`'s channel weights on `train` by least squares ([`MlpSketch::fitted`]), then
-/// transforms its size: each round drops the `options.prune_fraction` of its channels that
-/// contribute least and solves again, and is kept while recall on `validation` stays within
-/// `options.recall_tolerance` of the unpruned sketch's (the first round that falls short is
-/// undone and ends pruning).
-pub fn train_mlp_block<B: Backend>(
-    initial: MlpSketch<B>,
-    train: &BlockSamples,
-    validation: &BlockSamples,
-    selection: Selection,
-    options: &TrainOptions,
-    device: &B::Device,
-) -> TrainedBlock<B> {
-    let token_rows = train.token_rows::<B>(device);
-    let (exact, labels) = train.targets::<B>(selection.threshold, device);
-    let log_threshold = log_thresholds(selection.threshold, train.sequences(), device);
-    let fit = |sketch: &MlpSketch<B>| {
-        let fitted = sketch.fitted(token_rows.clone(), &train.scores, 64);
-        let loss = selection_loss(
-            fitted.forward(token_rows.clone()),
-            exact.clone(),
-            labels.clone(),
-            log_threshold.clone(),
-        )
-        .mean()
-        .into_scalar()
-        .elem::<f64>();
-        (fitted, loss)
-    };
-    let validation_recall = |s: &MlpSketch<B>| {
-        recall(
-            &BlockPredictor::Mlp(s.clone()),
-            validation,
-            selection,
-            device,
-        )
-    };
-
-    let params_before = initial.num_params();
-    let (mut sketch, mut final_loss) = fit(&initial);
-    let unpruned = validation_recall(&sketch);
-    let mut kept = unpruned;
-    if options.prune_every > 0 && options.prune_fraction > 0.0 {
-        loop {
-            let negated: Vec<f32> = sketch
-                .contributions(token_rows.clone())
-                .iter()
-                .map(|c| -c)
-                .collect();
-            let pruned = sketch.pruned(&survivors(&negated, options.prune_fraction));
-            if pruned.num_params() == sketch.num_params() {
-                break;
-            }
-            let (pruned, loss) = fit(&pruned);
-            let now = validation_recall(&pruned);
-            if now.recall + options.recall_tolerance < unpruned.recall {
-                break;
-            }
-            (sketch, kept, final_loss) = (pruned, now, loss);
-        }
-    }
-    TrainedBlock {
-        predictor: BlockPredictor::Mlp(sketch),
-        params_before,
-        validation_before: unpruned,
-        validation: kept,
-        final_loss,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use burn::backend::{Autodiff, NdArray};
     use burn::tensor::Distribution;
-    use lemo_sparsity::calibration::Block;
+
+    use crate::agreement::{Selection, recall};
+    use crate::predictor::{DISTANCE_BUCKETS, attention_log_scores};
 
     type B = NdArray<f32>;
     type AB = Autodiff<B>;
 
     const HIDDEN: usize = 12;
-    const MLP_CHANNELS: usize = 48;
 
-    /// Sequences of blocks of 4 tokens and their exact token-block scores: attention, the
-    /// rank-two block matrix of linear per-token query and key log-scores, two each (what
-    /// scorers of two components can learn, [`crate::predictor::attention_log_scores`]); MLP, the mean `|silu(x G) * (x U)|` of a random SwiGLU map (every
-    /// channel), returned with the map.
-    fn samples(block: Block, sequences: usize, blocks: usize) -> (BlockSamples, MlpInputMap<B>) {
+    /// Sequences of blocks of 4 tokens and their exact token-block scores: the rank-two block
+    /// matrix of linear per-token query and key log-scores, two each, weighed down with block
+    /// distance (what scorers of two components and distance weights can learn,
+    /// [`attention_log_scores`]).
+    fn samples(sequences: usize, blocks: usize) -> BlockSamples {
         let device = Default::default();
         let tokens = 4;
         let x = Tensor::<B, 4>::random(
@@ -320,56 +226,38 @@ mod tests {
                 .reshape([sequences, blocks, tokens, 2])
         };
         let normal = Distribution::Normal(0.0, 0.5);
-        // Channel scales spread over two orders of magnitude, as a trained MLP's are.
-        let channel_scales =
-            Tensor::<B, 1>::random([MLP_CHANNELS], Distribution::Normal(0.0, 1.0), &device).exp();
-        let map = MlpInputMap {
-            gate: Some(Tensor::random([HIDDEN, MLP_CHANNELS], normal, &device)),
-            up: Tensor::random([HIDDEN, MLP_CHANNELS], normal, &device)
-                * channel_scales.unsqueeze(),
-            up_bias: Tensor::zeros([MLP_CHANNELS], &device),
-        };
-        let log_scores = match block {
-            Block::Mlp => map
-                .sketch(&(0..MLP_CHANNELS).collect::<Vec<_>>())
-                .forward(x.clone()),
-            Block::Attention => {
-                let query = Tensor::<B, 2>::random([HIDDEN, 2], normal, &device);
-                let key = Tensor::<B, 2>::random([HIDDEN, 2], normal, &device);
-                crate::predictor::attention_log_scores(per_token(query), per_token(key))
-            }
-        };
+        let query = Tensor::<B, 2>::random([HIDDEN, 2], normal, &device);
+        let key = Tensor::<B, 2>::random([HIDDEN, 2], normal, &device);
+        let decay: Vec<f32> = (0..DISTANCE_BUCKETS).map(|b| -0.7 * b as f32).collect();
+        let distance = Tensor::<B, 1>::from_floats(decay.as_slice(), &device);
+        let log_scores =
+            attention_log_scores(per_token(query), per_token(key), distance.unsqueeze());
         let mut out = BlockSamples::new(blocks, tokens, HIDDEN);
         out.push(
             &x.into_data().to_vec::<f32>().unwrap(),
             &log_scores.exp().into_data().to_vec::<f32>().unwrap(),
         );
-        (out, map)
+        out
     }
 
     /// What a trained predictor must show on the validation sequences: recall of at least 85%
     /// (seeds 1 to 7 give 90-96%; untrained predictors 50-74%), above the untrained predictor's,
     /// and pruning costing at most the tolerance. Whether a round of pruning fits in the
     /// tolerance depends on the data: the callers check that parameters go.
-    fn check_trained(block: Block, trained: &TrainedBlock<B>, chance: Recall, tolerance: f64) {
+    fn check_trained(trained: &TrainedBlock<B>, chance: Recall, tolerance: f64) {
         let after = trained.validation;
         println!(
-            "{block:?}: untrained {chance:?}, trained {:?} then pruned {after:?}, loss {}",
+            "untrained {chance:?}, trained {:?} then pruned {after:?}, loss {}",
             trained.validation_before, trained.final_loss
         );
-        assert!(after.recall >= 0.85, "{block:?}: {after:?}");
-        assert!(
-            after.recall > chance.recall,
-            "{block:?}: {after:?} vs {chance:?}"
-        );
+        assert!(after.recall >= 0.85, "{after:?}");
+        assert!(after.recall > chance.recall, "{after:?} vs {chance:?}");
         assert!(
             after.recall + tolerance >= trained.validation_before.recall - 1e-9,
-            "{block:?}: pruning lost recall: {:?} -> {after:?}",
+            "pruning lost recall: {:?} -> {after:?}",
             trained.validation_before
         );
     }
-
-    const SELECTION: Selection = Selection::new(1.0, 0.1);
 
     fn options(seed: u64) -> TrainOptions {
         TrainOptions {
@@ -389,16 +277,19 @@ mod tests {
         let device = Default::default();
         B::seed(&device, seed);
         // Two layers with their own score maps, trained together.
-        let layers: Vec<(BlockSamples, BlockSamples)> = (0..2)
-            .map(|_| samples(Block::Attention, 300, 24).0.split(200))
-            .collect();
+        let layers: Vec<(BlockSamples, BlockSamples)> =
+            (0..2).map(|_| samples(300, 24).split(200)).collect();
         let train: Vec<&BlockSamples> = layers.iter().map(|(t, _)| t).collect();
         let validation: Vec<&BlockSamples> = layers.iter().map(|(_, v)| v).collect();
+        let selections: Vec<Selection> = train
+            .iter()
+            .map(|t| Selection::fitted(1.0, 0.1, &t.scores, t.blocks))
+            .collect();
         let options = options(seed);
         let trained = crate::stacked::train_attention_layers::<AB>(
             &train,
             &validation,
-            &[SELECTION; 2],
+            &selections,
             crate::scorer::ScorerShape {
                 rank: 32,
                 components: 2,
@@ -422,43 +313,19 @@ mod tests {
             "nothing pruned"
         );
         for (layer, trained) in trained.iter().enumerate() {
-            let untrained = BlockPredictor::<B>::untrained(Block::Attention, HIDDEN, 16, &device);
-            let chance = recall(&untrained, validation[layer], SELECTION, &device);
-            check_trained(Block::Attention, trained, chance, options.recall_tolerance);
+            let selection = selections[layer];
+            let untrained = QueryKey::<B>::new(HIDDEN, 16, 1, &device);
+            let chance = recall(&untrained, validation[layer], selection, &device);
+            check_trained(trained, chance, options.recall_tolerance);
             // The cut scorers give the recall measured on the masked stack (a block at the
             // threshold may flip with the order of a sum).
-            let measured = recall(&trained.predictor, validation[layer], SELECTION, &device);
+            let measured = recall(&trained.predictor, validation[layer], selection, &device);
             assert!(
                 (measured.recall - trained.validation.recall).abs() < 0.01,
                 "layer {layer}: {measured:?} vs {:?}",
                 trained.validation
             );
         }
-    }
-
-    #[test]
-    fn a_fitted_mlp_sketch_finds_the_kept_blocks_and_pruning_keeps_recall() {
-        let _generator = lemo_test_support::exclusive_generator();
-        let seed = lemo_test_support::seed();
-        let device = Default::default();
-        B::seed(&device, seed);
-        let (data, map) = samples(Block::Mlp, 300, 24);
-        let (train, validation) = data.split(200);
-        // Fitted sketches recall 93-98% here, and a round that drops a quarter of them may
-        // then cost more than 2% (2 seeds in 24 pruned nothing at 0.02).
-        let options = TrainOptions {
-            recall_tolerance: 0.04,
-            ..options(seed)
-        };
-        let untrained = BlockPredictor::<B>::untrained(Block::Mlp, HIDDEN, 16, &device);
-        let chance = recall(&untrained, &validation, SELECTION, &device);
-        let initial = initial_sketch(&map, &train, 32, &device);
-        let trained = train_mlp_block(initial, &train, &validation, SELECTION, &options, &device);
-        check_trained(Block::Mlp, &trained, chance, options.recall_tolerance);
-        assert!(
-            trained.predictor.num_params() < trained.params_before,
-            "nothing pruned"
-        );
     }
 
     #[test]

@@ -167,6 +167,7 @@ impl Calibrator {
                 LayerThresholds {
                     attention: threshold(0),
                     mlp: threshold(1),
+                    attention_keep: None,
                 }
             })
             .collect()

@@ -25,6 +25,11 @@ pub enum ThresholdsError {
 pub struct LayerThresholds {
     pub attention: Option<f32>,
     pub mlp: Option<f32>,
+    /// The fraction of each sequence's token blocks the attention block keeps, its best ones,
+    /// when its scores are predicted: predictors select a fixed fraction, the one exact scores
+    /// keep at `attention` (written by `train-predictors`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attention_keep: Option<f32>,
 }
 
 impl LayerThresholds {
@@ -103,6 +108,18 @@ impl Thresholds {
             (Some([_, mlp]), Block::Mlp) => mlp,
             (None, _) => self.min_keep,
         }
+    }
+
+    /// How `block` of `layer` selects, `(threshold, floor)` (see
+    /// [`crate::selection::KeptRows::select`]); `None`: it stays dense. From `predicted`
+    /// attention scores with the layer's `attention_keep`, a floor alone: its best blocks.
+    pub fn selection(&self, layer: usize, block: Block, predicted: bool) -> Option<(f32, f32)> {
+        let thresholds = &self.layers[layer];
+        let threshold = thresholds.block(block)?;
+        Some(match (block, predicted, thresholds.attention_keep) {
+            (Block::Attention, true, Some(keep)) => (f32::MAX, keep),
+            _ => (threshold, self.min_keep_of(block)),
+        })
     }
 
     pub fn read(path: &Path) -> Result<Self, ThresholdsError> {

@@ -10,9 +10,11 @@ use std::time::Instant;
 use anyhow::Result;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Distribution, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_models::weights::WeightSource;
 use lemo_models::{CausalLm, LoraConfig, ModelConfig};
+use lemo_predictor::Predictors;
 use serde::Serialize;
 
 use crate::device::{BackendJob, PrecisionKind};
@@ -106,6 +108,10 @@ pub struct BenchResult {
     pub predicted_peak_gib: f64,
     /// (predicted - device peak) / device peak.
     pub predicted_error: Option<f64>,
+    /// With predicted scores: seconds the attention predictors take per step, timed apart
+    /// ([`predictor_seconds`]), and their parameters.
+    pub predictor_s: Option<f64>,
+    pub predictor_params: Option<usize>,
 }
 
 pub struct BenchJob {
@@ -169,6 +175,35 @@ fn plan_input(
 
 /// Tokens whose logits one loss segment materializes.
 const LOSS_SEGMENT: usize = 1024;
+
+/// Seconds the attention predictors take for one training step's worth of scoring: every layer
+/// they score, on a random block input of shape `input` in `dtype`, each layer's scores read
+/// back to the host as selection reads them. The median of three timed passes after an untimed
+/// one.
+fn predictor_seconds<B: LemoBackend>(
+    predictors: &Predictors,
+    input: [usize; 3],
+    dtype: DType,
+    device: &B::Device,
+) -> Result<f64> {
+    let x = Tensor::<B, 3>::random(input, Distribution::Normal(0.0, 1.0), device).cast(dtype);
+    let layers = predictors.header.num_layers;
+    let mut times = Vec::new();
+    for pass in 0..4 {
+        let started = Instant::now();
+        for layer in 0..layers {
+            if let Some(scores) = predictors.token_block_scores(layer, x.clone()) {
+                scores.into_data();
+            }
+        }
+        B::sync(device).map_err(|e| anyhow::anyhow!("device error: {e:?}"))?;
+        if pass > 0 {
+            times.push(started.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
 
 fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchResult>> {
     type AB<B> = Autodiff<B>;
@@ -237,6 +272,8 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                 memory_plan::predict(&plan_input(&job, &config, &lora, seq_len)).total as u64,
             ),
             predicted_error: None,
+            predictor_s: None,
+            predictor_params: None,
         };
         if ran_out {
             result.oom = true;
@@ -308,6 +345,13 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                 if let Some(plan) = plan {
                     result.keep_attention = Some(sparse_keep(&plan, Block::Attention));
                     result.keep_mlp = Some(sparse_keep(&plan, Block::Mlp));
+                }
+                if let Some(predictors) = elimination.as_ref().and_then(|e| e.predictors.as_ref()) {
+                    let input = [1, seq_len, config.hidden_size()];
+                    let dtype = model.lm_head_weight().dtype();
+                    result.predictor_s =
+                        Some(predictor_seconds::<B>(predictors, input, dtype, &device)?);
+                    result.predictor_params = Some(predictors.num_params());
                 }
                 let mut sorted = times.clone();
                 sorted.sort_by(f64::total_cmp);

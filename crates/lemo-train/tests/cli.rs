@@ -441,17 +441,22 @@ fn trained_predictors_drive_a_lemo_evaluation_and_bad_ones_are_refused() {
         .header;
     assert_eq!((header.block_size, header.seq_len), (8, 32));
     assert_eq!(header.position_interpolation, Some(1.0));
-    assert!(header.layers[0].attention.is_none() && header.layers[1].attention.is_some());
-    // Each block reports the exact threshold beside the matched one the header selects with.
-    let report = header.layers[1].attention.as_ref().unwrap();
+    assert!(header.layers[0].is_none() && header.layers[1].is_some());
+    // The header keeps the calibrated thresholds, and the fraction predicted scores keep.
+    let report = header.layers[1].as_ref().unwrap();
+    let layer = &header.thresholds.layers[1];
     assert!(
-        report.exact_threshold > 0.0
-            && header.thresholds.layers[1].attention.is_some()
+        layer.attention.is_some()
+            && layer.mlp.is_some()
+            && layer
+                .attention_keep
+                .is_some_and(|keep| keep > 0.0 && keep <= 1.0)
             && (0.0..=1.0).contains(&report.kept)
             && (0.0..=1.0).contains(&report.exact_kept)
             && report.captured > 0.0
-            && report.captured <= 1.0 + 1e-9,
-        "{report:?}"
+            && report.captured <= 1.0 + 1e-9
+            && (0.0..=1.0).contains(&report.ranked),
+        "{report:?} {layer:?}"
     );
 
     let eval = |extra: &[&str]| -> Vec<String> {

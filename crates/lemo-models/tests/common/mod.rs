@@ -134,6 +134,7 @@ pub fn half_kept<B: LemoBackend>(model: &CausalLm<B>, block_size: usize) -> Thre
     let all = LayerThresholds {
         attention: Some(f32::MAX),
         mlp: Some(f32::MAX),
+        attention_keep: None,
     };
     Thresholds {
         block_size,
@@ -148,6 +149,7 @@ pub fn every_token_kept<B: LemoBackend>(model: &CausalLm<B>, block_size: usize) 
     let all = LayerThresholds {
         attention: Some(f32::MIN),
         mlp: Some(f32::MIN),
+        attention_keep: None,
     };
     Thresholds {
         block_size,

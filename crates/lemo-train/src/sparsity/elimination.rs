@@ -8,13 +8,19 @@ use burn::tensor::backend::Backend;
 use lemo_models::ModelConfig;
 use lemo_models::token_plan::DroppedRows;
 use lemo_models::token_plan::TokenSparsity;
-use lemo_predictor::predictor::{DEFAULT_MLP_CHANNELS, DEFAULT_RANK};
-use lemo_predictor::{BlockPredictor, LayerPredictors, Predictors, PredictorsHeader};
+use lemo_predictor::predictor::DEFAULT_COMPONENTS;
+use lemo_predictor::{Predictors, PredictorsHeader, QueryKey};
 use lemo_sparsity::calibration::Block;
 use lemo_sparsity::{LayerThresholds, Thresholds};
 use serde::{Deserialize, Serialize};
 
 use super::SparsitySettings;
+
+/// Width of `bench`'s untrained attention predictors. Trained ones start at
+/// [`lemo_predictor::predictor::DEFAULT_RANK`], and elastic size transformation leaves most
+/// layers at its floor of 4 neurons (SmolLM2-135M: 26 of 29 layers; stories260K: every layer),
+/// so `bench` times twice that.
+const BENCH_PREDICTOR_RANK: usize = 8;
 
 /// Where token-block scores come from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -22,7 +28,8 @@ use super::SparsitySettings;
 pub enum ScoreSource {
     /// Exact scores from each block's pass over every token (O(s^2 h) per attention block).
     Exact,
-    /// Trained predictors (`--predictors FILE`): a few small GEMMs per block.
+    /// Trained predictors (`--predictors FILE`) for the attention blocks: a few small GEMMs per
+    /// block. MLP blocks keep their exact scores, which their pass computes anyway.
     Predicted,
 }
 
@@ -97,7 +104,7 @@ pub fn read_predictors(
 }
 
 /// Checks that `predictors` can score for `thresholds`: the same block size, and a predictor
-/// for every token-eliminating block.
+/// for every token-sparse attention block.
 pub fn check_coverage(predictors: &Predictors, path: &Path, thresholds: &Thresholds) -> Result<()> {
     let h = &predictors.header;
     if h.block_size != thresholds.block_size {
@@ -114,16 +121,11 @@ pub fn check_coverage(predictors: &Predictors, path: &Path, thresholds: &Thresho
         .zip(&h.thresholds.layers)
         .enumerate()
     {
-        for (block, wanted, trained) in [
-            (Block::Attention, wanted.attention, trained.attention),
-            (Block::Mlp, wanted.mlp, trained.mlp),
-        ] {
-            if wanted.is_some() && trained.is_none() {
-                bail!(
-                    "{} has no predictor for the {block:?} block of layer {layer}, which these thresholds make token-sparse (retrain the predictors with the same --dense-layers)",
-                    path.display()
-                );
-            }
+        if wanted.attention.is_some() && trained.attention.is_none() {
+            bail!(
+                "{} has no predictor for the attention block of layer {layer}, which these thresholds make token-sparse (retrain the predictors with the same --dense-layers)",
+                path.display()
+            );
         }
     }
     Ok(())
@@ -184,6 +186,7 @@ pub fn keep_exactly(config: &ModelConfig, settings: &SparsitySettings) -> Thresh
             LayerThresholds {
                 attention: sparse,
                 mlp: sparse,
+                attention_keep: None,
             }
         })
         .collect();
@@ -194,8 +197,9 @@ pub fn keep_exactly(config: &ModelConfig, settings: &SparsitySettings) -> Thresh
 }
 
 /// `bench`'s token elimination: `--thresholds` or [`keep_exactly`]; with `--scores predicted`
-/// and no `--predictors`, untrained predictors of the default size (their time and memory are
-/// those of trained ones; their choice of blocks is not).
+/// and no `--predictors`, untrained attention predictors of the size trained ones end at
+/// ([`BENCH_PREDICTOR_RANK`]; their time and memory are those of trained ones, their choice of
+/// blocks is not).
 pub fn bench_elimination<B: Backend>(
     settings: &SparsitySettings,
     config: &ModelConfig,
@@ -209,31 +213,20 @@ pub fn bench_elimination<B: Backend>(
     };
     let mut elimination = elimination(&exact, config, None, || Ok(keep_exactly(config, settings)))?;
     if untrained {
-        let (rank, channels) = (DEFAULT_RANK, DEFAULT_MLP_CHANNELS);
-        let layers: Vec<LayerPredictors<B>> = elimination
+        let rank = BENCH_PREDICTOR_RANK;
+        let layers: Vec<Option<QueryKey<B>>> = elimination
             .thresholds
             .layers
             .iter()
             .map(|t| {
-                let block = |threshold: Option<f32>, block| {
-                    let width = match block {
-                        Block::Attention => rank,
-                        Block::Mlp => channels,
-                    };
-                    threshold.map(|_| {
-                        BlockPredictor::untrained(block, config.hidden_size(), width, device)
-                    })
-                };
-                LayerPredictors {
-                    attention: block(t.attention, Block::Attention),
-                    mlp: block(t.mlp, Block::Mlp),
-                }
+                t.attention
+                    .map(|_| QueryKey::new(config.hidden_size(), rank, DEFAULT_COMPONENTS, device))
             })
             .collect();
         let header = PredictorsHeader::new(elimination.thresholds.clone(), rank);
         let predictors = Predictors::new(header, &layers);
         eprintln!(
-            "bench: untrained predictors of rank {rank}, MLP sketches of {channels} channels ({} parameters), for timing only",
+            "bench: untrained attention predictors of rank {rank} ({} parameters), for timing only",
             predictors.num_params()
         );
         elimination.predictors = Some(predictors);

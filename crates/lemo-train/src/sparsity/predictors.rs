@@ -1,6 +1,7 @@
 //! `train-predictors`: the frozen model's exact token-block scores on the user's data, the
-//! predictors trained on them per layer and block (with elastic size transformation), their
-//! recall of the exactly kept blocks on held-out sequences, and the predictors file.
+//! attention predictors trained on them (every layer at once, with elastic size
+//! transformation), their recall of the exactly kept blocks on held-out sequences, and the
+//! predictors file. MLP blocks need none: their exact scores come with their pass.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -11,16 +12,12 @@ use clap::Args;
 use lemo_kernels::LemoBackend;
 use lemo_models::CausalLm;
 use lemo_models::token_plan::{Record, TokenSparsity};
-use lemo_predictor::agreement::{
-    Recall, Selection, matched_threshold, predicted_log_scores, recall,
-};
-use lemo_predictor::predictor::{DEFAULT_COMPONENTS, DEFAULT_MLP_CHANNELS, DEFAULT_RANK};
+use lemo_predictor::agreement::{Recall, Selection, recall};
+use lemo_predictor::predictor::{DEFAULT_COMPONENTS, DEFAULT_RANK};
 use lemo_predictor::scorer::ScorerShape;
 use lemo_predictor::stacked::{max_attention_epochs, train_attention_layers};
-use lemo_predictor::training::{
-    BlockSamples, TrainOptions, TrainedBlock, initial_sketch, train_mlp_block,
-};
-use lemo_predictor::{LayerPredictors, Predictors, PredictorsHeader};
+use lemo_predictor::training::{BlockSamples, TrainOptions};
+use lemo_predictor::{Predictors, PredictorsHeader, QueryKey};
 use lemo_sparsity::Thresholds;
 use lemo_sparsity::calibration::Block;
 
@@ -54,10 +51,6 @@ pub struct TrainPredictorsArgs {
     /// the query and key scorers, whose products are summed.
     #[arg(long, default_value_t = DEFAULT_COMPONENTS)]
     pub components: usize,
-    /// Initial channels of each MLP predictor: the MLP's own channels it evaluates, chosen on
-    /// the training data (capped at the MLP's width).
-    #[arg(long, default_value_t = DEFAULT_MLP_CHANNELS)]
-    pub mlp_channels: usize,
     /// Full-batch training epochs before elastic size transformation.
     #[arg(long, default_value_t = TrainOptions::default().epochs)]
     pub epochs: usize,
@@ -75,29 +68,16 @@ pub struct TrainPredictorsArgs {
     pub recall_tolerance: f64,
 }
 
-/// Training sequences (at most) that the thresholds for predicted scores are matched on.
-const MATCHING_SEQUENCES: usize = 8;
-
-/// Training data of every block of every layer (`[attention, mlp]`, `None` where dense).
-type LayerSamples = [Option<BlockSamples>; 2];
-
-fn block_index(block: Block) -> usize {
-    match block {
-        Block::Attention => 0,
-        Block::Mlp => 1,
-    }
-}
-
 /// Exact token-block scores and `tokens_per_block` normalized token rows per token block of the
-/// input of every token-eliminating block of `thresholds`, one dense pass per sequence (with a
-/// progress bar titled `what`, if given).
+/// input of every token-sparse attention block of `thresholds` (`None` where it stays dense),
+/// one dense pass per sequence (with a progress bar titled `what`).
 fn collect<B: LemoBackend>(
     model: &CausalLm<B>,
     thresholds: &Thresholds,
     sequences: &[Vec<u32>],
     tokens_per_block: usize,
-    what: Option<&str>,
-) -> Vec<LayerSamples> {
+    what: &str,
+) -> Vec<Option<BlockSamples>> {
     let device = model.lm_head_weight().device();
     let observe = Thresholds {
         block_size: thresholds.block_size,
@@ -107,11 +87,8 @@ fn collect<B: LemoBackend>(
             thresholds.hidden_size,
         )
     };
-    let mut samples: Vec<LayerSamples> = vec![[None, None]; thresholds.num_layers];
-    let bar = match what {
-        Some(what) => progress(sequences.len() as u64, what),
-        None => indicatif::ProgressBar::hidden(),
-    };
+    let mut samples: Vec<Option<BlockSamples>> = vec![None; thresholds.num_layers];
+    let bar = progress(sequences.len() as u64, what);
     for sequence in sequences {
         let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
         let mut sparsity =
@@ -119,25 +96,25 @@ fn collect<B: LemoBackend>(
         model.hidden_states(tokens, None, &mut sparsity);
         let plan = sparsity.into_plan().unwrap_or_default();
         for (layer, recorded) in plan.scores.iter().enumerate() {
-            for block in [Block::Attention, Block::Mlp] {
-                if thresholds.layers[layer].block(block).is_none() {
-                    continue;
-                }
-                let record = recorded.block(block).expect("every block is recorded");
-                let token_rows = record
-                    .token_rows
-                    .as_ref()
-                    .expect("token rows were asked for");
-                samples[layer][block_index(block)]
-                    .get_or_insert_with(|| {
-                        BlockSamples::new(
-                            record.scores.len(),
-                            tokens_per_block,
-                            thresholds.hidden_size,
-                        )
-                    })
-                    .push(token_rows, &record.scores);
+            if thresholds.layers[layer].attention.is_none() {
+                continue;
             }
+            let record = recorded
+                .block(Block::Attention)
+                .expect("every block is recorded");
+            let token_rows = record
+                .token_rows
+                .as_ref()
+                .expect("token rows were asked for");
+            samples[layer]
+                .get_or_insert_with(|| {
+                    BlockSamples::new(
+                        record.scores.len(),
+                        tokens_per_block,
+                        thresholds.hidden_size,
+                    )
+                })
+                .push(token_rows, &record.scores);
         }
         bar.inc(1);
     }
@@ -222,21 +199,36 @@ pub fn train_predictors<B: LemoBackend>(
         &thresholds,
         &train,
         tokens_per_block,
-        Some("train-predictors: exact scores"),
+        "train-predictors: exact scores",
     );
     let held_out_samples = collect(
         model,
         &thresholds,
         &held_out,
         block_size,
-        Some("train-predictors: held-out scores"),
+        "train-predictors: held-out scores",
     );
-
     eprintln!(
         "train-predictors: exact scores of {} sequences collected, {:.1}s",
         train.len() + held_out.len(),
         started.elapsed().as_secs_f64()
     );
+    // Each token-sparse layer: its samples and how it selects (predicted scores keep the
+    // fraction the exact scores keep on every training sequence).
+    let layers: Vec<(usize, &BlockSamples, Selection)> = train_samples
+        .iter()
+        .enumerate()
+        .filter_map(|(layer, samples)| {
+            let samples = samples.as_ref()?;
+            let threshold = thresholds.layers[layer].attention?;
+            let floor = thresholds.min_keep_of(Block::Attention);
+            let selection = Selection::fitted(threshold, floor, &samples.scores, samples.blocks);
+            Some((layer, samples, selection))
+        })
+        .collect();
+    if layers.is_empty() {
+        bail!("these thresholds keep every attention block dense: there is nothing to predict");
+    }
     let options = TrainOptions {
         epochs: args.epochs,
         learning_rate: args.predictor_lr,
@@ -246,163 +238,63 @@ pub fn train_predictors<B: LemoBackend>(
         seed: 0,
     };
     let device = model.lm_head_weight().device();
-    let mut header = PredictorsHeader::new(thresholds.clone(), args.rank);
-    header.model = name;
-    let selection = |layer: usize, block: Block| {
-        thresholds.layers[layer]
-            .block(block)
-            .map(|threshold| Selection::new(threshold, thresholds.min_keep_of(block)))
-    };
     // A fifth of the training sequences (at least one) decide what pruning may remove.
-    let split = |samples: &BlockSamples| {
-        let validation_count = (samples.sequences() / 5).max(1);
-        samples.split(samples.sequences() - validation_count)
-    };
-    let sparse_layers = |block: Block| -> Vec<(usize, &BlockSamples, Selection)> {
-        train_samples
-            .iter()
-            .enumerate()
-            .filter_map(|(layer, samples)| {
-                let samples = samples[block_index(block)].as_ref()?;
-                Some((layer, samples, selection(layer, block)?))
-            })
-            .collect()
-    };
-    let mut trained: Vec<[Option<TrainedBlock<B>>; 2]> =
-        (0..thresholds.num_layers).map(|_| [None, None]).collect();
-
-    // Every layer's attention predictors train together (one Adam step for all of them).
-    let attention = sparse_layers(Block::Attention);
-    if !attention.is_empty() {
-        let splits: Vec<(BlockSamples, BlockSamples)> = attention
-            .iter()
-            .map(|(_, samples, _)| split(samples))
-            .collect();
-        let fit: Vec<&BlockSamples> = splits.iter().map(|(fit, _)| fit).collect();
-        let validation: Vec<&BlockSamples> = splits.iter().map(|(_, v)| v).collect();
-        let selections: Vec<Selection> = attention.iter().map(|&(_, _, s)| s).collect();
-        let bar = progress(
-            max_attention_epochs(args.rank, &options) as u64,
-            "train-predictors: attention (every layer)",
-        );
-        let results = train_attention_layers::<Autodiff<B>>(
-            &fit,
-            &validation,
-            &selections,
-            ScorerShape {
-                rank: args.rank,
-                components: args.components,
-            },
-            &options,
-            &device,
-            &mut || bar.inc(1),
-        );
-        bar.finish_and_clear();
-        for (&(layer, _, _), result) in attention.iter().zip(results) {
-            trained[layer][block_index(Block::Attention)] = Some(result);
-        }
-        eprintln!(
-            "train-predictors: attention predictors of {} layers trained, {:.1}s",
-            attention.len(),
-            started.elapsed().as_secs_f64()
-        );
-    }
-    let mlp = sparse_layers(Block::Mlp);
-    let bar = progress(mlp.len() as u64, "train-predictors: MLP sketches");
-    for &(layer, samples, selection) in &mlp {
-        let Some(map) = model.mlp_input_map(layer) else {
-            bail!("layer {layer}'s MLP block runs dense: it has no predictor")
-        };
-        let (fit, validation) = split(samples);
-        let initial = initial_sketch(&map, &fit, args.mlp_channels, &device);
-        let result = train_mlp_block(initial, &fit, &validation, selection, &options, &device);
-        trained[layer][block_index(Block::Mlp)] = Some(result);
-        bar.inc(1);
-    }
+    let splits: Vec<(BlockSamples, BlockSamples)> = layers
+        .iter()
+        .map(|(_, samples, _)| {
+            let validation_count = (samples.sequences() / 5).max(1);
+            samples.split(samples.sequences() - validation_count)
+        })
+        .collect();
+    let fit: Vec<&BlockSamples> = splits.iter().map(|(fit, _)| fit).collect();
+    let validation: Vec<&BlockSamples> = splits.iter().map(|(_, v)| v).collect();
+    let selections: Vec<Selection> = layers.iter().map(|&(_, _, s)| s).collect();
+    let bar = progress(
+        max_attention_epochs(args.rank, &options) as u64,
+        "train-predictors: attention predictors (every layer)",
+    );
+    let results = train_attention_layers::<Autodiff<B>>(
+        &fit,
+        &validation,
+        &selections,
+        ScorerShape {
+            rank: args.rank,
+            components: args.components,
+        },
+        &options,
+        &device,
+        &mut || bar.inc(1),
+    );
     bar.finish_and_clear();
     eprintln!(
-        "train-predictors: MLP sketches of {} layers fitted, {:.1}s",
-        mlp.len(),
+        "train-predictors: attention predictors of {} layers trained, {:.1}s",
+        layers.len(),
         started.elapsed().as_secs_f64()
     );
 
-    // Predicted scores select with the thresholds that keep, on training sequences, as many
-    // blocks as the exact scores keep. They are matched on sequences read with every token, as
-    // the predictors read them when used: pooled over a subset of each block's tokens (the
-    // training samples), scores spread more and would keep fewer blocks.
-    let matching = &train[..train.len().min(MATCHING_SEQUENCES)];
-    let mut scores: Vec<[(Vec<f32>, Vec<f32>); 2]> = (0..thresholds.num_layers)
-        .map(|_| Default::default())
-        .collect();
-    let bar = progress(
-        matching.len() as u64,
-        "train-predictors: thresholds for predicted scores",
-    );
-    for sequence in matching {
-        let samples = collect(
-            model,
-            &thresholds,
-            std::slice::from_ref(sequence),
-            block_size,
-            None,
-        );
-        for (layer, blocks) in samples.iter().enumerate() {
-            for (index, samples) in blocks.iter().enumerate() {
-                let (Some(samples), Some(result)) = (samples, &trained[layer][index]) else {
-                    continue;
-                };
-                let (predicted, exact) = &mut scores[layer][index];
-                predicted.extend(predicted_log_scores(&result.predictor, samples, &device));
-                exact.extend_from_slice(&samples.scores);
-            }
-        }
-        bar.inc(1);
-    }
-    bar.finish_and_clear();
-
-    let mut layers: Vec<LayerPredictors<B>> = Vec::with_capacity(thresholds.num_layers);
+    let mut header = PredictorsHeader::new(thresholds.clone(), args.rank);
+    header.model = name;
+    let mut predictors: Vec<Option<QueryKey<B>>> = vec![None; thresholds.num_layers];
     let mut held_out_recalls: Vec<Recall> = Vec::new();
-    for (layer, [attention, mlp]) in trained.into_iter().enumerate() {
-        let mut predictors = LayerPredictors {
-            attention: None,
-            mlp: None,
-        };
-        for (block, result) in [(Block::Attention, attention), (Block::Mlp, mlp)] {
-            let Some(result) = result else { continue };
-            let exact = selection(layer, block).expect("a trained block has a threshold");
-            let (predicted_scores, exact_scores) = &scores[layer][block_index(block)];
-            let matched = exact.with_predicted_threshold(matched_threshold(
-                predicted_scores,
-                exact_scores,
-                seq_len.div_ceil(block_size),
-                exact,
-            ));
-            *header.thresholds.layers[layer].block_mut(block) = Some(matched.predicted_threshold);
-            let held_out = held_out_samples[layer][block_index(block)]
-                .as_ref()
-                .expect("held-out sequences have the same blocks");
-            let measured = recall(&result.predictor, held_out, matched, &device);
-            held_out_recalls.push(measured);
-            *header.layers[layer].block_mut(block) = Some(lemo_predictor::file::BlockReport {
-                widths: result.predictor.widths(),
-                params_before: result.params_before,
-                params_after: result.predictor.num_params(),
-                recall: measured.recall,
-                precision: measured.precision,
-                kept: measured.kept,
-                exact_kept: measured.exact_kept,
-                exact_threshold: exact.threshold,
-                captured: measured.captured,
-            });
-            match block {
-                Block::Attention => predictors.attention = Some(result.predictor),
-                Block::Mlp => predictors.mlp = Some(result.predictor),
-            }
-        }
-        layers.push(predictors);
-    }
-    if held_out_recalls.is_empty() {
-        bail!("these thresholds keep every block dense: there is nothing to predict");
+    for (&(layer, _, selection), result) in layers.iter().zip(results) {
+        let held_out = held_out_samples[layer]
+            .as_ref()
+            .expect("held-out sequences have the same blocks");
+        let measured = recall(&result.predictor, held_out, selection, &device);
+        held_out_recalls.push(measured);
+        header.thresholds.layers[layer].attention_keep = Some(selection.predicted_keep);
+        header.layers[layer] = Some(lemo_predictor::file::BlockReport {
+            widths: result.predictor.widths(),
+            params_before: result.params_before,
+            params_after: result.predictor.num_params(),
+            recall: measured.recall,
+            precision: measured.precision,
+            kept: measured.kept,
+            exact_kept: measured.exact_kept,
+            captured: measured.captured,
+            ranked: measured.ranked,
+        });
+        predictors[layer] = Some(result.predictor);
     }
     let count = held_out_recalls.len() as f64;
     header.recall = held_out_recalls.iter().map(|r| r.recall).sum::<f64>() / count;
@@ -412,7 +304,7 @@ pub fn train_predictors<B: LemoBackend>(
     header.seq_len = seq_len;
     header.position_interpolation = Some(position_interpolation);
     print_report(&header);
-    let predictors = Predictors::new(header, &layers);
+    let predictors = Predictors::new(header, &predictors);
     let out = inspect
         .out
         .clone()
@@ -430,39 +322,36 @@ pub fn train_predictors<B: LemoBackend>(
 /// The per-layer table of recall, precision and size, and the means.
 fn print_report(header: &PredictorsHeader) {
     eprintln!(
-        "layer  block      recall  precision  captured  kept (exact)     threshold (exact)  params before -> after"
+        "layer  recall  precision  captured  ranked  kept (exact)   threshold  params before -> after"
     );
-    let (mut before, mut after) = (0usize, 0usize);
+    let (mut before, mut after, mut ranked, mut count) = (0usize, 0usize, 0.0f64, 0usize);
     for (layer, report) in header.layers.iter().enumerate() {
-        for (name, kind, block) in [
-            ("attention", Block::Attention, &report.attention),
-            ("mlp", Block::Mlp, &report.mlp),
-        ] {
-            if let Some(b) = block {
-                let threshold = header.thresholds.layers[layer]
-                    .block(kind)
-                    .unwrap_or(f32::NAN);
-                eprintln!(
-                    "{layer:>5}  {name:<9}  {:>5.1}%  {:>8.1}%  {:>7.1}%  {:>5.1}% ({:>5.1}%)  {threshold:>7.3} ({:>7.3})  {:>13} -> {}",
-                    100.0 * b.recall,
-                    100.0 * b.precision,
-                    100.0 * b.captured,
-                    100.0 * b.kept,
-                    100.0 * b.exact_kept,
-                    b.exact_threshold,
-                    b.params_before,
-                    b.params_after
-                );
-                before += b.params_before;
-                after += b.params_after;
-            }
-        }
+        let Some(b) = report else { continue };
+        let threshold = header.thresholds.layers[layer]
+            .attention
+            .unwrap_or(f32::NAN);
+        eprintln!(
+            "{layer:>5}  {:>5.1}%  {:>8.1}%  {:>7.1}%  {:>5.1}%  {:>5.1}% ({:>5.1}%)  {threshold:>9.3}  {:>13} -> {}",
+            100.0 * b.recall,
+            100.0 * b.precision,
+            100.0 * b.captured,
+            100.0 * b.ranked,
+            100.0 * b.kept,
+            100.0 * b.exact_kept,
+            b.params_before,
+            b.params_after
+        );
+        before += b.params_before;
+        after += b.params_after;
+        ranked += b.ranked;
+        count += 1;
     }
     eprintln!(
-        "mean held-out recall {:.2}%, precision {:.2}%, informativeness captured {:.2}% ({} sequences of {} tokens); parameters {before} -> {after} ({:.1}% removed)",
+        "mean held-out recall {:.2}%, precision {:.2}%, informativeness captured {:.2}%, ranked recall {:.2}% ({} sequences of {} tokens); parameters {before} -> {after} ({:.1}% removed)",
         100.0 * header.recall,
         100.0 * header.precision,
         100.0 * header.captured,
+        100.0 * ranked / count.max(1) as f64,
         header.held_out_sequences,
         header.seq_len,
         100.0 * (1.0 - after as f64 / before.max(1) as f64)
