@@ -259,8 +259,8 @@ impl Predictors {
             .ok_or_else(|| format!("missing tensor {name}"))
     }
 
-    /// Every token-eliminating block has its predictor: scorers, each a chain of consistent
-    /// shapes; a sketch whose maps and weights agree on the channel count.
+    /// Every token-sparse attention block has its kept fraction and its predictors: distance
+    /// weights, and scorers that are each a chain of consistent shapes.
     fn check_tensors(&self) -> Result<(), String> {
         let hidden = self.header.hidden_size;
         for (l, layer) in self.header.thresholds.layers.iter().enumerate() {
