@@ -25,14 +25,6 @@ pub const DEFAULT_COMPONENTS: usize = 1;
 /// attention predictors weigh apart: 0, 1, 2, 3-4, 5-8, ..., 65-128, and 129 or more.
 pub const DISTANCE_BUCKETS: usize = 10;
 
-/// The bucket of block distance `distance` (see [`DISTANCE_BUCKETS`]).
-pub fn distance_bucket(distance: usize) -> usize {
-    match distance {
-        0 => 0,
-        d => (1 + (usize::BITS - (d - 1).leading_zeros()) as usize).min(DISTANCE_BUCKETS - 1),
-    }
-}
-
 /// A layer's attention predictors: token-block log-scores of queries and of keys, and the
 /// log-weights of block distances.
 #[derive(Module, Debug)]
@@ -74,29 +66,41 @@ impl<B: Backend> QueryKey<B> {
     }
 }
 
+/// The bucket of each block distance `d` of `offsets` (as floats): 0 for `d <= 0`, else
+/// `1 + ceil(log2 d)`, capped at `buckets - 1`. Read a hair below each integer so that powers
+/// of two stay in their bucket.
+fn distance_buckets<B: Backend>(offsets: Tensor<B, 2>, buckets: usize) -> Tensor<B, 2> {
+    offsets
+        .clone()
+        .clamp_min(1.0)
+        .log()
+        .div_scalar(std::f32::consts::LN_2)
+        .sub_scalar(1e-3)
+        .ceil()
+        .add_scalar(1.0)
+        .clamp_max((buckets - 1) as f32)
+        .mask_fill(offsets.lower_equal_elem(0.0), 0.0)
+}
+
 /// `[groups, blocks, blocks]`: entry `(n, m)` is group `g`'s log-weight of the distance
 /// `m - n` (`distance: [groups, DISTANCE_BUCKETS]`) where query block `m` sees key block `n`,
-/// and `-1e30` (no weight) where it does not (`m < n`).
+/// and `-1e30` (no weight) where it does not (`m < n`). Built on the device from the block
+/// indices: this runs per layer and step, and a host-built `blocks^2` index would be an upload
+/// each time.
 fn distance_log_weights<B: Backend>(distance: Tensor<B, 2>, blocks: usize) -> Tensor<B, 3> {
-    let [groups, _] = distance.dims();
-    let device = distance.device();
-    let pairs = || (0..blocks).flat_map(|n| (0..blocks).map(move |m| (n, m)));
-    let buckets: Vec<i64> = pairs()
-        .map(|(n, m)| {
-            if m >= n {
-                distance_bucket(m - n) as i64
-            } else {
-                0
-            }
-        })
-        .collect();
-    let unseen: Vec<f32> = pairs()
-        .map(|(n, m)| if m >= n { 0.0 } else { -1e30 })
-        .collect();
-    let buckets =
-        Tensor::<B, 1, Int>::from_data(TensorData::new(buckets, [blocks * blocks]), &device);
-    let unseen = Tensor::<B, 1>::from_data(TensorData::new(unseen, [blocks * blocks]), &device);
-    (distance.select(1, buckets) + unseen.unsqueeze()).reshape([groups, blocks, blocks])
+    let [groups, buckets] = distance.dims();
+    let index = Tensor::<B, 1, Int>::arange(0..blocks as i64, &distance.device()).float();
+    // `m - n` at `(n, m)`.
+    let offsets = index.clone().reshape([1, blocks]) - index.reshape([blocks, 1]);
+    let bucket = distance_buckets(offsets.clone(), buckets);
+    let unseen = offsets
+        .lower_elem(0.0)
+        .unsqueeze::<3>()
+        .expand([groups, blocks, blocks]);
+    distance
+        .select(1, bucket.int().reshape([blocks * blocks]))
+        .reshape([groups, blocks, blocks])
+        .mask_fill(unseen, -1e30)
 }
 
 /// Token-block log-scores `[batch, blocks]` from the query and key scorers' per-token
@@ -225,12 +229,49 @@ mod tests {
         }
     }
 
+    /// The bucket of block distance `distance`: 0, then `1 + ceil(log2 d)`, capped.
+    fn distance_bucket(distance: usize) -> usize {
+        match distance {
+            0 => 0,
+            d => (1 + (usize::BITS - (d - 1).leading_zeros()) as usize).min(DISTANCE_BUCKETS - 1),
+        }
+    }
+
     #[test]
     fn distance_buckets_double_in_width_up_to_the_last() {
-        let buckets: Vec<usize> = [0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65, 128, 129, 10_000]
-            .map(distance_bucket)
-            .to_vec();
+        let device = Default::default();
+        let buckets_of = |distances: Vec<usize>| -> Vec<usize> {
+            let count = distances.len();
+            let offsets: Vec<f32> = distances.iter().map(|&d| d as f32).collect();
+            let offsets = Tensor::<B, 1>::from_floats(offsets.as_slice(), &device);
+            distance_buckets(offsets.reshape([1, count]), DISTANCE_BUCKETS)
+                .into_data()
+                .to_vec::<f32>()
+                .unwrap()
+                .into_iter()
+                .map(|b| b as usize)
+                .collect()
+        };
+        let buckets = buckets_of(vec![
+            0, 1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 65, 128, 129, 10_000,
+        ]);
         assert_eq!(buckets, [0, 1, 2, 3, 3, 4, 4, 5, 5, 6, 7, 8, 8, 9, 9]);
+        // Every distance of a 16K-token sequence of 64-token blocks, against integer arithmetic.
+        let distances: Vec<usize> = (0..256).collect();
+        for (d, bucket) in buckets_of(distances).into_iter().enumerate() {
+            assert_eq!(bucket, distance_bucket(d), "distance {d}");
+        }
+        // Pairs where the query block comes before the key block carry no weight.
+        let weights: Vec<f32> =
+            distance_log_weights(Tensor::<B, 2>::zeros([1, DISTANCE_BUCKETS], &device), 4)
+                .into_data()
+                .to_vec()
+                .unwrap();
+        assert_eq!(
+            weights[4], -1e30,
+            "key block 1 is not seen by query block 0"
+        );
+        assert_eq!(weights[1], 0.0, "key block 0 is seen by query block 1");
     }
 
     #[test]
