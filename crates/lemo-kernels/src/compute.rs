@@ -498,6 +498,21 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
         gemm::autodiff::matmul::<B, C>(lhs, rhs)
     }
 
+    // Not differentiable: the inner backend's product, with no graph.
+    fn lemo_matmul_scaled(
+        lhs: FloatTensor<Self>,
+        rhs: FloatTensor<Self>,
+        alpha: f32,
+        out_dtype: DType,
+    ) -> FloatTensor<Self> {
+        Self::from_inner(B::lemo_matmul_scaled(
+            Self::inner(lhs),
+            Self::inner(rhs),
+            alpha,
+            out_dtype,
+        ))
+    }
+
     fn lemo_matmul_with_value(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,

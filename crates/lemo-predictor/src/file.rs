@@ -14,12 +14,13 @@ use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Tensor, TensorData};
 use lemo_kernels::ComputeBackend;
 use lemo_sparsity::Thresholds;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde::{Deserialize, Serialize};
 
+use crate::prediction::LayerPredictor;
 use crate::predictor::{DISTANCE_BUCKETS, QueryKey};
 use crate::scorer::{Dense, Scorer};
 
@@ -371,14 +372,24 @@ impl Predictors {
             .collect()
     }
 
-    /// The modules on `device`, built on the first call for each backend and device.
-    pub fn on_device<B: Backend>(&self, device: &B::Device) -> Arc<Vec<Option<QueryKey<B>>>> {
-        let key = (TypeId::of::<B>(), format!("{device:?}"));
+    /// The predictors on `device` ready to score block inputs of `dtype`, built on the first
+    /// call for each backend, device and dtype.
+    pub fn on_device<B: Backend>(
+        &self,
+        device: &B::Device,
+        dtype: DType,
+    ) -> Arc<Vec<Option<LayerPredictor<B>>>> {
+        let key = (TypeId::of::<B>(), format!("{device:?} {dtype:?}"));
         let mut copies = self.on_devices.lock().expect("no panic while building");
         if let Some((_, _, copy)) = copies.iter().find(|(t, d, _)| (*t, d) == (key.0, &key.1)) {
             return copy.clone().downcast().expect("keyed by backend type");
         }
-        let layers = Arc::new(self.layers::<B>(device));
+        let layers: Vec<Option<LayerPredictor<B>>> = self
+            .layers::<B>(device)
+            .iter()
+            .map(|layer| layer.as_ref().map(|p| LayerPredictor::new(p, dtype)))
+            .collect();
+        let layers = Arc::new(layers);
         copies.push((key.0, key.1, layers.clone()));
         layers
     }
@@ -390,7 +401,7 @@ impl Predictors {
         layer: usize,
         x: Tensor<B, 3>,
     ) -> Option<Tensor<B, 2>> {
-        let layers = self.on_device::<B>(&x.device());
+        let layers = self.on_device::<B>(&x.device(), x.dtype());
         let predictor = layers.get(layer)?.as_ref()?;
         Some(predictor.token_block_scores(x, self.header.block_size))
     }
@@ -445,7 +456,7 @@ mod tests {
         let trained = layers[1].as_ref().unwrap();
         assert_eq!(read.num_params(), trained.num_params());
         let x = Tensor::<B, 3>::random([2, 16, 8], Distribution::Normal(0.0, 1.0), &device);
-        let expected: Vec<f32> = trained
+        let expected: Vec<f32> = LayerPredictor::new(trained, DType::F32)
             .token_block_scores(x.clone(), 4)
             .into_data()
             .to_vec()

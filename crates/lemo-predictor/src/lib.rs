@@ -18,14 +18,17 @@
 //! scorers of every layer at once, [`stacked`]), pruned while their recall of the exactly kept
 //! blocks holds (elastic size transformation, [`training`]), and saved as safetensors with a
 //! JSON header ([`file`]). They select a fixed fraction of each sequence's blocks per layer,
-//! the fraction the exact scores keep there ([`agreement::Selection`]).
+//! the fraction the exact scores keep there ([`agreement::Selection`]). Prediction runs them
+//! side by side, as one scorer that reads the block input once ([`prediction`]).
 
 pub mod agreement;
 pub mod file;
+pub mod prediction;
 pub mod predictor;
 pub mod scorer;
 pub mod stacked;
 pub mod training;
 
 pub use file::{Predictors, PredictorsError, PredictorsHeader};
+pub use prediction::LayerPredictor;
 pub use predictor::QueryKey;

@@ -12,9 +12,8 @@
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use lemo_kernels::ComputeBackend;
 
-use crate::scorer::{Scorer, block_token_rows, log_mean_exp_over_tokens};
+use crate::scorer::{Scorer, log_mean_exp_over_tokens};
 
 /// Initial hidden width of the query and key scorers.
 pub const DEFAULT_RANK: usize = 64;
@@ -50,7 +49,7 @@ impl<B: Backend> QueryKey<B> {
     }
 
     /// Natural-log token-block scores `[batch, blocks]` from the block input's token rows
-    /// `[batch, blocks, tokens, hidden]` ([`block_token_rows`]), up to a constant per sequence
+    /// `[batch, blocks, tokens, hidden]` ([`crate::scorer::block_token_rows`]), up to a constant per sequence
     /// (selection is relative to the sequence's mean, so only ratios matter).
     pub fn log_scores(&self, rows: Tensor<B, 4>) -> Tensor<B, 2> {
         attention_log_scores(
@@ -87,7 +86,10 @@ fn distance_buckets<B: Backend>(offsets: Tensor<B, 2>, buckets: usize) -> Tensor
 /// and `-1e30` (no weight) where it does not (`m < n`). Built on the device from the block
 /// indices: this runs per layer and step, and a host-built `blocks^2` index would be an upload
 /// each time.
-fn distance_log_weights<B: Backend>(distance: Tensor<B, 2>, blocks: usize) -> Tensor<B, 3> {
+pub(crate) fn distance_log_weights<B: Backend>(
+    distance: Tensor<B, 2>,
+    blocks: usize,
+) -> Tensor<B, 3> {
     let [groups, buckets] = distance.dims();
     let index = Tensor::<B, 1, Int>::arange(0..blocks as i64, &distance.device()).float();
     // `m - n` at `(n, m)`.
@@ -152,17 +154,6 @@ fn column_log_mean_exp<B: Backend>(v: Tensor<B, 2>, weights: Tensor<B, 3>) -> Te
     let log_count = Tensor::<B, 1>::from_data(TensorData::new(log_count, [blocks]), &device)
         .reshape([1, blocks]);
     log_sum.reshape([batch, blocks]) - log_count
-}
-
-impl<B: ComputeBackend> QueryKey<B> {
-    /// Token-block scores `[batch, blocks]` (f32, each sequence's largest 1) of the block input
-    /// `x: [batch, seq, hidden]`: a few small GEMMs over the tokens (O(seq * hidden * rank))
-    /// and the pooling (O(batch * blocks^2)).
-    pub fn token_block_scores(&self, x: Tensor<B, 3>, block_size: usize) -> Tensor<B, 2> {
-        let log_scores = self.log_scores(block_token_rows(x, block_size, block_size));
-        let largest = log_scores.clone().max_dim(1);
-        (log_scores - largest).exp()
-    }
 }
 
 #[cfg(test)]
@@ -272,31 +263,5 @@ mod tests {
             "key block 1 is not seen by query block 0"
         );
         assert_eq!(weights[1], 0.0, "key block 0 is seen by query block 1");
-    }
-
-    #[test]
-    fn token_block_scores_keep_the_ratios_and_put_the_largest_at_one() {
-        let _generator = lemo_test_support::exclusive_generator();
-        let device = Default::default();
-        let predictor = QueryKey::<B>::new(8, 4, DEFAULT_COMPONENTS, &device);
-        let x = Tensor::<B, 3>::random([1, 40, 8], Distribution::Normal(0.0, 1.0), &device);
-        let scores: Vec<f32> = predictor
-            .token_block_scores(x.clone(), 8)
-            .into_data()
-            .to_vec()
-            .unwrap();
-        let logs: Vec<f32> = predictor
-            .log_scores(block_token_rows(x, 8, 8))
-            .into_data()
-            .to_vec()
-            .unwrap();
-        assert_eq!(scores.len(), 5);
-        let largest = scores.iter().cloned().fold(f32::MIN, f32::max);
-        assert!((largest - 1.0).abs() < 1e-6);
-        let (ratio, expected) = (scores[1] / scores[3], (logs[1] - logs[3]).exp());
-        assert!(
-            (ratio - expected).abs() <= 1e-4 * expected,
-            "{ratio} vs {expected}"
-        );
     }
 }

@@ -29,6 +29,23 @@ pub fn matmul<B: ComputeBackend, const D: usize>(
     )))
 }
 
+/// `alpha * lhs x rhs` for operands of one dtype, accumulated in f32 and written in
+/// `out_dtype` (one cuBLASLt product on CUDA); not differentiable. See
+/// [`ComputeBackend::lemo_matmul_scaled`].
+pub fn matmul_scaled<B: ComputeBackend, const D: usize>(
+    lhs: Tensor<B, D>,
+    rhs: Tensor<B, D>,
+    alpha: f32,
+    out_dtype: DType,
+) -> Tensor<B, D> {
+    Tensor::from_primitive(TensorPrimitive::Float(B::lemo_matmul_scaled(
+        lhs.into_primitive().tensor(),
+        rhs.into_primitive().tensor(),
+        alpha,
+        out_dtype,
+    )))
+}
+
 /// The plain Burn product the kernels are checked against.
 pub fn reference<B: burn::tensor::backend::Backend, const D: usize>(
     lhs: Tensor<B, D>,
