@@ -433,13 +433,7 @@ mod tests {
     }
 
     fn layers(device: &burn::tensor::Device<B>) -> Vec<Option<QueryKey<B>>> {
-        let mut predictor = QueryKey::new(8, 3, 2, device);
-        predictor.distance = Param::from_tensor(Tensor::random(
-            [DISTANCE_BUCKETS],
-            Distribution::Normal(0.0, 1.0),
-            device,
-        ));
-        vec![None, Some(predictor)]
+        vec![None, Some(QueryKey::with_random_distances(8, 3, 2, device))]
     }
 
     #[test]

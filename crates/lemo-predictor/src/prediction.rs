@@ -160,10 +160,8 @@ impl<B: ComputeBackend> LayerPredictor<B> {
 mod tests {
     use super::*;
     use burn::backend::NdArray;
-    use burn::module::Param;
     use burn::tensor::Distribution;
 
-    use crate::predictor::DISTANCE_BUCKETS;
     use crate::scorer::block_token_rows;
 
     type B = NdArray<f32>;
@@ -173,12 +171,7 @@ mod tests {
         let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         let (hidden, block_size) = (8, 4);
-        let mut trained = QueryKey::<B>::new(hidden, 5, 2, &device);
-        trained.distance = Param::from_tensor(Tensor::random(
-            [DISTANCE_BUCKETS],
-            Distribution::Normal(0.0, 1.0),
-            &device,
-        ));
+        let trained = QueryKey::<B>::with_random_distances(hidden, 5, 2, &device);
         let predictor = LayerPredictor::new(&trained, DType::F32);
         // Two block counts (the second reuses nothing of the first's column means), the
         // first with a partial last block.

@@ -59,6 +59,21 @@ impl<B: Backend> QueryKey<B> {
         )
     }
 
+    /// Untrained scorers with normally distributed distance log-weights (for tests).
+    #[cfg(test)]
+    pub(crate) fn with_random_distances(
+        hidden: usize,
+        rank: usize,
+        components: usize,
+        device: &B::Device,
+    ) -> Self {
+        let normal = burn::tensor::Distribution::Normal(0.0, 1.0);
+        Self {
+            distance: Param::from_tensor(Tensor::random([DISTANCE_BUCKETS], normal, device)),
+            ..Self::new(hidden, rank, components, device)
+        }
+    }
+
     /// Hidden widths: the query scorer's two and the key scorer's two.
     pub fn widths(&self) -> Vec<usize> {
         [self.query.widths(), self.key.widths()].concat()
@@ -169,12 +184,7 @@ mod tests {
         let _generator = lemo_test_support::exclusive_generator();
         let device = Default::default();
         let (blocks, components) = (6, 2);
-        let mut scorers = QueryKey::<B>::new(8, 4, components, &device);
-        scorers.distance = Param::from_tensor(Tensor::random(
-            [DISTANCE_BUCKETS],
-            Distribution::Normal(0.0, 1.0),
-            &device,
-        ));
+        let scorers = QueryKey::<B>::with_random_distances(8, 4, components, &device);
         let log_weights: Vec<f32> = scorers.distance.val().into_data().to_vec().unwrap();
         let rows =
             Tensor::<B, 4>::random([2, blocks, 3, 8], Distribution::Normal(0.0, 1.0), &device);
