@@ -12,10 +12,11 @@ use std::sync::Mutex;
 
 use burn::tensor::activation::relu;
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor};
+use burn::tensor::{DType, Tensor};
 use lemo_kernels::ComputeBackend;
 use lemo_kernels::fused::{NormSaves, rms_norm};
 use lemo_kernels::gemm::{matmul, matmul_scaled};
+use lemo_sparsity::informativeness::seen_by;
 
 use crate::predictor::{QueryKey, distance_log_weights};
 
@@ -87,17 +88,11 @@ impl<B: Backend> LayerPredictor<B> {
         {
             return matrix.clone();
         }
-        let device = self.distance.device();
         // Unseen pairs carry log-weight -1e30: their weight is 0.
         let weights = distance_log_weights(self.distance.clone(), blocks)
             .exp()
             .reshape([blocks, blocks]);
-        let seen_by = Tensor::<B, 1, Int>::arange(0..blocks as i64, &device)
-            .float()
-            .neg()
-            .add_scalar(blocks as f32)
-            .reshape([blocks, 1]);
-        let matrix = weights / seen_by;
+        let matrix = weights / seen_by::<B>(blocks, &self.distance.device()).reshape([blocks, 1]);
         *kept = Some((blocks, matrix.clone()));
         matrix
     }

@@ -11,7 +11,9 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor};
+
+use lemo_sparsity::informativeness::seen_by;
 
 use crate::scorer::{Scorer, log_mean_exp_over_tokens};
 
@@ -49,8 +51,9 @@ impl<B: Backend> QueryKey<B> {
     }
 
     /// Natural-log token-block scores `[batch, blocks]` from the block input's token rows
-    /// `[batch, blocks, tokens, hidden]` ([`crate::scorer::block_token_rows`]), up to a constant per sequence
-    /// (selection is relative to the sequence's mean, so only ratios matter).
+    /// `[batch, blocks, tokens, hidden]` ([`crate::scorer::block_token_rows`]), up to a
+    /// constant per sequence (selection is relative to the sequence's mean, so only ratios
+    /// matter).
     pub fn log_scores(&self, rows: Tensor<B, 4>) -> Tensor<B, 2> {
         attention_log_scores(
             self.query.forward(rows.clone()),
@@ -99,8 +102,8 @@ fn distance_buckets<B: Backend>(offsets: Tensor<B, 2>, buckets: usize) -> Tensor
 /// `[groups, blocks, blocks]`: entry `(n, m)` is group `g`'s log-weight of the distance
 /// `m - n` (`distance: [groups, DISTANCE_BUCKETS]`) where query block `m` sees key block `n`,
 /// and `-1e30` (no weight) where it does not (`m < n`). Built on the device from the block
-/// indices: this runs per layer and step, and a host-built `blocks^2` index would be an upload
-/// each time.
+/// indices: training builds it every epoch, and a host-built `blocks^2` index would be an
+/// upload each time.
 pub(crate) fn distance_log_weights<B: Backend>(
     distance: Tensor<B, 2>,
     blocks: usize,
@@ -165,9 +168,7 @@ fn column_log_mean_exp<B: Backend>(v: Tensor<B, 2>, weights: Tensor<B, 3>) -> Te
         + weights.reshape([groups, 1, blocks, blocks]);
     let largest = terms.clone().max_dim(3).detach();
     let log_sum = (terms - largest.clone()).exp().sum_dim(3).log() + largest;
-    let log_count: Vec<f32> = (0..blocks).map(|n| ((blocks - n) as f32).ln()).collect();
-    let log_count = Tensor::<B, 1>::from_data(TensorData::new(log_count, [blocks]), &device)
-        .reshape([1, blocks]);
+    let log_count = seen_by::<B>(blocks, &device).log().reshape([1, blocks]);
     log_sum.reshape([batch, blocks]) - log_count
 }
 

@@ -3,7 +3,7 @@
 //! causal half of `Q K^T`, no softmax, no `V`) and O(S f) for the MLP.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{Int, Tensor, TensorData};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::block_scores::block_scores;
 
@@ -15,11 +15,17 @@ use lemo_kernels::block_scores::block_scores;
 /// keeps the score a property of the block's content.
 pub fn token_block_informativeness<B: Backend>(block_scores: Tensor<B, 3>) -> Tensor<B, 2> {
     let [_, blocks, _] = block_scores.dims();
-    let seen_by: Vec<f32> = (0..blocks).map(|n| (blocks - n) as f32).collect();
-    let seen_by =
-        Tensor::<B, 1>::from_data(TensorData::new(seen_by, [blocks]), &block_scores.device())
-            .reshape([1, blocks]);
+    let seen_by = seen_by::<B>(blocks, &block_scores.device()).reshape([1, blocks]);
     block_scores.sum_dim(1).squeeze_dim::<2>(1) / seen_by
+}
+
+/// `[blocks]`: how many query blocks see key block `n` under the causal mask, `blocks - n`
+/// (f32, built on the device).
+pub fn seen_by<B: Backend>(blocks: usize, device: &B::Device) -> Tensor<B, 1> {
+    Tensor::<B, 1, Int>::arange(0..blocks as i64, device)
+        .float()
+        .neg()
+        .add_scalar(blocks as f32)
 }
 
 /// Attention token-block informativeness from the rotated queries and keys of every token,
