@@ -12,7 +12,8 @@ use crate::training::BlockSamples;
 ///
 /// Exact scores select by the layer's threshold, relative to the sequence's mean score.
 /// Predicted scores keep a fixed fraction of each sequence's blocks, their best-scoring ones:
-/// the fraction the exact scores keep on the predictors' training sequences. A threshold on
+/// the fraction the exact scores keep on the predictors' training sequences, or more
+/// ([`Selection::with_recall_target`]). A threshold on
 /// predicted scores would keep a fraction that moves with the text: regression shrinks
 /// predictions toward the mean by an amount that differs from one book to another (stories260K,
 /// layer 1: a threshold matched on one book kept 61% of another's blocks where exact scores
@@ -41,6 +42,29 @@ impl Selection {
             .map(Vec::len)
             .sum();
         selection.predicted_keep = kept as f32 / exact_scores.len().max(1) as f32;
+        selection
+    }
+
+    /// This selection with `predicted_keep` raised a block at a time until the predictions
+    /// `predicted_log_scores` (`[sequences, blocks]`, natural log) of `samples` find `target` of
+    /// their exactly kept blocks, or keep every block. How many blocks exact scores keep moves
+    /// from one sequence to another (stories260K, layer 1: 14 to 27 of 32) and predictions
+    /// follow that count only loosely, so at the mean count recall loses what the sequences
+    /// keeping more miss; a layer whose predictions miss more keeps more.
+    pub fn with_recall_target(
+        self,
+        target: f64,
+        predicted_log_scores: &[f32],
+        samples: &BlockSamples,
+    ) -> Self {
+        let blocks = samples.blocks.max(1);
+        let mut selection = self;
+        let mut count = (self.predicted_keep * blocks as f32).ceil() as usize;
+        while count < blocks && agreement(predicted_log_scores, samples, selection).recall < target
+        {
+            count += 1;
+            selection.predicted_keep = count as f32 / blocks as f32;
+        }
         selection
     }
 
@@ -206,6 +230,29 @@ mod tests {
                 vec![vec![0, 2, 3]]
             );
         }
+    }
+
+    #[test]
+    fn a_recall_target_keeps_more_blocks_until_the_predictions_find_enough() {
+        // Exact scores keep blocks 0, 1, 3, 5 and 7 (mean 3.45, threshold 1, the ends always):
+        // five of eight. The prediction ranks block 5 last, so its best five find four of them.
+        let exact = [1.0, 9.0, 0.1, 8.0, 0.2, 7.0, 0.3, 1.0];
+        let predicted = [0.0f32, 5.0, 2.0, 4.0, 1.5, -3.0, 1.0, 0.0];
+        let mut samples = BlockSamples::new(8, 1, 1);
+        samples.push(&[0.0; 8], &exact);
+        let fitted = Selection::fitted(1.0, 0.0, &exact, 8);
+        assert_eq!(fitted.predicted_keep, 0.625);
+        assert_eq!(agreement(&predicted, &samples, fitted).recall, 0.8);
+        let keep = |target: f64| {
+            fitted
+                .with_recall_target(target, &predicted, &samples)
+                .predicted_keep
+        };
+        assert_eq!(keep(0.0), 0.625, "no target: the fitted fraction");
+        assert_eq!(keep(0.8), 0.625, "met already");
+        // Block 5 comes last of the prediction's order: finding it takes every block.
+        assert_eq!(keep(0.9), 1.0);
+        assert_eq!(keep(1.0), 1.0);
     }
 
     #[test]

@@ -79,8 +79,15 @@ pub struct PredictorsHeader {
     pub rank: usize,
     /// The calibrated thresholds, with the fraction each token-sparse attention block keeps
     /// from predicted scores (`LayerThresholds::attention_keep`: what the exact scores keep
-    /// there on the training sequences). The MLP blocks select from their exact scores.
+    /// there on the training sequences, raised to [`Self::recall_target`]). The MLP blocks
+    /// select from their exact scores.
     pub thresholds: Thresholds,
+    /// The recall of the exactly kept blocks each layer's predicted fraction was raised to
+    /// reach on training sequences held out from fitting
+    /// ([`crate::agreement::Selection::with_recall_target`]); `None`: the fraction exact scores
+    /// keep.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recall_target: Option<f64>,
     /// Each layer's attention predictors' report; `None` where the block stays dense.
     pub layers: Vec<Option<BlockReport>>,
     /// Mean recall and precision over the token-sparse attention blocks, and the held-out data.
@@ -107,6 +114,7 @@ impl PredictorsHeader {
             rank,
             layers: vec![None; thresholds.num_layers],
             thresholds,
+            recall_target: None,
             recall: 0.0,
             precision: 0.0,
             captured: 0.0,

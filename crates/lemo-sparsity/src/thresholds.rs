@@ -27,7 +27,8 @@ pub struct LayerThresholds {
     pub mlp: Option<f32>,
     /// The fraction of each sequence's token blocks the attention block keeps, its best ones,
     /// when its scores are predicted: predictors select a fixed fraction, the one exact scores
-    /// keep at `attention` (written by `train-predictors`).
+    /// keep at `attention`, raised where the predictions need more blocks to find enough of the
+    /// exactly kept ones (written by `train-predictors`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_keep: Option<f32>,
 }

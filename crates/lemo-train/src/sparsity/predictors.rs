@@ -12,7 +12,7 @@ use clap::Args;
 use lemo_kernels::LemoBackend;
 use lemo_models::CausalLm;
 use lemo_models::token_plan::{Record, TokenSparsity};
-use lemo_predictor::agreement::{Recall, Selection, recall};
+use lemo_predictor::agreement::{Recall, Selection, predicted_log_scores, recall};
 use lemo_predictor::predictor::{DEFAULT_COMPONENTS, DEFAULT_RANK};
 use lemo_predictor::scorer::ScorerShape;
 use lemo_predictor::stacked::{max_attention_epochs, train_attention_layers};
@@ -66,6 +66,11 @@ pub struct TrainPredictorsArgs {
     /// Validation recall a pruning may cost (absolute).
     #[arg(long, default_value_t = TrainOptions::default().recall_tolerance)]
     pub recall_tolerance: f64,
+    /// Recall of the exactly kept blocks each layer's predictions must reach on the training
+    /// sequences held out from fitting: a layer keeps more blocks than exact scores keep, one
+    /// at a time, until its predictions find this share of them (0: as many as exact scores).
+    #[arg(long, default_value_t = 0.95)]
+    pub recall_target: f64,
 }
 
 /// Exact token-block scores and `tokens_per_block` normalized token rows per token block of the
@@ -139,6 +144,12 @@ pub fn train_predictors<B: LemoBackend>(
     }
     if args.components == 0 || args.rank == 0 {
         bail!("--components and --rank must be at least 1");
+    }
+    if !(0.0..=1.0).contains(&args.recall_target) {
+        bail!(
+            "--recall-target {} is not a share between 0 and 1",
+            args.recall_target
+        );
     }
     let (train, held_out) = match &args.eval_data {
         Some(eval_data) => (
@@ -214,7 +225,8 @@ pub fn train_predictors<B: LemoBackend>(
         started.elapsed().as_secs_f64()
     );
     // Each token-sparse layer: its samples and how it selects (predicted scores keep the
-    // fraction the exact scores keep on every training sequence).
+    // fraction the exact scores keep on every training sequence, raised after training to the
+    // recall target).
     let layers: Vec<(usize, &BlockSamples, Selection)> = train_samples
         .iter()
         .enumerate()
@@ -274,9 +286,15 @@ pub fn train_predictors<B: LemoBackend>(
 
     let mut header = PredictorsHeader::new(thresholds.clone(), args.rank);
     header.model = name;
+    header.recall_target = Some(args.recall_target).filter(|&target| target > 0.0);
     let mut predictors: Vec<Option<QueryKey<B>>> = vec![None; thresholds.num_layers];
     let mut held_out_recalls: Vec<Recall> = Vec::new();
-    for (&(layer, _, selection), result) in layers.iter().zip(results) {
+    for ((&(layer, _, fitted), result), validation) in layers.iter().zip(results).zip(&validation) {
+        let selection = fitted.with_recall_target(
+            args.recall_target,
+            &predicted_log_scores(&result.predictor, validation, &device),
+            validation,
+        );
         let held_out = held_out_samples[layer]
             .as_ref()
             .expect("held-out sequences have the same blocks");
@@ -356,4 +374,10 @@ fn print_report(header: &PredictorsHeader) {
         header.seq_len,
         100.0 * (1.0 - after as f64 / before.max(1) as f64)
     );
+    if let Some(target) = header.recall_target {
+        eprintln!(
+            "each layer keeps more blocks than exact scores keep where its predictions recall under {:.1}% of them on the training sequences held out from fitting (--recall-target)",
+            100.0 * target
+        );
+    }
 }
