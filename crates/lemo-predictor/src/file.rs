@@ -1,6 +1,7 @@
 //! A model's trained predictors: safetensors (f32;
 //! `layers.{l}.attention.{query|key}.{first|second|out}.{weight|bias}`, the `out` maps as wide
-//! as the block matrix's rank, and `layers.{l}.attention.distance`) with a JSON header under
+//! as the block matrix's rank, and `layers.{l}.attention.distance`, `[rank, buckets]`; format 4
+//! had one row for every component) with a JSON header under
 //! the metadata key `lemo_predictors` ([`PredictorsHeader`]: the model, the block size, the
 //! thresholds and kept fractions they select with, each layer's widths and recall).
 //!
@@ -26,9 +27,11 @@ use crate::scorer::{Dense, Scorer};
 
 /// Metadata key of the JSON header.
 const HEADER_KEY: &str = "lemo_predictors";
-/// 4: attention predictors with distance weights, selecting fixed fractions, and no MLP
-/// predictors (3: MLP sketches; 2: learned MLP scorers; 1: scored block means).
-const FORMAT: u32 = 4;
+/// 5: distance weights per component of the block matrix (4: one set of distance weights,
+/// read as every component's; 3: MLP sketches; 2: learned MLP scorers; 1: scored block means).
+const FORMAT: u32 = 5;
+/// The oldest format this build reads.
+const OLDEST_FORMAT: u32 = 4;
 
 /// What a predictors file cannot be used for, in one line.
 #[derive(Debug, thiserror::Error)]
@@ -221,9 +224,9 @@ impl Predictors {
             .ok_or_else(|| error(format!("no `{HEADER_KEY}` header: not a predictors file")))?;
         let header: PredictorsHeader = serde_json::from_str(header)
             .map_err(|e| error(format!("unreadable predictors header ({e})")))?;
-        if header.format != FORMAT {
+        if !(OLDEST_FORMAT..=FORMAT).contains(&header.format) {
             return Err(error(format!(
-                "predictors format {} (this build reads {FORMAT})",
+                "predictors format {} (this build reads {OLDEST_FORMAT} to {FORMAT})",
                 header.format
             )));
         }
@@ -282,13 +285,6 @@ impl Predictors {
                     "layer {l}'s attention block is token-sparse but has no kept fraction"
                 ));
             }
-            let distance = format!("{prefix}.distance");
-            let shape = self.shape(&distance)?;
-            if shape != [DISTANCE_BUCKETS] {
-                return Err(format!(
-                    "{distance} has shape {shape:?}, not [{DISTANCE_BUCKETS}]"
-                ));
-            }
             // The query scorer's components, which the key scorer's must match.
             let mut components = None;
             for role in ["query", "key"] {
@@ -309,6 +305,15 @@ impl Predictors {
                     }
                     inputs = weight[1];
                 }
+            }
+            let distance = format!("{prefix}.distance");
+            let shape = self.shape(&distance)?;
+            let expected = match self.header.format {
+                4 => vec![DISTANCE_BUCKETS],
+                _ => vec![components.unwrap_or(0), DISTANCE_BUCKETS],
+            };
+            if shape != expected {
+                return Err(format!("{distance} has shape {shape:?}, not {expected:?}"));
             }
         }
         Ok(())
@@ -366,13 +371,22 @@ impl Predictors {
             .map(|(l, t)| {
                 t.attention?;
                 let prefix = layer_prefix(l);
+                let query = scorer(&format!("{prefix}.query"));
+                // Format 4 weighed every component's distances alike: one row for all.
+                let (_, weights) = &self.tensors[&format!("{prefix}.distance")];
+                let rows = weights.len() / DISTANCE_BUCKETS;
+                let distance = Tensor::<B, 2>::from_data(
+                    TensorData::new(weights.clone(), [rows, DISTANCE_BUCKETS]),
+                    device,
+                );
+                let distance = match distance.dims()[0] {
+                    1 => distance.repeat_dim(0, query.components()),
+                    _ => distance,
+                };
                 let predictor = QueryKey {
-                    query: scorer(&format!("{prefix}.query")),
+                    query,
                     key: scorer(&format!("{prefix}.key")),
-                    distance: Param::from_tensor(Tensor::from_data(
-                        tensor(&format!("{prefix}.distance")),
-                        device,
-                    )),
+                    distance: Param::from_tensor(distance),
                 };
                 // Prediction is never differentiated, even on an autodiff backend.
                 Some(predictor.no_grad())
@@ -478,6 +492,48 @@ mod tests {
                 .to_string()
                 .contains("hidden size 8, not this model (llama, 2 layers, hidden size 16)"),
             "{wrong}"
+        );
+    }
+
+    #[test]
+    fn a_format_4_file_weighs_every_components_distances_by_its_one_row() {
+        let _generator = lemo_test_support::exclusive_generator();
+        let device = Default::default();
+        let mut trained = QueryKey::<B>::with_random_distances(8, 3, 2, &device);
+        let row = trained.distance.val().narrow(0, 0, 1);
+        trained.distance = Param::from_tensor(row.clone().repeat_dim(0, 2));
+        let mut old = header();
+        old.format = 4;
+        let mut predictors = Predictors::new(old, &[None, Some(trained.clone())]);
+        let one_row: Vec<f32> = row.into_data().to_vec().unwrap();
+        predictors.tensors.insert(
+            format!("{}.distance", layer_prefix(1)),
+            (vec![DISTANCE_BUCKETS], one_row),
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("format-4.safetensors");
+        std::fs::write(&path, predictors.to_bytes()).unwrap();
+        let read = Predictors::read(&path).unwrap();
+        let x = Tensor::<B, 3>::random([1, 12, 8], Distribution::Normal(0.0, 1.0), &device);
+        let expected: Vec<f32> = LayerPredictor::new(&trained, DType::F32)
+            .token_block_scores(x.clone(), 4)
+            .into_data()
+            .to_vec()
+            .unwrap();
+        let got: Vec<f32> = read
+            .token_block_scores(1, x)
+            .unwrap()
+            .into_data()
+            .to_vec()
+            .unwrap();
+        assert_eq!(got, expected);
+        // The same one row in a file of this format is a shape error.
+        predictors.header.format = FORMAT;
+        std::fs::write(&path, predictors.to_bytes()).unwrap();
+        let message = Predictors::read(&path).err().unwrap().to_string();
+        assert!(
+            message.contains("layers.1.attention.distance has shape [10], not [2, 10]"),
+            "{message}"
         );
     }
 

@@ -33,11 +33,11 @@ pub struct LayerPredictor<B: Backend> {
     biases: [Tensor<B, 2>; 3],
     /// The unit RMSNorm weight, in the block input's dtype.
     unit: Tensor<B, 1>,
-    /// `log D` per distance bucket, `[1, DISTANCE_BUCKETS]`.
+    /// `log D_c` per component and distance bucket, `[components, DISTANCE_BUCKETS]`.
     distance: Tensor<B, 2>,
     components: usize,
     /// The column-mean matrix ([`Self::column_means`]) of the last block count scored.
-    column_means: Mutex<Option<(usize, Tensor<B, 2>)>>,
+    column_means: Mutex<Option<(usize, Tensor<B, 3>)>>,
 }
 
 /// `[[a, 0], [0, b]]`.
@@ -71,17 +71,17 @@ impl<B: Backend> LayerPredictor<B> {
                 side_by_side(query.out.bias.val(), key.out.bias.val()),
             ],
             unit: Tensor::ones([query.first.weight.dims()[0]], (&device, dtype)),
-            distance: predictor.distance.val().unsqueeze(),
+            distance: predictor.distance.val(),
             components: query.components(),
             column_means: Mutex::new(None),
         }
     }
 
-    /// `[blocks (n), blocks (m)]`: `D(m - n) / (blocks - n)` where query block `m` sees key block
-    /// `n`, else 0, so that this times the query blocks' scores is each key block's
-    /// distance-weighted mean query score over the blocks that see it. Built once per block
-    /// count.
-    fn column_means(&self, blocks: usize) -> Tensor<B, 2> {
+    /// `[components, blocks (n), blocks (m)]`: `D_c(m - n) / (blocks - n)` where query block `m`
+    /// sees key block `n`, else 0, so that this times a component's query block scores is each
+    /// key block's distance-weighted mean query score over the blocks that see it. Built once
+    /// per block count.
+    fn column_means(&self, blocks: usize) -> Tensor<B, 3> {
         let mut kept = self.column_means.lock().expect("no panic while building");
         if let Some((count, matrix)) = kept.as_ref()
             && *count == blocks
@@ -89,10 +89,9 @@ impl<B: Backend> LayerPredictor<B> {
             return matrix.clone();
         }
         // Unseen pairs carry log-weight -1e30: their weight is 0.
-        let weights = distance_log_weights(self.distance.clone(), blocks)
-            .exp()
-            .reshape([blocks, blocks]);
-        let matrix = weights / seen_by::<B>(blocks, &self.distance.device()).reshape([blocks, 1]);
+        let weights = distance_log_weights(self.distance.clone(), blocks).exp();
+        let matrix =
+            weights / seen_by::<B>(blocks, &self.distance.device()).reshape([1, blocks, 1]);
         *kept = Some((blocks, matrix.clone()));
         matrix
     }
@@ -133,7 +132,13 @@ impl<B: ComputeBackend> LayerPredictor<B> {
         let components = self.components;
         let query = pooled.clone().narrow(2, 0, components);
         let key = pooled.narrow(2, components, components);
-        let columns = matmul(self.column_means(blocks).unsqueeze::<3>(), query);
+        // Each component's column means: `[components, n, m]` times `[batch, components, m, 1]`.
+        let columns = matmul(
+            self.column_means(blocks).unsqueeze::<4>(),
+            query.swap_dims(1, 2).unsqueeze_dim::<4>(3),
+        )
+        .reshape([batch, components, blocks])
+        .swap_dims(1, 2);
         let scores = key * columns;
         let scores = if components == 1 {
             scores.reshape([batch, blocks])
@@ -164,15 +169,26 @@ mod tests {
     #[test]
     fn prediction_scores_are_the_training_form_scores_relative_to_the_largest() {
         let _generator = lemo_test_support::exclusive_generator();
-        let device = Default::default();
+        check_against_the_training_form::<B>(&Default::default());
+    }
+
+    /// On CubeCL's wgpu runtime, the runtime of the CUDA backend's kernels.
+    #[test]
+    fn prediction_scores_are_the_training_form_scores_on_wgpu() {
+        let _generator = lemo_test_support::exclusive_generator();
+        check_against_the_training_form::<lemo_kernels::WgpuBackend>(&Default::default());
+    }
+
+    /// Two components with their own random distance weights, batch 2, two block counts.
+    fn check_against_the_training_form<B: ComputeBackend>(device: &B::Device) {
         let (hidden, block_size) = (8, 4);
-        let trained = QueryKey::<B>::with_random_distances(hidden, 5, 2, &device);
+        let trained = QueryKey::<B>::with_random_distances(hidden, 5, 2, device);
         let predictor = LayerPredictor::new(&trained, DType::F32);
         // Two block counts (the second reuses nothing of the first's column means), the
         // first with a partial last block.
         for seq in [22, 36] {
             let x =
-                Tensor::<B, 3>::random([2, seq, hidden], Distribution::Normal(0.0, 3.0), &device);
+                Tensor::<B, 3>::random([2, seq, hidden], Distribution::Normal(0.0, 3.0), device);
             let got: Vec<f32> = predictor
                 .token_block_scores(x.clone(), block_size)
                 .into_data()

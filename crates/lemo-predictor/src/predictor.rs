@@ -1,13 +1,16 @@
 //! A layer's attention predictors and what they predict: token-block log-scores
-//! `log sum_c I_c(K_n) mean_{m >= n} D(m - n) I_c(Q_m)`, the column mean of the block matrix
-//! `I(B_mn) = D(m - n) sum_c I_c(Q_m) I_c(K_n)`, of rank `c`, over the query blocks that see key
-//! block `n`.
+//! `log sum_c I_c(K_n) mean_{m >= n} D_c(m - n) I_c(Q_m)`, the column mean of the block matrix
+//! `I(B_mn) = sum_c D_c(m - n) I_c(Q_m) I_c(K_n)`, of rank `c`, over the query blocks that see
+//! key block `n`.
 //!
-//! `D` is a learned weight per bucket of block distance ([`DISTANCE_BUCKETS`]). A product of
-//! query and key scores alone cannot say that a query block attends most to the key blocks
-//! next to it (rotary positions make scores fall with distance, and many heads attend
-//! locally), so without it every key block would seem to be seen alike by near and far
-//! queries, and a late block, which only near queries see, would be scored like an early one.
+//! `D_c` is a learned weight per component and bucket of block distance
+//! ([`DISTANCE_BUCKETS`]). A product of query and key scores alone cannot say that a query
+//! block attends most to the key blocks next to it (rotary positions make scores fall with
+//! distance, and many heads attend locally), so without it every key block would seem to be
+//! seen alike by near and far queries, and a late block, which only near queries see, would be
+//! scored like an early one. Each component weighs distances its own way, so that one can
+//! stand for attention to whatever is near and another for attention to what a key holds,
+//! wherever it is: a single weighting would scale the near part by the key's content too.
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
@@ -32,8 +35,8 @@ pub const DISTANCE_BUCKETS: usize = 10;
 pub struct QueryKey<B: Backend> {
     pub query: Scorer<B>,
     pub key: Scorer<B>,
-    /// `log D` per distance bucket, `[DISTANCE_BUCKETS]`.
-    pub distance: Param<Tensor<B, 1>>,
+    /// `log D_c` per component and distance bucket, `[components, DISTANCE_BUCKETS]`.
+    pub distance: Param<Tensor<B, 2>>,
 }
 
 impl<B: Backend> QueryKey<B> {
@@ -42,12 +45,12 @@ impl<B: Backend> QueryKey<B> {
         Self {
             query: Scorer::new(hidden, rank, components, device),
             key: Scorer::new(hidden, rank, components, device),
-            distance: Param::from_tensor(Tensor::zeros([DISTANCE_BUCKETS], device)),
+            distance: Param::from_tensor(Tensor::zeros([components, DISTANCE_BUCKETS], device)),
         }
     }
 
     pub fn num_params(&self) -> usize {
-        self.query.num_params() + self.key.num_params() + DISTANCE_BUCKETS
+        self.query.num_params() + self.key.num_params() + self.distance.val().shape().num_elements()
     }
 
     /// Natural-log token-block scores `[batch, blocks]` from the block input's token rows
@@ -72,7 +75,11 @@ impl<B: Backend> QueryKey<B> {
     ) -> Self {
         let normal = burn::tensor::Distribution::Normal(0.0, 1.0);
         Self {
-            distance: Param::from_tensor(Tensor::random([DISTANCE_BUCKETS], normal, device)),
+            distance: Param::from_tensor(Tensor::random(
+                [components, DISTANCE_BUCKETS],
+                normal,
+                device,
+            )),
             ..Self::new(hidden, rank, components, device)
         }
     }
@@ -125,18 +132,27 @@ pub(crate) fn distance_log_weights<B: Backend>(
 
 /// Token-block log-scores `[batch, blocks]` from the query and key scorers' per-token
 /// log-scores `[batch, blocks, tokens, components]` and the distance log-weights
-/// `[groups, DISTANCE_BUCKETS]` of `groups` consecutive runs of sequences (the layers of a
-/// stacked batch; one group for one layer): each scorer pooled over its block's tokens, then
-/// `log sum_c exp(k_nc + log mean_{m >= n} exp(q_mc + log D(m - n)))`. Every reduction runs
-/// over the last dimension (one component at a time), the layout CubeCL's fused reductions
-/// handle on every backend.
+/// `[groups, components, DISTANCE_BUCKETS]` of `groups` consecutive runs of sequences (the
+/// layers of a stacked batch; one group for one layer): each scorer pooled over its block's
+/// tokens, then `log sum_c exp(k_nc + log mean_{m >= n} exp(q_mc + log D_c(m - n)))`. Every
+/// reduction runs over the last dimension (one component at a time), the layout CubeCL's fused
+/// reductions handle on every backend.
 pub(crate) fn attention_log_scores<B: Backend>(
     query: Tensor<B, 4>,
     key: Tensor<B, 4>,
-    distance: Tensor<B, 2>,
+    distance: Tensor<B, 3>,
 ) -> Tensor<B, 2> {
     let [batch, blocks, tokens, components] = key.dims();
-    let distance = distance_log_weights(distance, blocks);
+    let [groups, _, buckets] = distance.dims();
+    let weights = |component: usize| {
+        distance_log_weights(
+            distance
+                .clone()
+                .narrow(1, component, 1)
+                .reshape([groups, buckets]),
+            blocks,
+        )
+    };
     let pooled = |per_token: &Tensor<B, 4>, component: usize| {
         log_mean_exp_over_tokens(
             per_token
@@ -146,7 +162,7 @@ pub(crate) fn attention_log_scores<B: Backend>(
         )
     };
     let terms: Vec<Tensor<B, 2>> = (0..components)
-        .map(|c| pooled(&key, c) + column_log_mean_exp(pooled(&query, c), distance.clone()))
+        .map(|c| pooled(&key, c) + column_log_mean_exp(pooled(&query, c), weights(c)))
         .collect();
     if components == 1 {
         return terms.into_iter().next().expect("one component");
@@ -212,12 +228,13 @@ mod tests {
         };
         for sequence in 0..2 {
             for n in 0..blocks {
-                // Block matrix I(B_mn) = D(m - n) sum_c q_mc k_nc for m >= n; key block n's
+                // Block matrix I(B_mn) = sum_c D_c(m - n) q_mc k_nc for m >= n; key block n's
                 // score is its column mean over the blocks - n query blocks that see it.
                 let column: f32 = (n..blocks)
                     .flat_map(|m| (0..components).map(move |c| (m, c)))
                     .map(|(m, c)| {
-                        let weight = log_weights[distance_bucket(m - n)].exp();
+                        let weight =
+                            log_weights[c * DISTANCE_BUCKETS + distance_bucket(m - n)].exp();
                         weight * at(&query, sequence, m, c) * at(&key, sequence, n, c)
                     })
                     .sum::<f32>()

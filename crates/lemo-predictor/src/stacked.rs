@@ -142,8 +142,9 @@ const DISTANCE_STEP: f32 = 0.1;
 struct StackedQueryKey<B: Backend> {
     query: StackedScorer<B>,
     key: StackedScorer<B>,
-    /// Every layer's distance log-weights times [`DISTANCE_STEP`], `[layers, DISTANCE_BUCKETS]`.
-    distance: Param<Tensor<B, 2>>,
+    /// Every layer's distance log-weights times [`DISTANCE_STEP`],
+    /// `[layers, components, DISTANCE_BUCKETS]`.
+    distance: Param<Tensor<B, 3>>,
 }
 
 /// Training rows of every layer: `[layers, sequences * blocks * tokens, hidden]` and the shape
@@ -258,8 +259,8 @@ impl<B: Backend> StackedQueryKey<B> {
         )
     }
 
-    /// `[layers, DISTANCE_BUCKETS]`.
-    fn distance_log_weights(&self) -> Tensor<B, 2> {
+    /// `[layers, components, DISTANCE_BUCKETS]`.
+    fn distance_log_weights(&self) -> Tensor<B, 3> {
         self.distance.val().div_scalar(DISTANCE_STEP)
     }
 
@@ -297,7 +298,7 @@ impl<B: Backend> StackedQueryKey<B> {
     fn blend(&self, other: &Self, take: Tensor<B, 3>) -> Self {
         let [layers, _, _] = take.dims();
         let (mine, theirs) = (self.distance.val(), other.distance.val());
-        let distance = mine.clone() + (theirs - mine) * take.clone().reshape([layers, 1]);
+        let distance = mine.clone() + (theirs - mine) * take.clone().reshape([layers, 1, 1]);
         Self {
             query: self.query.blend(&other.query, take.clone()),
             key: self.key.blend(&other.key, take),
@@ -423,7 +424,10 @@ pub fn train_attention_layers<B: AutodiffBackend>(
     let initial = StackedQueryKey {
         query: StackedScorer::new(layers, hidden, rank, components, device),
         key: StackedScorer::new(layers, hidden, rank, components, device),
-        distance: Param::from_tensor(Tensor::zeros([layers, DISTANCE_BUCKETS], device)),
+        distance: Param::from_tensor(Tensor::zeros(
+            [layers, components, DISTANCE_BUCKETS],
+            device,
+        )),
     };
     let mut model = fit(initial, &alive, options.epochs);
     let unpruned = validation_recalls(&model, &alive);
@@ -481,8 +485,8 @@ pub fn train_attention_layers<B: AutodiffBackend>(
         .expect("f64 losses");
     let model = model.valid();
     let distance = model.distance_log_weights();
-    let params_before =
-        2 * Scorer::<B>::params_of(hidden, [rank, rank], components) + DISTANCE_BUCKETS;
+    let params_before = 2 * Scorer::<B>::params_of(hidden, [rank, rank], components)
+        + components * DISTANCE_BUCKETS;
     (0..layers)
         .map(|layer| TrainedBlock {
             predictor: QueryKey {
@@ -492,7 +496,7 @@ pub fn train_attention_layers<B: AutodiffBackend>(
                     distance
                         .clone()
                         .narrow(0, layer, 1)
-                        .reshape([DISTANCE_BUCKETS]),
+                        .reshape([components, DISTANCE_BUCKETS]),
                 ),
             },
             params_before,

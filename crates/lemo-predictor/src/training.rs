@@ -209,8 +209,8 @@ mod tests {
 
     /// Sequences of blocks of 4 tokens and their exact token-block scores: the rank-two block
     /// matrix of linear per-token query and key log-scores, two each, weighed down with block
-    /// distance (what scorers of two components and distance weights can learn,
-    /// [`attention_log_scores`]).
+    /// distance, fast in one component and slowly in the other (what scorers of two components
+    /// and distance weights can learn, [`attention_log_scores`]).
     fn samples(sequences: usize, blocks: usize) -> BlockSamples {
         let device = Default::default();
         let tokens = 4;
@@ -228,10 +228,16 @@ mod tests {
         let normal = Distribution::Normal(0.0, 0.5);
         let query = Tensor::<B, 2>::random([HIDDEN, 2], normal, &device);
         let key = Tensor::<B, 2>::random([HIDDEN, 2], normal, &device);
-        let decay: Vec<f32> = (0..DISTANCE_BUCKETS).map(|b| -0.7 * b as f32).collect();
-        let distance = Tensor::<B, 1>::from_floats(decay.as_slice(), &device);
-        let log_scores =
-            attention_log_scores(per_token(query), per_token(key), distance.unsqueeze());
+        let decay: Vec<f32> = [0.7f32, 0.2]
+            .iter()
+            .flat_map(|&rate| (0..DISTANCE_BUCKETS).map(move |b| -rate * b as f32))
+            .collect();
+        let distance = Tensor::<B, 1>::from_floats(decay.as_slice(), &device).reshape([
+            1,
+            2,
+            DISTANCE_BUCKETS,
+        ]);
+        let log_scores = attention_log_scores(per_token(query), per_token(key), distance);
         let mut out = BlockSamples::new(blocks, tokens, HIDDEN);
         out.push(
             &x.into_data().to_vec::<f32>().unwrap(),
