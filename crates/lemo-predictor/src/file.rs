@@ -1,6 +1,6 @@
 //! A model's trained predictors: safetensors (f32;
 //! `layers.{l}.attention.{query|key}.{first|second|out}.{weight|bias}`, the `out` maps as wide
-//! as the block matrix's rank, and `layers.{l}.attention.distance`, `[rank, buckets]`; format 4
+//! as the block matrix's rank, and `layers.{l}.attention.distance`, `[components, buckets]`; format 4
 //! had one row for every component) with a JSON header under
 //! the metadata key `lemo_predictors` ([`PredictorsHeader`]: the model, the block size, the
 //! thresholds and kept fractions they select with, each layer's widths and recall).

@@ -69,7 +69,7 @@ pub struct TrainPredictorsArgs {
     /// Recall of the exactly kept blocks each layer's predictions must reach on the training
     /// sequences held out from fitting: a layer keeps more blocks than exact scores keep, one
     /// at a time, until its predictions find this share of them (0: as many as exact scores).
-    #[arg(long, default_value_t = 0.95)]
+    #[arg(long, default_value_t = 0.96)]
     pub recall_target: f64,
 }
 
