@@ -144,14 +144,14 @@ pub(crate) fn attention_log_scores<B: Backend>(
 ) -> Tensor<B, 2> {
     let [batch, blocks, tokens, components] = key.dims();
     let [groups, _, buckets] = distance.dims();
+    // Every group's and component's weights from one build of the distance buckets.
+    let weights = distance_log_weights(distance.reshape([groups * components, buckets]), blocks)
+        .reshape([groups, components, blocks, blocks]);
     let weights = |component: usize| {
-        distance_log_weights(
-            distance
-                .clone()
-                .narrow(1, component, 1)
-                .reshape([groups, buckets]),
-            blocks,
-        )
+        weights
+            .clone()
+            .narrow(1, component, 1)
+            .reshape([groups, blocks, blocks])
     };
     let pooled = |per_token: &Tensor<B, 4>, component: usize| {
         log_mean_exp_over_tokens(
