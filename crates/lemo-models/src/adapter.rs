@@ -76,6 +76,21 @@ pub fn sync_folder(folder: &Path) {
     }
 }
 
+/// Refuses adapter values that are not finite: a diverged run's adapter is neither written nor
+/// applied (merged, evaluated) as if it were one.
+pub(crate) fn check_finite(path: &Path, name: &str, values: &[f32]) -> Result<()> {
+    match values.iter().position(|v| !v.is_finite()) {
+        Some(at) => Err(Error::format(
+            path,
+            format!(
+                "{name} holds {} at index {at}: the adapter diverged",
+                values[at]
+            ),
+        )),
+        None => Ok(()),
+    }
+}
+
 /// The `adapter_config.json` PEFT expects for `config`.
 pub fn peft_config_json(config: &LoraConfig, base_model: &str) -> Value {
     json!({
@@ -191,8 +206,10 @@ impl<B: LemoBackend> CausalLm<B> {
                         .convert::<f32>()
                         .into_vec()
                         .expect("f32 data");
+                    let key = format!("{PREFIX}.{name}.{part}.weight");
+                    check_finite(&dir.join(WEIGHTS_FILE), &key, &values)?;
                     let bytes = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-                    tensors.push((format!("{PREFIX}.{name}.{part}.weight"), shape, bytes));
+                    tensors.push((key, shape, bytes));
                 }
             }
         }
@@ -239,6 +256,8 @@ impl<B: LemoBackend> CausalLm<B> {
             let b = weights.fetch(&key("lora_B"), &b_shape)?;
             match (a, b) {
                 (Some(a), Some(b)) => {
+                    check_finite(&weights_path, &key("lora_A"), &a)?;
+                    check_finite(&weights_path, &key("lora_B"), &b)?;
                     let device = linear.weight.device();
                     let a = Tensor::from_data(TensorData::new(a, a_shape), &device);
                     let b = Tensor::from_data(TensorData::new(b, b_shape), &device);

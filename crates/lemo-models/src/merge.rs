@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use crate::adapter::{CONFIG_FILE, PREFIX, WEIGHTS_FILE, read_peft_config};
+use crate::adapter::{CONFIG_FILE, PREFIX, WEIGHTS_FILE, check_finite, read_peft_config};
 use crate::lora::LoraConfig;
 use crate::weights::{Checkpoint, SafetensorsWeights, StoredTensor, WeightSource};
 use crate::{Error, Result};
@@ -68,6 +68,7 @@ impl AdapterWeights {
             let values = file
                 .fetch(&tensor.name, &tensor.shape)?
                 .expect("listed tensors are present");
+            check_finite(&path, &tensor.name, &values)?;
             let half = [".lora_A.weight", ".lora_B.weight"]
                 .iter()
                 .position(|suffix| name.ends_with(suffix));

@@ -17,13 +17,14 @@ use lemo_models::{CausalLm, LoraConfig, ModelConfig};
 use lemo_predictor::Predictors;
 use serde::Serialize;
 
+use crate::data::int_tokens;
 use crate::device::{BackendJob, PrecisionKind};
+use crate::lemo::{self, LemoSettings, sparse_keep};
 use crate::memory::{self, DeviceWatch, gib};
 use crate::memory_plan::{self, PlanInput};
-use crate::sparsity::{self, SparsitySettings, sparse_keep};
-use crate::train::config::Method;
+use crate::method::Method;
+use crate::train::forward_backward;
 use crate::train::optim::{self, AdamW, AdamWSettings, NamedTensors};
-use crate::train::{forward_backward, int_tokens};
 use lemo_models::token_plan::TokenPlan;
 use lemo_sparsity::calibration::Block;
 
@@ -47,7 +48,7 @@ impl WeightSource for FastRandomWeights {
         if name.contains("norm") && name.ends_with(".weight") {
             return Ok(Some(vec![1.0; count]));
         }
-        let tensor_seed = crate::corpus::fnv1a(name.as_bytes(), self.seed | 1);
+        let tensor_seed = crate::data::corpus::fnv1a(name.as_bytes(), self.seed | 1);
         let half_width = 0.02 * 3f32.sqrt();
         let fill = |index: usize, chunk: &mut [f32]| {
             let mut state = (tensor_seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)) | 1;
@@ -125,7 +126,7 @@ pub struct BenchJob {
     pub seed: u64,
     pub precision: PrecisionKind,
     /// `--method lemo`: thresholds from a file, or kept fractions on the bench's own sequence.
-    pub sparsity: SparsitySettings,
+    pub sparsity: LemoSettings,
     /// Device-level memory watch, started before the backend creates its CUDA context.
     pub device_watch: Option<DeviceWatch>,
 }
@@ -287,8 +288,8 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
             .map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32)
             .collect();
         let elimination = if job.method == Method::Lemo {
-            model.check_token_elimination(seq_len)?;
-            Some(sparsity::bench_elimination::<B>(
+            job.sparsity.check_sequence(&model, seq_len)?;
+            Some(lemo::bench_elimination::<B>(
                 &job.sparsity,
                 &config,
                 &device,
@@ -310,7 +311,7 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                 let mut grads = NamedTensors::<B>::new();
                 let batch = int_tokens::<AB<B>>(std::slice::from_ref(&tokens), &device);
                 let scale = 1.0 / (seq_len - 1) as f64;
-                let mut token_sparsity = sparsity::token_sparsity(elimination.as_ref());
+                let mut token_sparsity = lemo::token_sparsity(elimination.as_ref());
                 let (_, _, mem) = forward_backward(
                     &model,
                     batch,

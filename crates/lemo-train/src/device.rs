@@ -2,7 +2,7 @@
 //! `--precision bf16|f32`: the storage type of the model on it.
 
 use anyhow::{Result, bail};
-use clap::ValueEnum;
+use clap::{Args, ValueEnum};
 use lemo_kernels::precision::Precision;
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
 
@@ -44,6 +44,33 @@ impl PrecisionKind {
             PrecisionKind::Bf16 => Precision::MIXED_BF16,
             PrecisionKind::F32 => Precision::F32,
         }
+    }
+}
+
+/// `--device` and `--precision`, which every subcommand that runs a model takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Args, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct Runtime {
+    /// auto (CUDA when an NVIDIA driver is present, else the CPU), cuda, wgpu or cpu.
+    #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
+    pub device: DeviceKind,
+    /// bf16 (model and activations; LoRA, gradients and optimizer f32) or f32
+    /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
+    #[arg(long, value_enum)]
+    pub precision: Option<PrecisionKind>,
+}
+
+impl Default for Runtime {
+    fn default() -> Self {
+        crate::defaults()
+    }
+}
+
+impl Runtime {
+    /// The device resolved (`auto` picks one) and the precision to run at on it.
+    pub fn resolve(self) -> Result<(DeviceKind, PrecisionKind)> {
+        let device = self.device.resolve();
+        Ok((device, device.precision(self.precision)?))
     }
 }
 

@@ -1,8 +1,9 @@
 //! `eval`: mean next-token cross-entropy and perplexity of a model over token documents.
 //!
-//! A document no longer than `seq_len` is scored in one window. Longer ones follow LongLoRA's
-//! protocol: windows of `seq_len` tokens starting every `stride` tokens, each scored on all its
-//! next-token predictions; the loss is the mean over all scored predictions.
+//! A document no longer than `seq_len` is scored in one window. Longer ones are scored in
+//! windows of `seq_len` tokens starting every `stride` tokens (by default `seq_len`: each token
+//! once; LongLoRA's protocol uses 256), each scored on all its next-token predictions; the loss
+//! is the mean over all scored predictions.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -13,7 +14,7 @@ use lemo_kernels::LemoBackend;
 use lemo_sparsity::calibration::Block;
 
 use crate::device::BackendJob;
-use crate::sparsity::{SparsitySettings, THRESHOLDS_FILE, read_thresholds, sparse_keep};
+use crate::lemo::{LemoSettings, THRESHOLDS_FILE, read_thresholds, sparse_keep};
 
 /// Rows of the vocabulary projection computed at once.
 const LOSS_CHUNK_ROWS: usize = 1024;
@@ -35,10 +36,11 @@ pub struct EvalJob {
     pub model: PathBuf,
     pub documents: Vec<Vec<u32>>,
     pub seq_len: Option<usize>,
-    pub stride: usize,
+    /// Window starts' distance on long documents; unset: `seq_len` (each token scored once).
+    pub stride: Option<usize>,
     pub setup: crate::modelio::ModelSetup,
     /// `--method lemo`: score with token elimination, by `--thresholds` or the adapter's.
-    pub sparsity: Option<SparsitySettings>,
+    pub sparsity: Option<LemoSettings>,
 }
 
 /// `(start, end)` of each scored window of a document of `len` tokens.
@@ -69,10 +71,10 @@ impl BackendJob for EvalJob {
         }
         let elimination = match &self.sparsity {
             Some(settings) => {
-                model.check_token_elimination(seq_len)?;
+                settings.check_sequence(&model, seq_len)?;
                 let beside_adapter = self.setup.adapter.as_ref().map(|a| a.join(THRESHOLDS_FILE));
                 let interpolation = Some(self.setup.interpolation_factor(&config)?);
-                Some(crate::sparsity::elimination(
+                Some(crate::lemo::elimination(
                     settings,
                     &config,
                     interpolation,
@@ -104,7 +106,7 @@ impl BackendJob for EvalJob {
             .iter()
             .filter(|d| d.len() >= 2)
             .flat_map(|d| {
-                windows(d.len(), seq_len, self.stride)
+                windows(d.len(), seq_len, self.stride.unwrap_or(seq_len))
                     .into_iter()
                     .map(move |(s, e)| (d.as_slice(), s, e))
             })
@@ -120,7 +122,7 @@ impl BackendJob for EvalJob {
             let ids: Vec<i32> = document[*start..*end].iter().map(|&id| id as i32).collect();
             let input =
                 Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, end - start]), &device);
-            let mut sparsity = crate::sparsity::token_sparsity(elimination.as_ref());
+            let mut sparsity = crate::lemo::token_sparsity(elimination.as_ref());
             let (sum, count) = model.next_token_loss_sum(input, LOSS_CHUNK_ROWS, &mut sparsity);
             if let Some(plan) = sparsity.into_plan() {
                 keep_attention += sparse_keep(&plan, Block::Attention) / plan_len;

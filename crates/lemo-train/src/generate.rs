@@ -19,6 +19,11 @@ pub struct GenerateJob {
     pub prompt: String,
     pub max_new_tokens: usize,
     pub temperature: f64,
+    /// Sampling draws among the `top_k` likeliest tokens only (`None`: all).
+    pub top_k: Option<usize>,
+    /// Sampling draws among the likeliest tokens whose probabilities sum to `top_p` (nucleus
+    /// sampling; 1: all).
+    pub top_p: f64,
     pub seed: u64,
     /// The adapter, RoPE scaling and precision to run the model with.
     pub setup: crate::modelio::ModelSetup,
@@ -42,13 +47,15 @@ impl BackendJob for GenerateJob {
                 "the prompt encodes to no tokens and this tokenizer adds no BOS: give a non-empty --prompt"
             );
         }
-        if let Some(limit) = config
-            .max_sequence_length()
-            .filter(|&l| prompt.len() + self.max_new_tokens > l)
-        {
+        let interpolation = self.setup.interpolation_factor(&config)?;
+        let limit = config.max_sequence_length().unwrap_or(
+            (crate::modelio::addressable_context(&config) as f64 * interpolation) as usize,
+        );
+        if prompt.len() + self.max_new_tokens > limit {
             bail!(
-                "prompt plus --max-new-tokens is {} tokens; this model supports {limit}",
-                prompt.len() + self.max_new_tokens
+                "the prompt ({} tokens) plus --max-new-tokens {} is more than the {limit} positions this model addresses (--target-context extends them)",
+                prompt.len(),
+                self.max_new_tokens
             );
         }
         // llama2.c models end a story by starting the next one, so BOS stops them as run.c does.
@@ -59,6 +66,10 @@ impl BackendJob for GenerateJob {
         stop.extend(self.tokenizer.eos_id());
 
         let mut out = std::io::stdout().lock();
+        // Pieces are printed relative to the token before; a first token other than BOS is text.
+        if self.tokenizer.bos_id() != Some(prompt[0]) {
+            out.write_all(self.tokenizer.decode(&prompt[..1]).as_bytes())?;
+        }
         let mut previous = prompt[0];
         for &id in &prompt[1..] {
             out.write_all(&self.tokenizer.decode_piece(previous, id))?;
@@ -83,7 +94,7 @@ impl BackendJob for GenerateJob {
                     .into_data()
                     .convert::<f32>()
                     .into_vec()?;
-                sample(&probs, rng.random::<f32>())
+                sample(&probs, self.top_k, self.top_p, rng.random::<f32>())
             };
             if stop.contains(&next) {
                 break;
@@ -98,14 +109,50 @@ impl BackendJob for GenerateJob {
     }
 }
 
-/// The index where the cumulative probability first exceeds `uniform` (in [0, 1)).
-fn sample(probs: &[f32], uniform: f32) -> u32 {
-    let mut cumulative = 0.0;
-    for (index, p) in probs.iter().enumerate() {
-        cumulative += p;
-        if uniform < cumulative {
-            return index as u32;
+/// A token drawn from `probs` restricted to the `top_k` likeliest and to the smallest set of
+/// likeliest tokens whose probabilities reach `top_p`, renormalized; `uniform` is in [0, 1).
+fn sample(probs: &[f32], top_k: Option<usize>, top_p: f64, uniform: f32) -> u32 {
+    let mut order: Vec<u32> = (0..probs.len() as u32).collect();
+    order.sort_by(|&a, &b| probs[b as usize].total_cmp(&probs[a as usize]));
+    order.truncate(top_k.unwrap_or(order.len()).max(1));
+    let mut kept = 0;
+    let mut mass = 0.0f64;
+    for &id in &order {
+        kept += 1;
+        mass += probs[id as usize] as f64;
+        if mass >= top_p {
+            break;
         }
     }
-    probs.len() as u32 - 1
+    order.truncate(kept);
+    let mut cumulative = 0.0f64;
+    for &id in &order {
+        cumulative += probs[id as usize] as f64 / mass;
+        if (uniform as f64) < cumulative {
+            return id;
+        }
+    }
+    order[order.len() - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sample;
+
+    #[test]
+    fn sampling_draws_from_the_likeliest_tokens_only() {
+        let probs = [0.1, 0.5, 0.3, 0.1];
+        // Everything: the cumulative order is 1, 2, 0, 3.
+        assert_eq!(sample(&probs, None, 1.0, 0.0), 1);
+        assert_eq!(sample(&probs, None, 1.0, 0.85), 0);
+        assert_eq!(sample(&probs, None, 1.0, 0.99), 3);
+        // Top 2: tokens 1 and 2, renormalized to 5/8 and 3/8.
+        assert_eq!(sample(&probs, Some(2), 1.0, 0.6), 1);
+        assert_eq!(sample(&probs, Some(2), 1.0, 0.7), 2);
+        assert_eq!(sample(&probs, Some(2), 1.0, 0.999), 2);
+        // Nucleus 0.5: token 1 alone reaches it.
+        assert_eq!(sample(&probs, None, 0.5, 0.999), 1);
+        // Nucleus 0.75: tokens 1 and 2.
+        assert_eq!(sample(&probs, None, 0.75, 0.99), 2);
+    }
 }

@@ -33,7 +33,7 @@ use lemo_models::ModelConfig;
 
 use crate::device::{DeviceKind, PrecisionKind};
 use crate::memory::gib;
-use crate::train::config::Method;
+use crate::method::Method;
 
 const GIB: f64 = (1u64 << 30) as f64;
 const ACTIVATION_SCALE: f64 = 0.530;

@@ -70,7 +70,7 @@ pub struct MergeArgs {
 
 /// Merges as `args` say; returns the output folder.
 pub fn run(args: MergeArgs) -> Result<PathBuf> {
-    crate::require_model(&args.model)?;
+    crate::modelio::require_model(&args.model)?;
     if !args.adapter.is_dir() {
         bail!(
             "--adapter {}: no such adapter folder",
@@ -92,6 +92,7 @@ pub fn run(args: MergeArgs) -> Result<PathBuf> {
         (ModelConfig::Opt(_), Some(_)) => bail!("--gguf: GGUF export covers Llama models, not OPT"),
         (ModelConfig::Opt(_), None) => None,
     };
+    crate::modelio::check_output("--out", &args.out, &[&args.model, &args.adapter])?;
     prepare_out(&args.out, args.overwrite)?;
     eprintln!(
         "merge: {} + adapter {} (rank {}, alpha {}, {:?}{}){}",

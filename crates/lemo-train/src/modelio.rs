@@ -5,17 +5,108 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+use clap::Args;
 use lemo_kernels::LemoBackend;
 use lemo_models::config::{RopeConfig, RopeScaling};
 use lemo_models::gguf::GgufFile;
 use lemo_models::llama2c::Llama2cCheckpoint;
 use lemo_models::model::ModelFormat;
+use lemo_models::tokenizer::Tokenizer;
 use lemo_models::{CausalLm, ModelConfig};
 use serde::{Deserialize, Serialize};
 
-use crate::device::PrecisionKind;
+use crate::device::{DeviceKind, PrecisionKind, Runtime};
 
 pub const TRAINING_INFO_FILE: &str = "lemo_training.json";
+
+/// The model a command runs, as training left it: the flags `eval`, `generate`, `calibrate`,
+/// `profile` and `train-predictors` share.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// Hugging Face model folder (config.json + *.safetensors), llama2.c .bin checkpoint or
+    /// .gguf file.
+    #[arg(long)]
+    pub model: PathBuf,
+    /// tokenizer.json, llama2.c tokenizer .bin or .gguf [default: the one beside the model].
+    #[arg(long)]
+    pub tokenizer: Option<PathBuf>,
+    /// Apply this PEFT adapter folder, with the RoPE scaling it was trained with.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
+    /// Linear RoPE position interpolation for this context (overrides the adapter's).
+    #[arg(long)]
+    pub target_context: Option<usize>,
+    #[command(flatten)]
+    pub runtime: Runtime,
+}
+
+impl ModelArgs {
+    /// The device to run on and how to load the model there; the model must exist.
+    pub fn resolve(&self) -> Result<(DeviceKind, ModelSetup)> {
+        require_model(&self.model)?;
+        let (device, precision) = self.runtime.resolve()?;
+        let setup = ModelSetup {
+            adapter: self.adapter.clone(),
+            target_context: self.target_context,
+            precision,
+        };
+        Ok((device, setup))
+    }
+
+    /// `--tokenizer`, else the one beside the model.
+    pub fn tokenizer_path(&self) -> Option<PathBuf> {
+        self.tokenizer
+            .clone()
+            .or_else(|| crate::data::find_tokenizer(&self.model))
+    }
+
+    /// The tokenizer of [`Self::tokenizer_path`], loaded.
+    pub fn load_tokenizer(&self) -> Result<Tokenizer> {
+        let path = self
+            .tokenizer_path()
+            .context("no tokenizer beside the model: pass --tokenizer")?;
+        Ok(Tokenizer::from_file(&path)?)
+    }
+}
+
+/// Refuses an output (`flag`'s path) that would overwrite what the command reads: an input
+/// itself, a folder holding an input, or a file already inside an input folder (a model's).
+pub fn check_output(flag: &str, out: &Path, inputs: &[&Path]) -> Result<()> {
+    let absolute = |path: &Path| -> Option<PathBuf> {
+        std::fs::canonicalize(path).ok().or_else(|| {
+            let parent = path.parent().filter(|p| !p.as_os_str().is_empty());
+            let parent = std::fs::canonicalize(parent.unwrap_or(Path::new("."))).ok()?;
+            Some(parent.join(path.file_name()?))
+        })
+    };
+    let Some(target) = absolute(out) else {
+        return Ok(());
+    };
+    for input in inputs {
+        let Some(input) = std::fs::canonicalize(input).ok() else {
+            continue;
+        };
+        let overwrites = target == input
+            || input.starts_with(&target)
+            || (out.exists() && target.starts_with(&input));
+        if overwrites {
+            bail!(
+                "{flag} {}: that would overwrite {}, which this command reads",
+                out.display(),
+                input.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// A missing `--model` is named as such before anything looks for files beside it.
+pub fn require_model(model: &Path) -> Result<()> {
+    if !model.exists() {
+        bail!("--model {}: no such file or folder", model.display());
+    }
+    Ok(())
+}
 
 /// What `train` records beside an adapter.
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -79,6 +79,9 @@ pub fn make_prompt(
     })
 }
 
+/// The longest prompt made: past it the filler text alone is gigabytes.
+pub const MAX_PROMPT_TOKENS: usize = 1 << 22;
+
 /// `trials` prompts per length, seeded.
 pub fn make_prompts(
     tokenizer: &Tokenizer,
@@ -86,6 +89,9 @@ pub fn make_prompts(
     trials: usize,
     seed: u64,
 ) -> Result<Vec<(usize, PasskeyPrompt)>> {
+    if let Some(length) = lengths.iter().find(|&&l| l > MAX_PROMPT_TOKENS) {
+        bail!("--lengths {length}: passkey prompts are at most {MAX_PROMPT_TOKENS} tokens");
+    }
     let mut rng = StdRng::seed_from_u64(seed);
     let mut out = Vec::new();
     for &length in lengths {
@@ -94,6 +100,23 @@ pub fn make_prompts(
         }
     }
     Ok(out)
+}
+
+/// The prompts of [`make_prompts`] as JSONL, each record with its `length`.
+pub fn prompts_jsonl(
+    tokenizer: &Tokenizer,
+    lengths: &[usize],
+    trials: usize,
+    seed: u64,
+) -> Result<String> {
+    let mut text = String::new();
+    for (length, prompt) in make_prompts(tokenizer, lengths, trials, seed)? {
+        let mut record = serde_json::to_value(&prompt)?;
+        record["length"] = length.into();
+        text.push_str(&record.to_string());
+        text.push('\n');
+    }
+    Ok(text)
 }
 
 #[derive(Debug, Clone, Serialize)]

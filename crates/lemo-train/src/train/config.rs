@@ -1,40 +1,20 @@
 //! Training configuration: defaults, then a preset, then a TOML file (`--config`), then
-//! command-line flags, each overriding the one before. The resolved configuration is written to
+//! command-line flags, each overriding the one before. One struct, [`TrainConfig`], is the
+//! flags (clap), the TOML keys (serde) and what the library trains with: every setting and its
+//! default is spelled once, on its field. The resolved configuration is written to
 //! `<out>/config.toml`, which `--resume` reads back.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use clap::{Args, ValueEnum};
+use clap::{ArgMatches, Args, ValueEnum, parser::ValueSource};
 use lemo_models::lora::LLAMA_PROJECTIONS;
 use serde::{Deserialize, Serialize};
 
-use crate::device::{DeviceKind, PrecisionKind};
-use crate::sparsity::{MlpDroppedRows, ScoreSource, SparsityArgs, SparsitySettings};
+use crate::device::{DeviceKind, Runtime};
+use crate::lemo::LemoSettings;
+use crate::method::Method;
 use crate::train::optim::Schedule;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum Method {
-    /// Dense LoRA: the plain baseline.
-    Lora,
-    /// LongLoRA: shifted sparse attention (S2) while training, dense attention at evaluation,
-    /// embeddings and normalization weights train with the adapters.
-    Longlora,
-    /// LeMo's token elimination: each layer's attention and MLP blocks process only their
-    /// informative token blocks; the others ride the residual stream unchanged.
-    Lemo,
-}
-
-impl Method {
-    pub fn name(self) -> &'static str {
-        match self {
-            Method::Lora => "lora",
-            Method::Longlora => "longlora",
-            Method::Lemo => "lemo",
-        }
-    }
-}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -43,159 +23,165 @@ pub enum Preset {
     Tiny,
 }
 
-/// Everything a training run needs; field docs are the TOML keys' meanings.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
+/// Everything a training run needs: the `train` flags, and the keys of a TOML `--config` file
+/// (snake_case, e.g. `seq_len = 4096`).
+#[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
+#[serde(default)]
 pub struct TrainConfig {
-    /// Hugging Face model folder or llama2.c `.bin` (unset with a preset: it builds its own).
+    /// Hugging Face model folder (config.json + *.safetensors), llama2.c .bin checkpoint or
+    /// .gguf file (unset with a preset: it builds its own).
+    #[arg(long)]
     pub model: Option<PathBuf>,
+    /// tokenizer.json, llama2.c tokenizer .bin or .gguf [default: the one beside the model].
+    #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// Text files, JSONL (`text` or `input_ids`), raw token .bin files, or a folder of these.
+    #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Bytes per token id in .bin token files: 2 or 4.
+    #[arg(long, default_value_t = 2)]
     pub token_width: u8,
+    /// Run folder: adapter/, checkpoints/, metrics.jsonl, plots/, config.toml.
+    #[arg(long, default_value = "runs/lemo")]
     pub out: PathBuf,
+    /// lora (dense baseline), longlora (S2 attention + trainable embeddings/norms), or lemo
+    /// (token elimination: each layer processes only its informative token blocks, chosen by
+    /// per-layer thresholds calibrated toward --target-keep).
+    #[arg(long, value_enum, default_value_t = Method::Lora)]
     pub method: Method,
+    /// Training sequence length in tokens [default: the target context, else the model's].
+    #[arg(long)]
     pub seq_len: Option<usize>,
+    /// Context to extend to: sets linear RoPE position interpolation with factor
+    /// target / trained context (none when not larger).
+    #[arg(long)]
     pub target_context: Option<usize>,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 1000)]
     pub steps: usize,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 1)]
     pub batch_size: usize,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1)]
     pub grad_accum: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 2e-4)]
     pub lr: f64,
+    /// Linear warm-up steps.
+    #[arg(long, default_value_t = 20)]
     pub warmup_steps: usize,
+    /// After warm-up: constant or cosine.
+    #[arg(long, value_enum, default_value_t = Schedule::Constant)]
     pub schedule: Schedule,
+    /// Cosine floor as a fraction of --lr.
+    #[arg(long, default_value_t = 0.0)]
     pub min_lr_ratio: f64,
+    /// AdamW beta1.
+    #[arg(long, default_value_t = 0.9)]
     pub beta1: f64,
+    /// AdamW beta2.
+    #[arg(long, default_value_t = 0.999)]
     pub beta2: f64,
+    /// AdamW epsilon.
+    #[arg(long, default_value_t = 1e-8)]
     pub eps: f64,
+    /// AdamW decoupled weight decay.
+    #[arg(long, default_value_t = 0.0)]
     pub weight_decay: f64,
-    /// Global-norm clipping threshold; 0 turns clipping off.
+    /// Global gradient-norm clipping; 0 is off.
+    #[arg(long, default_value_t = 1.0)]
     pub max_grad_norm: f64,
+    /// LoRA rank.
+    #[arg(long, default_value_t = 8)]
     pub lora_rank: usize,
+    /// LoRA alpha (scaling alpha / rank).
+    #[arg(long, default_value_t = 16.0)]
     pub lora_alpha: f64,
+    /// LoRA dropout probability, in [0, 1).
+    #[arg(long, default_value_t = 0.0)]
     pub lora_dropout: f64,
+    /// Comma-separated projections to adapt.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "q_proj,k_proj,v_proj,o_proj"
+    )]
     pub lora_targets: Vec<String>,
-    /// Unset: true for longlora, false otherwise.
+    /// Train the token embeddings too [default: true for longlora].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub train_embeddings: Option<bool>,
+    /// Train the normalization weights too [default: true for longlora].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub train_norms: Option<bool>,
-    /// S2 group size for longlora; unset: a quarter of the sequence (LongLoRA's ratio).
+    /// longlora's S2 attention group size [default: seq-len / 4].
+    #[arg(long)]
     pub s2_group_size: Option<usize>,
+    /// Activation checkpointing: keep only each layer's input and recompute the layer in the
+    /// backward pass (one more forward pass, memory of one layer's activations).
+    #[arg(long)]
     pub checkpointing: bool,
-    /// lemo: thresholds file; unset: calibrate on the first training sequences.
-    pub thresholds: Option<PathBuf>,
-    /// lemo: what the kept fractions of the attention and the MLP blocks follow where not given.
-    pub target_keep: f64,
-    /// lemo: kept fractions of the attention and the MLP blocks; unset: from `target_keep`
-    /// (`SparsitySettings::block_keep`).
-    pub attention_keep: Option<f64>,
-    pub mlp_keep: Option<f64>,
-    /// lemo: tokens per block of the elimination.
-    pub block_size: usize,
-    /// lemo: least fraction of each sequence's blocks a block keeps.
-    pub min_keep: f64,
-    /// lemo: layers that keep every token.
-    pub dense_layers: Vec<usize>,
-    /// lemo: sequences calibration profiles and evaluates on.
-    pub calibration_sequences: usize,
-    /// lemo: finite-difference rounds of calibration.
-    pub calibration_rounds: usize,
-    /// lemo: trained predictors; unset: exact scores.
-    pub predictors: Option<PathBuf>,
-    /// lemo: exact or predicted scores; unset: predicted with `predictors`.
-    pub scores: Option<ScoreSource>,
-    /// lemo: the MLP blocks' backward pass on their dropped rows ("exact" or "residual").
-    pub mlp_dropped_rows: MlpDroppedRows,
-    /// lemo: keep exactly the kept fraction of every sequence's blocks (no thresholds).
-    pub keep_exactly: bool,
-    /// Rows of the vocabulary projection per segment of the segment-based loss.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub lemo: LemoSettings,
+    /// Positions per segment of the segment-based loss.
+    #[arg(long, default_value_t = 1024)]
     pub loss_segment: usize,
+    /// Seed of LoRA initialization, data order and dropout.
+    #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// Fraction of the packed sequences held out for validation, in [0, 1).
+    #[arg(long, default_value_t = 0.02)]
     pub val_fraction: f64,
+    /// Validate every N steps and at the end; 0 only at the end.
+    #[arg(long, default_value_t = 100)]
     pub val_every: usize,
-    /// Validation sequences scored per validation (0: all).
+    /// Validation sequences per validation; 0 all.
+    #[arg(long, default_value_t = 8)]
     pub val_sequences: usize,
+    /// Write a checkpoint every N steps (and always at the end).
+    #[arg(long, default_value_t = 100)]
     pub checkpoint_every: usize,
-    /// Wall time between checkpoints besides `checkpoint_every` ("10m", "90s", "1h"; "0": off).
+    /// Also write a checkpoint when this much wall time passed since the last one: 10m, 90s,
+    /// 1h, or 0 for off.
+    #[arg(long, default_value = "10m")]
     pub save_every: String,
+    /// Checkpoints kept; older ones of this run are deleted.
+    #[arg(long, default_value_t = 2)]
     pub keep_checkpoints: usize,
-    /// Append EOS after each document when packing (unset: yes, except llama2.c models).
+    /// Append EOS to each document when packing [default: yes, except llama2.c models].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub append_eos: Option<bool>,
-    /// Tokenized-data cache; "none" turns caching off.
+    /// Tokenized-data cache folder, or "none" [default: ~/.cache/lemo/tokens].
+    #[arg(long)]
     pub cache_dir: Option<PathBuf>,
-    pub device: DeviceKind,
-    /// Data-parallel ranks: one per CUDA device, or simulated ranks sharing the CPU/wgpu device.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub runtime: Runtime,
+    /// Data-parallel training on N GPUs of this machine (CUDA devices 0..N, one thread each,
+    /// gradients summed by NCCL). Each GPU holds a whole replica and runs --batch-size x
+    /// --grad-accum sequences per step, so memory per GPU is that of one GPU and the global
+    /// batch is N x batch x grad-accum: N times the tokens per step at about the step time of
+    /// one GPU. On cpu and wgpu, N simulated ranks share the device (for testing). Under a
+    /// launcher (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment: one
+    /// process per GPU, on one machine or several) leave it out.
+    #[arg(long, visible_alias = "ranks", default_value_t = 1)]
     pub gpus: usize,
-    /// How long a rank waits for the others in a collective ("10m"; "off": no limit).
+    /// How long a rank waits for the others (a rank that died or hangs) before the run ends
+    /// with an error: 10m, 90s, 1h, or off.
+    #[arg(long, default_value = "10m")]
     pub collective_timeout: String,
-    /// Unset: bf16 on cuda, f32 elsewhere.
-    pub precision: Option<PrecisionKind>,
+    /// The preset this configuration started from (`train --preset`).
+    #[arg(skip)]
     pub preset: Option<Preset>,
-    /// Stop after this many steps in this process (a deliberate interruption, for testing resume).
+    /// Stop after N steps in this process, as an interruption would (resume continues).
+    #[arg(long)]
     pub stop_after: Option<usize>,
 }
 
 impl Default for TrainConfig {
     fn default() -> Self {
-        let lemo = SparsitySettings::default();
-        Self {
-            model: None,
-            tokenizer: None,
-            data: None,
-            token_width: 2,
-            out: PathBuf::from("runs/lemo"),
-            method: Method::Lora,
-            seq_len: None,
-            target_context: None,
-            steps: 1000,
-            batch_size: 1,
-            grad_accum: 1,
-            lr: 2e-4,
-            warmup_steps: 20,
-            schedule: Schedule::Constant,
-            min_lr_ratio: 0.0,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            max_grad_norm: 1.0,
-            lora_rank: 8,
-            lora_alpha: 16.0,
-            lora_dropout: 0.0,
-            lora_targets: ["q_proj", "k_proj", "v_proj", "o_proj"]
-                .map(String::from)
-                .to_vec(),
-            train_embeddings: None,
-            train_norms: None,
-            s2_group_size: None,
-            checkpointing: false,
-            thresholds: lemo.thresholds,
-            target_keep: lemo.target_keep,
-            attention_keep: lemo.attention_keep,
-            mlp_keep: lemo.mlp_keep,
-            block_size: lemo.block_size,
-            min_keep: lemo.min_keep,
-            dense_layers: lemo.dense_layers,
-            calibration_sequences: lemo.calibration_sequences,
-            calibration_rounds: lemo.calibration_rounds,
-            predictors: lemo.predictors,
-            scores: lemo.scores,
-            mlp_dropped_rows: lemo.mlp_dropped_rows,
-            keep_exactly: lemo.keep_exactly,
-            loss_segment: 1024,
-            seed: 42,
-            val_fraction: 0.02,
-            val_every: 100,
-            val_sequences: 8,
-            checkpoint_every: 100,
-            save_every: "10m".to_string(),
-            keep_checkpoints: 2,
-            append_eos: None,
-            cache_dir: None,
-            device: DeviceKind::Auto,
-            gpus: 1,
-            collective_timeout: "10m".to_string(),
-            precision: None,
-            preset: None,
-            stop_after: None,
-        }
+        crate::defaults()
     }
 }
 
@@ -222,17 +208,66 @@ impl TrainConfig {
                 val_every: 50,
                 val_sequences: 8,
                 checkpoint_every: 50,
-                device: DeviceKind::Cpu,
+                runtime: Runtime {
+                    device: DeviceKind::Cpu,
+                    ..Runtime::default()
+                },
                 preset: Some(Preset::Tiny),
                 ..Self::default()
             },
         }
     }
 
+    /// The keys a TOML file may set: the flags' names in snake_case, and `preset`.
+    fn keys() -> Vec<String> {
+        let command = Self::augment_args(clap::Command::new("train"));
+        let mut keys: Vec<String> = command
+            .get_arguments()
+            .map(|arg| arg.get_id().to_string())
+            .filter(|id| id != "help")
+            .collect();
+        keys.push("preset".to_string());
+        keys
+    }
+
+    /// A TOML configuration file as a table of overrides, its keys checked.
     pub fn from_toml_file(path: &Path) -> Result<toml::Table> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
-        toml::from_str(&text).with_context(|| format!("{}: invalid TOML", path.display()))
+        let table: toml::Table =
+            toml::from_str(&text).with_context(|| format!("{}: invalid TOML", path.display()))?;
+        let keys = Self::keys();
+        if let Some(unknown) = table.keys().find(|key| !keys.contains(key)) {
+            bail!(
+                "{}: unknown key `{unknown}` (the keys are the train flags in snake_case, e.g. seq_len)",
+                path.display()
+            );
+        }
+        Ok(table)
+    }
+
+    /// The settings given on the command line (`matches` are the `train` subcommand's), as a
+    /// table of overrides: a flag left at its default overrides nothing.
+    pub fn given_on_command_line(&self, matches: &ArgMatches) -> Result<toml::Table> {
+        let given =
+            |id: &&clap::Id| matches.value_source(id.as_str()) == Some(ValueSource::CommandLine);
+        // TOML integers are i64: a larger count is refused rather than wrapped around.
+        for id in matches.ids().filter(given) {
+            let too_large = matches
+                .get_raw(id.as_str())
+                .into_iter()
+                .flatten()
+                .filter_map(|raw| raw.to_str()?.parse::<u128>().ok())
+                .find(|&value| value > i64::MAX as u128);
+            if let Some(value) = too_large {
+                bail!("--{} {value} is too large", id.as_str().replace('_', "-"));
+            }
+        }
+        let all = toml::Table::try_from(self).context("a flag's value is out of range")?;
+        Ok(all
+            .into_iter()
+            .filter(|(key, _)| matches.value_source(key) == Some(ValueSource::CommandLine))
+            .collect())
     }
 
     /// `self` with the keys of `table` replaced.
@@ -242,6 +277,41 @@ impl TrainConfig {
             base.insert(key.clone(), value.clone());
         }
         base.try_into().context("invalid training configuration")
+    }
+
+    /// The configuration a resumed run continues with, and the checkpoint it resumes from:
+    /// the run's saved `config.toml`, `overrides` over it. Settings that make the adapter or the
+    /// run what it is cannot change on resume: those overrides are refused before anything is
+    /// read or written.
+    /// A run folder whose run stopped before its first checkpoint has none to resume from:
+    /// it starts over (checkpoint `None`) with its saved configuration.
+    pub fn resumed(path: &Path, overrides: &toml::Table) -> Result<(Self, Option<PathBuf>)> {
+        let checkpoint = match super::checkpoint::resolve(path) {
+            Err(_) if path.join("config.toml").is_file() => None,
+            found => Some(found?),
+        };
+        let run_dir = checkpoint
+            .as_deref()
+            .and_then(super::checkpoint::run_dir_of)
+            .unwrap_or_else(|| path.into());
+        let saved = Self::from_toml_file(&run_dir.join("config.toml"))?;
+        for key in FIXED_ON_RESUME {
+            if let Some(value) = overrides.get(*key)
+                && saved.get(*key) != Some(value)
+            {
+                let was = saved
+                    .get(*key)
+                    .map_or("unset".to_string(), |v| v.to_string());
+                bail!(
+                    "--{} {value}: the run in {} was trained with {was}, and a resumed run keeps it (start a new run with --out to change it)",
+                    key.replace('_', "-"),
+                    run_dir.display()
+                );
+            }
+        }
+        let mut config = Self::default().merged(&saved)?;
+        config.out = run_dir;
+        Ok((config.merged(overrides)?, checkpoint))
     }
 
     pub fn to_toml(&self) -> String {
@@ -257,25 +327,6 @@ impl TrainConfig {
         self.train_norms.unwrap_or(self.method == Method::Longlora)
     }
 
-    /// The token-elimination settings (`--method lemo`).
-    pub fn sparsity(&self) -> SparsitySettings {
-        SparsitySettings {
-            thresholds: self.thresholds.clone(),
-            target_keep: self.target_keep,
-            attention_keep: self.attention_keep,
-            mlp_keep: self.mlp_keep,
-            block_size: self.block_size,
-            min_keep: self.min_keep,
-            dense_layers: self.dense_layers.clone(),
-            calibration_sequences: self.calibration_sequences,
-            calibration_rounds: self.calibration_rounds,
-            predictors: self.predictors.clone(),
-            scores: self.scores,
-            mlp_dropped_rows: self.mlp_dropped_rows,
-            keep_exactly: self.keep_exactly,
-        }
-    }
-
     pub fn validate(&self) -> Result<()> {
         if self.preset.is_none() && self.model.is_none() {
             bail!("no model: pass --model PATH (or --preset tiny)");
@@ -287,7 +338,7 @@ impl TrainConfig {
             bail!("no training data: pass --data FILE_OR_DIR");
         }
         if self.method == Method::Lemo {
-            self.sparsity().validate()?;
+            self.lemo.validate()?;
         }
         if self.steps == 0 || self.batch_size == 0 || self.grad_accum == 0 {
             bail!("--steps, --batch-size and --grad-accum must be positive");
@@ -295,9 +346,31 @@ impl TrainConfig {
         if self.seq_len.is_some_and(|s| s < 2) {
             bail!("--seq-len must be at least 2");
         }
-        if self.lr.is_nan() || self.lr <= 0.0 || self.lora_rank == 0 {
-            bail!("--lr and --lora-rank must be positive");
+        if self.lora_rank == 0 {
+            bail!("--lora-rank must be positive");
         }
+        if self.loss_segment == 0 {
+            bail!("--loss-segment must be positive");
+        }
+        if self.s2_group_size.is_some_and(|g| g < 2) {
+            bail!("--s2-group-size must be at least 2 tokens");
+        }
+        let in_range = |flag: &str, value: f64, range: Range| -> Result<()> {
+            if !range.contains(value) {
+                bail!("--{flag} {value} is outside {}", range.describe());
+            }
+            Ok(())
+        };
+        in_range("lr", self.lr, Range::Positive)?;
+        in_range("lora-alpha", self.lora_alpha, Range::Positive)?;
+        in_range("lora-dropout", self.lora_dropout, Range::Fraction)?;
+        in_range("beta1", self.beta1, Range::Fraction)?;
+        in_range("beta2", self.beta2, Range::Fraction)?;
+        in_range("eps", self.eps, Range::Positive)?;
+        in_range("weight-decay", self.weight_decay, Range::NonNegative)?;
+        in_range("max-grad-norm", self.max_grad_norm, Range::NonNegative)?;
+        in_range("min-lr-ratio", self.min_lr_ratio, Range::Probability)?;
+        in_range("val-fraction", self.val_fraction, Range::Fraction)?;
         self.save_interval()?;
         self.collective_timeout()?;
         Ok(())
@@ -316,15 +389,51 @@ impl TrainConfig {
     }
 }
 
-/// An integer option as a TOML value; TOML integers are i64, so larger values are refused
-/// rather than wrapped around.
-fn int(key: &str, value: Option<usize>) -> Result<Option<toml::Value>> {
-    value
-        .map(|v| match i64::try_from(v) {
-            Ok(v) => Ok(toml::Value::Integer(v)),
-            Err(_) => bail!("--{} {v} is too large", key.replace('_', "-")),
-        })
-        .transpose()
+/// Settings a resumed run must keep: the model, the method and the adapter's shape.
+const FIXED_ON_RESUME: &[&str] = &[
+    "model",
+    "method",
+    "lora_rank",
+    "lora_alpha",
+    "lora_targets",
+    "train_embeddings",
+    "train_norms",
+    "target_context",
+    "block_size",
+];
+
+/// The ranges a real-valued setting may take.
+#[derive(Clone, Copy)]
+enum Range {
+    /// (0, inf)
+    Positive,
+    /// [0, inf)
+    NonNegative,
+    /// [0, 1)
+    Fraction,
+    /// [0, 1]
+    Probability,
+}
+
+impl Range {
+    fn contains(self, value: f64) -> bool {
+        value.is_finite()
+            && match self {
+                Range::Positive => value > 0.0,
+                Range::NonNegative => value >= 0.0,
+                Range::Fraction => (0.0..1.0).contains(&value),
+                Range::Probability => (0.0..=1.0).contains(&value),
+            }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Range::Positive => "(0, inf): it must be a positive number",
+            Range::NonNegative => "[0, inf): it must be a finite number, 0 or more",
+            Range::Fraction => "[0, 1)",
+            Range::Probability => "[0, 1]",
+        }
+    }
 }
 
 /// `"90s"`, `"10m"`, `"2h"` or plain seconds; `"0"` or `"off"` is `None`.
@@ -353,317 +462,131 @@ pub fn parse_duration(text: &str) -> Result<Option<std::time::Duration>> {
     )))
 }
 
-/// `train` flags: each overrides the configuration file and preset when given.
-#[derive(Debug, Args, Default)]
-pub struct TrainArgs {
-    /// Built-in setup: `tiny` trains a small random-init Llama on generated text on the CPU.
-    #[arg(long, value_enum)]
-    pub preset: Option<Preset>,
-    /// TOML file with any of the options below (snake_case keys, e.g. `seq_len = 4096`).
-    #[arg(long)]
-    pub config: Option<PathBuf>,
-    /// Hugging Face model folder (config.json + *.safetensors), llama2.c .bin checkpoint or
-    /// .gguf file.
-    #[arg(long)]
-    pub model: Option<PathBuf>,
-    /// tokenizer.json or llama2.c tokenizer .bin [default: the one beside the model].
-    #[arg(long)]
-    pub tokenizer: Option<PathBuf>,
-    /// Text files, JSONL (`text` or `input_ids`), raw token .bin files, or a folder of these.
-    #[arg(long)]
-    pub data: Option<PathBuf>,
-    /// Bytes per token id in .bin token files: 2 or 4 [default: 2].
-    #[arg(long)]
-    pub token_width: Option<u8>,
-    /// Run folder: adapter/, checkpoints/, metrics.jsonl, plots/, config.toml [default: runs/lemo].
-    #[arg(long)]
-    pub out: Option<PathBuf>,
-    /// Continue a run: its folder (latest checkpoint) or one checkpoint folder.
-    #[arg(long, conflicts_with_all = ["out", "overwrite"])]
-    pub resume: Option<PathBuf>,
-    /// Replace the run already in --out (its adapter, checkpoints, metrics and plots); without
-    /// it a new run refuses a folder that holds one.
-    #[arg(long)]
-    pub overwrite: bool,
-    /// Train even where the memory plan predicts the step will not fit in the device's free
-    /// memory.
-    #[arg(long)]
-    pub skip_memory_plan: bool,
-    /// lora (dense baseline), longlora (S2 attention + trainable embeddings/norms), or lemo
-    /// (token elimination: each layer processes only its informative token blocks, chosen by
-    /// per-layer thresholds calibrated toward --target-keep) [default: lora].
-    #[arg(long, value_enum)]
-    pub method: Option<Method>,
-    /// Training sequence length in tokens [default: the target context, else the model's].
-    #[arg(long)]
-    pub seq_len: Option<usize>,
-    /// Context to extend to: sets linear RoPE position interpolation with factor
-    /// target / trained context (none when not larger).
-    #[arg(long)]
-    pub target_context: Option<usize>,
-    /// Optimizer steps [default: 1000].
-    #[arg(long)]
-    pub steps: Option<usize>,
-    /// Sequences per micro-batch [default: 1].
-    #[arg(long)]
-    pub batch_size: Option<usize>,
-    /// Micro-batches per optimizer step [default: 1].
-    #[arg(long)]
-    pub grad_accum: Option<usize>,
-    /// Peak learning rate [default: 2e-4].
-    #[arg(long)]
-    pub lr: Option<f64>,
-    /// Linear warm-up steps [default: 20].
-    #[arg(long)]
-    pub warmup_steps: Option<usize>,
-    /// After warm-up: constant or cosine [default: constant].
-    #[arg(long, value_enum)]
-    pub schedule: Option<Schedule>,
-    /// Cosine floor as a fraction of --lr [default: 0].
-    #[arg(long)]
-    pub min_lr_ratio: Option<f64>,
-    /// AdamW beta1 [default: 0.9].
-    #[arg(long)]
-    pub beta1: Option<f64>,
-    /// AdamW beta2 [default: 0.999].
-    #[arg(long)]
-    pub beta2: Option<f64>,
-    /// AdamW epsilon [default: 1e-8].
-    #[arg(long)]
-    pub eps: Option<f64>,
-    /// AdamW decoupled weight decay [default: 0].
-    #[arg(long)]
-    pub weight_decay: Option<f64>,
-    /// Global gradient-norm clipping; 0 is off [default: 1.0].
-    #[arg(long)]
-    pub max_grad_norm: Option<f64>,
-    /// LoRA rank [default: 8].
-    #[arg(long)]
-    pub lora_rank: Option<usize>,
-    /// LoRA alpha (scaling alpha / rank) [default: 16].
-    #[arg(long)]
-    pub lora_alpha: Option<f64>,
-    /// LoRA dropout [default: 0].
-    #[arg(long)]
-    pub lora_dropout: Option<f64>,
-    /// Comma-separated projections to adapt [default: q_proj,k_proj,v_proj,o_proj].
-    #[arg(long, value_delimiter = ',')]
-    pub lora_targets: Option<Vec<String>>,
-    /// Train the token embeddings too [default: true for longlora].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub train_embeddings: Option<bool>,
-    /// Train the normalization weights too [default: true for longlora].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub train_norms: Option<bool>,
-    /// longlora's S2 attention group size [default: seq-len / 4].
-    #[arg(long)]
-    pub s2_group_size: Option<usize>,
-    /// Activation checkpointing: keep only each layer's input and recompute the layer in the
-    /// backward pass (one more forward pass, memory of one layer's activations).
-    #[arg(long)]
-    pub checkpointing: bool,
-    #[command(flatten)]
-    pub sparsity: SparsityArgs,
-    /// Positions per segment of the segment-based loss [default: 1024].
-    #[arg(long)]
-    pub loss_segment: Option<usize>,
-    /// Seed of LoRA initialization, data order and dropout [default: 42].
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Fraction of the packed sequences held out for validation [default: 0.02].
-    #[arg(long)]
-    pub val_fraction: Option<f64>,
-    /// Validate every N steps and at the end; 0 only at the end [default: 100].
-    #[arg(long)]
-    pub val_every: Option<usize>,
-    /// Validation sequences per validation; 0 all [default: 8].
-    #[arg(long)]
-    pub val_sequences: Option<usize>,
-    /// Write a checkpoint every N steps (and always at the end) [default: 100].
-    #[arg(long)]
-    pub checkpoint_every: Option<usize>,
-    /// Also write a checkpoint when this much wall time passed since the last one: 10m, 90s,
-    /// 1h, or 0 for off [default: 10m].
-    #[arg(long)]
-    pub save_every: Option<String>,
-    /// Checkpoints kept; older ones of this run are deleted [default: 2].
-    #[arg(long)]
-    pub keep_checkpoints: Option<usize>,
-    /// Append EOS to each document when packing [default: yes, except llama2.c models].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub append_eos: Option<bool>,
-    /// Tokenized-data cache folder, or "none" [default: ~/.cache/lemo/tokens].
-    #[arg(long)]
-    pub cache_dir: Option<PathBuf>,
-    /// Stop after N steps in this process, as an interruption would (resume continues).
-    #[arg(long)]
-    pub stop_after: Option<usize>,
-    /// auto (CUDA when an NVIDIA driver is present, else the CPU), cuda, wgpu or cpu.
-    #[arg(long, value_enum)]
-    pub device: Option<DeviceKind>,
-    /// Data-parallel training on N GPUs of this machine (CUDA devices 0..N, one thread each,
-    /// gradients summed by NCCL). Each GPU holds a whole replica and runs --batch-size x
-    /// --grad-accum sequences per step, so memory per GPU is that of one GPU and the global
-    /// batch is N x batch x grad-accum: N times the tokens per step at about the step time of
-    /// one GPU. On cpu and wgpu, N simulated ranks share the device (for testing). Under a
-    /// launcher (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT in the environment: one
-    /// process per GPU, on one machine or several) leave it out [default: 1].
-    #[arg(long, visible_alias = "ranks")]
-    pub gpus: Option<usize>,
-    /// How long a rank waits for the others (a rank that died or hangs) before the run ends
-    /// with an error: 10m, 90s, 1h, or off [default: 10m].
-    #[arg(long)]
-    pub collective_timeout: Option<String>,
-    /// bf16 (model and activations; LoRA, gradients and optimizer f32) or f32
-    /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
-    #[arg(long, value_enum)]
-    pub precision: Option<PrecisionKind>,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
 
-impl TrainArgs {
-    /// The flags given, as a TOML table of overrides.
-    pub fn overrides(&self) -> Result<toml::Table> {
-        let mut t = toml::Table::new();
-        let mut put = |key: &str, value: Option<toml::Value>| {
-            if let Some(v) = value {
-                t.insert(key.to_string(), v);
-            }
-        };
-        let path = |p: &Option<PathBuf>| {
-            p.as_ref()
-                .map(|p| toml::Value::String(p.display().to_string()))
-        };
+    /// `train` as the binary parses it: its options and the configuration flattened.
+    #[derive(clap::Parser)]
+    struct Train {
+        #[command(flatten)]
+        config: TrainConfig,
+    }
 
-        let float = |v: Option<f64>| v.map(toml::Value::Float);
-        let enum_value = |v: Option<String>| v.map(toml::Value::String);
-        put("model", path(&self.model));
-        put("tokenizer", path(&self.tokenizer));
-        put("data", path(&self.data));
-        put(
-            "token_width",
-            int("token_width", self.token_width.map(usize::from))?,
+    fn parse(flags: &[&str]) -> (TrainConfig, ArgMatches) {
+        let matches = <Train as clap::CommandFactory>::command()
+            .try_get_matches_from(std::iter::once("train").chain(flags.iter().copied()))
+            .expect("flags parse");
+        let config = <Train as clap::FromArgMatches>::from_arg_matches(&matches)
+            .expect("matches convert")
+            .config;
+        (config, matches)
+    }
+
+    #[test]
+    fn only_flags_given_override_a_file_and_a_preset() {
+        let (flags, matches) = parse(&["--lr", "1e-3", "--target-keep", "0.3", "--device", "cpu"]);
+        let overrides = flags.given_on_command_line(&matches).unwrap();
+        let mut keys: Vec<&str> = overrides.keys().map(String::as_str).collect();
+        keys.sort();
+        assert_eq!(keys, ["device", "lr", "target_keep"]);
+
+        let file: toml::Table = toml::from_str("steps = 7\nlr = 0.5\nblock_size = 32").unwrap();
+        let config = TrainConfig::preset(Preset::Tiny)
+            .merged(&file)
+            .unwrap()
+            .merged(&overrides)
+            .unwrap();
+        assert_eq!(config.steps, 7, "the file's key");
+        assert_eq!(config.lr, 1e-3, "the flag over the file");
+        assert_eq!(config.lemo.block_size, 32, "a flattened key from the file");
+        assert_eq!(config.lemo.target_keep, 0.3, "a flattened flag");
+        assert_eq!(
+            config.lora_rank, 16,
+            "the preset's, untouched by defaults of flags"
         );
-        put("out", path(&self.out));
-        put(
-            "method",
-            enum_value(self.method.map(|m| m.name().to_string())),
-        );
-        put("seq_len", int("seq_len", self.seq_len)?);
-        put(
-            "target_context",
-            int("target_context", self.target_context)?,
-        );
-        put("steps", int("steps", self.steps)?);
-        put("batch_size", int("batch_size", self.batch_size)?);
-        put("grad_accum", int("grad_accum", self.grad_accum)?);
-        put("lr", float(self.lr));
-        put("warmup_steps", int("warmup_steps", self.warmup_steps)?);
-        put(
-            "schedule",
-            enum_value(
-                self.schedule
-                    .map(|s| s.to_possible_value().expect("named").get_name().to_string()),
+        assert_eq!(config.preset, Some(Preset::Tiny));
+    }
+
+    #[test]
+    fn the_defaults_are_the_flags_defaults_and_round_trip_through_toml() {
+        let (flags, _) = parse(&[]);
+        assert_eq!(flags, TrainConfig::default());
+        let config = TrainConfig::default();
+        assert_eq!(config.steps, 1000);
+        assert_eq!(config.lemo.dense_layers, vec![0]);
+        let table: toml::Table = toml::from_str(&config.to_toml()).unwrap();
+        assert_eq!(TrainConfig::default().merged(&table).unwrap(), config);
+    }
+
+    #[test]
+    fn a_file_with_an_unknown_key_is_refused_naming_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        std::fs::write(&path, "seq_len = 64\nlearning_rate = 0.1\n").unwrap();
+        let error = TrainConfig::from_toml_file(&path).unwrap_err().to_string();
+        assert!(error.contains("unknown key `learning_rate`"), "{error}");
+        std::fs::write(&path, "seq_len = 64\ntarget_keep = 0.4\ndevice = \"cpu\"\n").unwrap();
+        TrainConfig::from_toml_file(&path).expect("flattened keys are known");
+    }
+
+    #[test]
+    fn settings_out_of_range_are_refused_naming_the_flag() {
+        let base = TrainConfig::preset(Preset::Tiny);
+        for (change, flag) in [
+            (
+                TrainConfig {
+                    lora_dropout: 2.0,
+                    ..base.clone()
+                },
+                "--lora-dropout",
             ),
-        );
-        put("min_lr_ratio", float(self.min_lr_ratio));
-        put("beta1", float(self.beta1));
-        put("beta2", float(self.beta2));
-        put("eps", float(self.eps));
-        put("weight_decay", float(self.weight_decay));
-        put("max_grad_norm", float(self.max_grad_norm));
-        put("lora_rank", int("lora_rank", self.lora_rank)?);
-        put("lora_alpha", float(self.lora_alpha));
-        put("lora_dropout", float(self.lora_dropout));
-        put(
-            "lora_targets",
-            self.lora_targets
-                .as_ref()
-                .map(|v| toml::Value::Array(v.iter().cloned().map(toml::Value::String).collect())),
-        );
-        put(
-            "train_embeddings",
-            self.train_embeddings.map(toml::Value::Boolean),
-        );
-        put("train_norms", self.train_norms.map(toml::Value::Boolean));
-        put("s2_group_size", int("s2_group_size", self.s2_group_size)?);
-        if self.checkpointing {
-            put("checkpointing", Some(toml::Value::Boolean(true)));
+            (
+                TrainConfig {
+                    beta1: 2.0,
+                    ..base.clone()
+                },
+                "--beta1",
+            ),
+            (
+                TrainConfig {
+                    beta2: -1.0,
+                    ..base.clone()
+                },
+                "--beta2",
+            ),
+            (
+                TrainConfig {
+                    eps: 0.0,
+                    ..base.clone()
+                },
+                "--eps",
+            ),
+            (
+                TrainConfig {
+                    val_fraction: 2.0,
+                    ..base.clone()
+                },
+                "--val-fraction",
+            ),
+            (
+                TrainConfig {
+                    lr: f64::NAN,
+                    ..base.clone()
+                },
+                "--lr",
+            ),
+            (
+                TrainConfig {
+                    s2_group_size: Some(0),
+                    ..base.clone()
+                },
+                "--s2-group-size",
+            ),
+        ] {
+            let error = change.validate().unwrap_err().to_string();
+            assert!(error.contains(flag), "{flag}: {error}");
         }
-        let lemo = &self.sparsity;
-        put("thresholds", path(&lemo.thresholds));
-        put("target_keep", float(lemo.target_keep));
-        put("attention_keep", float(lemo.attention_keep));
-        put("mlp_keep", float(lemo.mlp_keep));
-        put("block_size", int("block_size", lemo.block_size)?);
-        put("min_keep", float(lemo.min_keep));
-        put(
-            "dense_layers",
-            lemo.dense_layers.as_ref().map(|v| {
-                toml::Value::Array(v.iter().map(|&l| toml::Value::Integer(l as i64)).collect())
-            }),
-        );
-        put(
-            "calibration_sequences",
-            int("calibration_sequences", lemo.calibration_sequences)?,
-        );
-        put(
-            "calibration_rounds",
-            int("calibration_rounds", lemo.calibration_rounds)?,
-        );
-        put("predictors", path(&lemo.predictors));
-        put(
-            "scores",
-            enum_value(
-                lemo.scores
-                    .map(|s| s.to_possible_value().expect("named").get_name().to_string()),
-            ),
-        );
-        put(
-            "mlp_dropped_rows",
-            enum_value(
-                lemo.mlp_dropped_rows
-                    .map(|s| s.to_possible_value().expect("named").get_name().to_string()),
-            ),
-        );
-        if lemo.keep_exactly {
-            put("keep_exactly", Some(toml::Value::Boolean(true)));
-        }
-        put("loss_segment", int("loss_segment", self.loss_segment)?);
-        put("seed", int("seed", self.seed.map(|v| v as usize))?);
-        put("val_fraction", float(self.val_fraction));
-        put("val_every", int("val_every", self.val_every)?);
-        put("val_sequences", int("val_sequences", self.val_sequences)?);
-        put(
-            "checkpoint_every",
-            int("checkpoint_every", self.checkpoint_every)?,
-        );
-        put(
-            "save_every",
-            self.save_every.clone().map(toml::Value::String),
-        );
-        put(
-            "keep_checkpoints",
-            int("keep_checkpoints", self.keep_checkpoints)?,
-        );
-        put("append_eos", self.append_eos.map(toml::Value::Boolean));
-        put("cache_dir", path(&self.cache_dir));
-        put("stop_after", int("stop_after", self.stop_after)?);
-        put(
-            "device",
-            enum_value(
-                self.device
-                    .map(|d| d.to_possible_value().expect("named").get_name().to_string()),
-            ),
-        );
-        put("gpus", int("gpus", self.gpus)?);
-        put(
-            "collective_timeout",
-            self.collective_timeout.clone().map(toml::Value::String),
-        );
-        put(
-            "precision",
-            enum_value(self.precision.map(|p| p.name().to_string())),
-        );
-        Ok(t)
+        base.validate().expect("the preset is valid");
     }
 }

@@ -11,13 +11,13 @@ use serde_json::json;
 
 use super::TrainSummary;
 use super::checkpoint::{self, TrainerState};
-use super::config::Method;
 use super::progress::{Progress, RankReport, StepReport};
 use super::replica::Replica;
 use super::report;
 use super::setup::Setup;
 use super::sync::StepTotals;
 use crate::memory::{self, gib};
+use crate::method::Method;
 
 /// What one step did, as rank 0 logs it.
 pub struct StepRecord<'a> {
@@ -43,6 +43,7 @@ pub struct Coordinator {
     first_loss: Option<f64>,
     last_loss: Option<f64>,
     last_val: Option<f64>,
+    baseline_val: Option<f64>,
     last_checkpoint: Option<PathBuf>,
     last_save: Instant,
     save_interval: Option<Duration>,
@@ -65,6 +66,7 @@ impl Coordinator {
             first_loss: None,
             last_loss: None,
             last_val: None,
+            baseline_val: None,
             last_checkpoint: None,
             last_save: Instant::now(),
             save_interval: config.save_interval()?,
@@ -130,6 +132,7 @@ impl Coordinator {
                 lr: record.lr,
                 tokens_per_s,
                 mem_gib: gib(peak),
+                host_memory: crate::memory::source() == "host-rss",
                 device_gib: device_peak,
                 kept,
                 ranks: (setup.ranks() > 1).then_some(RankReport {
@@ -143,6 +146,9 @@ impl Coordinator {
     }
 
     pub fn validation(&mut self, done: usize, val: f64) -> Result<()> {
+        if done == 0 {
+            self.baseline_val = Some(val);
+        }
         self.last_val = Some(val);
         self.metrics
             .write(&json!({"kind": "val", "step": done, "val_loss": val, "val_ppl": val.exp()}))?;
@@ -197,6 +203,7 @@ impl Coordinator {
         setup: &Setup,
         replica: &Replica<B>,
         interrupted: bool,
+        peak: &crate::memory::PeakTracker,
     ) -> Result<TrainSummary> {
         self.progress.finish();
         let out = &setup.config.out;
@@ -214,7 +221,12 @@ impl Coordinator {
             interrupted,
             first_loss: self.first_loss,
             last_loss: self.last_loss,
+            baseline_val_loss: self.baseline_val,
             val_loss: self.last_val,
+            elapsed_s: self.elapsed(),
+            tokens_per_s: self.tokens_seen as f64 / self.elapsed().max(1e-9),
+            peak_gib: gib(peak.peak),
+            device_peak_gib: (peak.device_peak > 0).then(|| gib(peak.device_peak)),
             plots: report::plot(out)?,
             metrics: out.join(report::METRICS_FILE),
             last_checkpoint: self.last_checkpoint,

@@ -1,15 +1,25 @@
 //! Ctrl-C (SIGINT) and SIGTERM while training: the first asks the run to stop after the
 //! current step, write a checkpoint and say how to resume; a second exits at once (the
-//! checkpoint being written, if any, stays a `.partial` folder that resume ignores).
+//! checkpoint being written, if any, stays a `.partial` folder that resume ignores). Before the
+//! first step (loading, calibration) there is nothing to save, and the first exits at once.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 static SIGNALS: AtomicUsize = AtomicUsize::new(0);
+static STEPPING: AtomicBool = AtomicBool::new(false);
 
 /// The exit status of a run stopped by a signal (the shell's 128 + SIGINT).
 pub const EXIT_STATUS: i32 = 130;
 
 extern "C" fn on_signal(_: libc::c_int) {
+    if !STEPPING.load(Ordering::SeqCst) {
+        let message = b"\ninterrupt: stopped before the first step; run the same command again (or --resume the folder) to start over\n";
+        // SAFETY: write and _exit are async-signal-safe.
+        unsafe {
+            libc::write(2, message.as_ptr().cast(), message.len());
+            libc::_exit(EXIT_STATUS)
+        };
+    }
     if SIGNALS.fetch_add(1, Ordering::SeqCst) > 0 {
         // SAFETY: _exit is async-signal-safe.
         unsafe { libc::_exit(EXIT_STATUS) };
@@ -28,6 +38,11 @@ pub fn install() {
         libc::signal(libc::SIGINT, handler);
         libc::signal(libc::SIGTERM, handler);
     }
+}
+
+/// From now on a signal stops the run after its step (with a checkpoint) instead of at once.
+pub fn steps_started() {
+    STEPPING.store(true, Ordering::SeqCst);
 }
 
 /// Whether a signal asked the run to stop.

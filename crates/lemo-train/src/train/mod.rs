@@ -23,7 +23,7 @@ mod step;
 mod sync;
 mod worker;
 
-pub use step::{forward_backward, int_tokens};
+pub use step::forward_backward;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -33,7 +33,6 @@ use burn::tensor::backend::{Backend, Device, DeviceId};
 use lemo_kernels::LemoBackend;
 use lemo_models::ModelConfig;
 
-use crate::data::LazyTokenizer;
 use crate::device::{BackendJob, DeviceKind, PrecisionKind};
 use crate::distributed::launch::Launch;
 use crate::distributed::{self, Engine, Layout};
@@ -50,7 +49,16 @@ pub struct TrainSummary {
     pub interrupted: bool,
     pub first_loss: Option<f64>,
     pub last_loss: Option<f64>,
+    /// Validation loss of the model before the first step (the baseline), and the last one.
+    pub baseline_val_loss: Option<f64>,
     pub val_loss: Option<f64>,
+    /// Wall time of the run (resumed runs included), and training tokens per second over it.
+    pub elapsed_s: f64,
+    pub tokens_per_s: f64,
+    /// Largest memory in use on rank 0 (device, or host RSS on the CPU), and the device-level
+    /// peak where known, in GiB.
+    pub peak_gib: f64,
+    pub device_peak_gib: Option<f64>,
     pub plots: Vec<PathBuf>,
     pub metrics: PathBuf,
     pub last_checkpoint: Option<PathBuf>,
@@ -62,7 +70,7 @@ pub struct TrainJob {
     pub resume: Option<PathBuf>,
     /// A new run, a replacement of the run in `config.out`, or its continuation.
     pub start: run_dir::Start,
-    /// `config.precision` resolved for the device.
+    /// `config.runtime.precision` resolved for the device.
     pub precision: PrecisionKind,
     /// The device the run uses (whose free memory the memory plan reads).
     pub device: DeviceKind,
@@ -73,6 +81,39 @@ pub struct TrainJob {
 }
 
 impl TrainJob {
+    /// A run of `config` in this process (this process's rank, under a launcher): a new run
+    /// (`start` fresh or overwrite) or the continuation of checkpoint `resume`.
+    pub fn new(
+        config: TrainConfig,
+        resume: Option<PathBuf>,
+        start: run_dir::Start,
+    ) -> Result<Self> {
+        let (device, precision) = config.runtime.resolve()?;
+        Ok(Self {
+            config,
+            resume,
+            start,
+            precision,
+            device,
+            skip_memory_plan: false,
+            launch: Launch::from_env()?,
+        })
+    }
+
+    /// Prepares the run folder (when this process owns it) and trains; `None` in the processes
+    /// of a launch other than rank 0's, which reports the run.
+    pub fn train(self) -> Result<Option<TrainSummary>> {
+        let _lock = match self.owns_out() {
+            true => {
+                let lock = run_dir::RunLock::acquire(&self.config.out)?;
+                run_dir::prepare(&self.config.out, self.start)?;
+                Some(lock)
+            }
+            false => None,
+        };
+        self.device.run(self)
+    }
+
     /// Whether this process writes the run folder (rank 0 of a launch, or the only process).
     pub fn owns_out(&self) -> bool {
         self.launch.as_ref().is_none_or(|launch| launch.rank == 0)
@@ -97,8 +138,8 @@ fn plan_input(
         lora_targets: config.lora_targets.clone(),
         train_extras: config.train_embeddings() || config.train_norms(),
         loss_segment: config.loss_segment,
-        target_keep: config.sparsity().mean_keep(),
-        dense_layers: config.dense_layers.len(),
+        target_keep: config.lemo.mean_keep(),
+        dense_layers: config.lemo.dense_layers.len(),
     }
 }
 
@@ -209,21 +250,4 @@ fn launched_engine(kind: DeviceKind, launch: &Launch, timeout: Duration) -> Resu
         let _ = timeout;
         bail!("this build has no CUDA support")
     }
-}
-
-/// BOS to put before documents and EOS after them: the tokenizer's, else the model config's.
-pub(crate) fn special_ids(
-    config: &ModelConfig,
-    tokenizer: &mut LazyTokenizer,
-) -> (Option<u32>, Option<u32>) {
-    let from_tokenizer = tokenizer.get().ok().map(|t| (t.bos_id(), t.eos_id()));
-    let (bos, eos) = from_tokenizer.unwrap_or((None, None));
-    let model_bos = match config {
-        ModelConfig::Llama(c) => c.bos_token_id,
-        ModelConfig::Opt(c) => c.bos_token_id,
-    };
-    (
-        bos.or(model_bos),
-        eos.or(config.eos_token_ids().first().copied()),
-    )
 }

@@ -149,6 +149,8 @@ pub fn trainable_count<B: AutodiffBackend, M: Module<B>>(module: &M) -> usize {
 struct Updater<'a, B: AutodiffBackend> {
     updates: &'a mut NamedTensors<B::InnerBackend>,
     path: PathTracker,
+    /// Trainable parameters `updates` had no value for, or one of another size.
+    unmatched: Vec<String>,
 }
 
 impl<B: AutodiffBackend> ModuleMapper<B> for Updater<'_, B> {
@@ -163,26 +165,39 @@ impl<B: AutodiffBackend> ModuleMapper<B> for Updater<'_, B> {
         if !value.is_require_grad() {
             return Param::from_mapped_value(id, value, mapper);
         }
-        match self.updates.remove(&self.path.path()) {
-            Some(new) => {
+        let path = self.path.path();
+        match self.updates.remove(&path) {
+            Some(new) if new.shape().num_elements() == value.shape().num_elements() => {
                 let shape = value.shape();
                 let new = Tensor::<B, D>::from_inner(new.reshape(shape)).require_grad();
                 Param::from_mapped_value(id, new, mapper)
             }
-            None => Param::from_mapped_value(id, value, mapper),
+            _ => {
+                self.unmatched.push(path);
+                Param::from_mapped_value(id, value, mapper)
+            }
         }
     }
 }
 
-/// Writes `values` into the module's trainable parameters of the same paths.
+/// Writes `values` into the module's trainable parameters of the same paths: every trainable
+/// parameter gets a value of its size, and every value a parameter.
 pub fn set_trainable<B: AutodiffBackend, M: Module<B>>(
     module: M,
     mut values: NamedTensors<B::InnerBackend>,
 ) -> Result<M> {
-    let module = module.map(&mut Updater::<B> {
+    let mut updater = Updater::<B> {
         updates: &mut values,
         path: PathTracker::default(),
-    });
+        unmatched: Vec::new(),
+    };
+    let module = module.map(&mut updater);
+    if let Some(name) = updater.unmatched.first() {
+        bail!(
+            "no value of the right size for the trainable parameter {name} ({} of them)",
+            updater.unmatched.len()
+        );
+    }
     if let Some(name) = values.keys().next() {
         bail!("no trainable parameter {name} in this model");
     }

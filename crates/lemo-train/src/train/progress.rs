@@ -13,8 +13,10 @@ pub struct StepReport {
     pub loss: f64,
     pub lr: f64,
     pub tokens_per_s: f64,
-    /// The largest peak over the ranks: live tensors (the pools' own figure).
+    /// The largest peak over the ranks: live tensors (the pools' own figure), or the process's
+    /// resident set where the backend keeps tensors in host memory (`host_memory`).
     pub mem_gib: f64,
+    pub host_memory: bool,
     /// The largest device-level peak over the ranks (pools' reservations, context and library
     /// workspaces included: what runs out), where the device says.
     pub device_gib: Option<f64>,
@@ -117,7 +119,12 @@ impl Progress {
                 100.0 * ranks.allreduce_share
             ),
             None => format!(
-                "mem {} GiB{}",
+                "{} {} GiB{}",
+                if report.host_memory {
+                    "host mem"
+                } else {
+                    "mem"
+                },
                 gib(&[report.mem_gib]),
                 device(report.device_gib.as_ref().map(std::slice::from_ref))
             ),
@@ -185,6 +192,7 @@ mod tests {
                 lr: 2e-4,
                 tokens_per_s: 123456.0,
                 mem_gib: 139.9,
+                host_memory: false,
                 device_gib,
                 kept,
                 ranks: None,
@@ -204,6 +212,7 @@ mod tests {
             lr: 1e-4,
             tokens_per_s: 1000.0,
             mem_gib: 30.31,
+            host_memory: false,
             device_gib: None,
             kept: None,
             ranks: None,
@@ -214,6 +223,13 @@ mod tests {
             "{}",
             line(&report)
         );
+        report.host_memory = true;
+        assert!(
+            line(&report).contains("| host mem 30.31 GiB |"),
+            "{}",
+            line(&report)
+        );
+        report.host_memory = false;
         report.device_gib = Some(44.05);
         assert!(
             line(&report).contains("| mem 30.31 GiB (device 44.05) |"),

@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use burn::backend::Autodiff;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
@@ -14,14 +14,15 @@ use lemo_models::CausalLm;
 use lemo_sparsity::calibration::Block;
 
 use super::checkpoint::{CheckpointFiles, TrainerState};
-use super::config::Method;
 use super::optim::{self, AdamW, AdamWSettings, NamedTensors};
 use super::setup::{Setup, s2_group};
 use super::shard::Shard;
-use super::step::{forward_backward, int_tokens};
+use super::step::forward_backward;
+use crate::data::int_tokens;
+use crate::lemo::{self, Elimination, THRESHOLDS_FILE, sparse_keep};
 use crate::memory::PeakTracker;
+use crate::method::Method;
 use crate::modelio::{TRAINING_INFO_FILE, interpolated_rope};
-use crate::sparsity::{self, Elimination, THRESHOLDS_FILE, sparse_keep};
 
 type AB<B> = Autodiff<B>;
 
@@ -80,7 +81,12 @@ impl<B: LemoBackend> Replica<B> {
                     (name.clone(), Tensor::<B, 1>::from_data(data, &device))
                 })
                 .collect();
-            model = optim::set_trainable(model, values)?;
+            model = optim::set_trainable(model, values).with_context(|| {
+                format!(
+                    "the checkpoint of step {} does not match this model and adapter",
+                    files.state.step
+                )
+            })?;
             optimizer.load_state(files.optimizer_step, files.optimizer.clone(), &device)?;
         }
         Ok(Self {
@@ -120,7 +126,7 @@ impl<B: LemoBackend> Replica<B> {
                 .map(|i| setup.corpus.train_sequence(i))
                 .collect();
             let tokens = int_tokens::<AB<B>>(&batch, &self.device);
-            let mut token_sparsity = sparsity::token_sparsity(self.elimination.as_ref());
+            let mut token_sparsity = lemo::token_sparsity(self.elimination.as_ref());
             let (loss, n, mem) = forward_backward(
                 &self.model,
                 tokens,
@@ -157,7 +163,7 @@ impl<B: LemoBackend> Replica<B> {
         let inner = self.model.valid();
         inner.save_adapter(dir, &setup.lora, &setup.model_path.display().to_string())?;
         if let Some(elimination) = &self.elimination {
-            sparsity::write_thresholds(&dir.join(THRESHOLDS_FILE), &elimination.thresholds)?;
+            lemo::write_thresholds(&dir.join(THRESHOLDS_FILE), &elimination.thresholds)?;
         }
         lemo_models::adapter::write_atomically(
             &dir.join(TRAINING_INFO_FILE),
@@ -193,8 +199,8 @@ fn elimination<B: LemoBackend>(
     if config.method != Method::Lemo {
         return Ok(None);
     }
-    model.check_token_elimination(setup.seq_len)?;
-    let settings = config.sparsity();
+    let settings = config.lemo.clone();
+    settings.check_sequence(model, setup.seq_len)?;
     if settings.keep_exactly && rank == 0 {
         eprintln!(
             "lemo: every token-eliminating block keeps exactly {:.3} (attention) / {:.3} (MLP) of each sequence's blocks",
@@ -204,9 +210,9 @@ fn elimination<B: LemoBackend>(
     }
     let saved = config.out.join(THRESHOLDS_FILE);
     let interpolation = Some(setup.info.linear_factor().unwrap_or(1.0));
-    let elimination = sparsity::elimination(&settings, &setup.model_config, interpolation, || {
+    let elimination = lemo::elimination(&settings, &setup.model_config, interpolation, || {
         if setup.resumed.is_some() && saved.exists() {
-            return sparsity::read_thresholds(&saved, &setup.model_config);
+            return lemo::read_thresholds(&saved, &setup.model_config);
         }
         let count = settings.calibration_sequences.min(setup.corpus.train_len());
         let sequences: Vec<Vec<u32>> = (0..count).map(|i| setup.corpus.train_sequence(i)).collect();
@@ -217,7 +223,7 @@ fn elimination<B: LemoBackend>(
                 settings.block_keep(Block::Mlp)
             );
         }
-        sparsity::calibrate(
+        lemo::calibrate(
             &model.valid(),
             &setup.model_config,
             &setup.model_path.display().to_string(),
@@ -227,7 +233,7 @@ fn elimination<B: LemoBackend>(
         )
     })?;
     if rank == 0 {
-        sparsity::write_thresholds(&saved, &elimination.thresholds)?;
+        lemo::write_thresholds(&saved, &elimination.thresholds)?;
     }
     Ok(Some(elimination))
 }

@@ -4,7 +4,7 @@
 //! run's identity (`run.json`) is recorded in each checkpoint it writes: checkpoint rotation and
 //! `--resume` consider only the run's own checkpoints.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
@@ -21,10 +21,14 @@ const RUN_ENTRIES: &[&str] = &[
     "adapter",
     "checkpoints",
     "plots",
-    // `--preset` writes its generated model and data into the run folder.
-    "base-model",
-    "data",
 ];
+
+/// What `--preset` writes besides: its generated model and data, removed by `--overwrite` only
+/// when the run there was a preset's (a user's own `data/` beside a run is theirs).
+const PRESET_ENTRIES: &[&str] = &["base-model", "data"];
+
+/// Held while a run writes its folder: a second run into it is refused.
+const LOCK_FILE: &str = ".lock";
 
 /// Entries whose presence means a run has started here (setup files such as a preset's
 /// generated model do not: a run that failed before its first step can be retried).
@@ -62,14 +66,81 @@ pub fn prepare(out: &Path, start: Start) -> Result<()> {
              replace it, or another --out",
             out.display()
         ),
-        Start::Overwrite => {
-            for entry in RUN_ENTRIES {
+        Start::Overwrite if started => {
+            let preset_run = std::fs::read_to_string(out.join("config.toml"))
+                .ok()
+                .and_then(|text| text.parse::<toml::Table>().ok())
+                .is_some_and(|config| config.contains_key("preset"));
+            let preset_entries = if preset_run { PRESET_ENTRIES } else { &[] };
+            for entry in RUN_ENTRIES.iter().chain(preset_entries) {
                 remove(&out.join(entry))?;
             }
         }
+        Start::Overwrite => {}
         Start::Fresh | Start::Resume => {}
     }
     Ok(())
+}
+
+/// The run folder, held by one process: dropped when the run ends (however it ends, short of
+/// the process being killed; a lock whose process is gone is taken over).
+#[derive(Debug)]
+pub struct RunLock {
+    path: PathBuf,
+}
+
+impl RunLock {
+    /// Takes the lock of `out` (creating the folder), or says which process holds it.
+    pub fn acquire(out: &Path) -> Result<Self> {
+        std::fs::create_dir_all(out)
+            .with_context(|| format!("--out {}: cannot create the folder", out.display()))?;
+        let path = out.join(LOCK_FILE);
+        for _ in 0..2 {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+            {
+                Ok(mut file) => {
+                    use std::io::Write;
+                    write!(file, "{}", std::process::id())
+                        .with_context(|| format!("cannot write {}", path.display()))?;
+                    return Ok(Self { path });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let holder = std::fs::read_to_string(&path).unwrap_or_default();
+                    let holder = holder.trim();
+                    if process_alive(holder) {
+                        bail!(
+                            "--out {}: another run (process {holder}) is writing this folder; wait for it or choose another --out",
+                            out.display()
+                        );
+                    }
+                    // Its process is gone (killed): the lock is stale.
+                    let _ = std::fs::remove_file(&path);
+                }
+                Err(e) => {
+                    return Err(e).with_context(|| format!("cannot create {}", path.display()));
+                }
+            }
+        }
+        bail!("--out {}: cannot take the run folder's lock", out.display())
+    }
+}
+
+impl Drop for RunLock {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Whether the process of this id runs on this machine (`/proc`; elsewhere assumed alive).
+fn process_alive(pid: &str) -> bool {
+    match pid.parse::<u32>() {
+        Ok(pid) if Path::new("/proc/self").exists() => Path::new(&format!("/proc/{pid}")).exists(),
+        Ok(_) => true,
+        Err(_) => false,
+    }
 }
 
 fn remove(path: &Path) -> Result<()> {
@@ -130,11 +201,30 @@ mod tests {
         assert!(out.join("metrics.jsonl").exists());
         prepare(out, Start::Overwrite).unwrap();
         assert!(!out.join("metrics.jsonl").exists() && !out.join(RUN_FILE).exists());
-        assert!(!out.join("base-model").exists());
+        assert!(
+            out.join("base-model").exists(),
+            "not a preset's run: its base-model/ is the user's"
+        );
+        std::fs::write(out.join("config.toml"), "preset = \"tiny\"\n").unwrap();
+        prepare(out, Start::Overwrite).unwrap();
+        assert!(!out.join("base-model").exists(), "the preset's own model");
         assert_eq!(
             std::fs::read_to_string(out.join("notes.txt")).unwrap(),
             "mine"
         );
+    }
+
+    #[test]
+    fn a_second_run_into_a_locked_folder_is_refused_and_a_dead_holder_is_taken_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let held = RunLock::acquire(dir.path()).unwrap();
+        let refused = RunLock::acquire(dir.path()).unwrap_err().to_string();
+        assert!(refused.contains("another run"), "{refused}");
+        drop(held);
+        assert!(!dir.path().join(LOCK_FILE).exists());
+        // A process id that cannot be running.
+        std::fs::write(dir.path().join(LOCK_FILE), "4294967295").unwrap();
+        RunLock::acquire(dir.path()).expect("a stale lock is taken over");
     }
 
     #[test]

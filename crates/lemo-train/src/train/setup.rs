@@ -12,13 +12,14 @@ use lemo_models::{LoraConfig, ModelConfig};
 use serde_json::json;
 
 use super::checkpoint::{self, CheckpointFiles};
-use super::config::{Method, TrainConfig};
+use super::config::TrainConfig;
 use super::run_dir;
-use super::{TrainJob, plan_input, special_ids};
-use crate::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
-use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer};
+use super::{TrainJob, plan_input};
+use crate::data::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
+use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer, special_ids};
 use crate::device::PrecisionKind;
 use crate::memory_plan;
+use crate::method::Method;
 use crate::modelio::{TrainingInfo, interpolated_rope};
 
 /// The run as every rank sees it.

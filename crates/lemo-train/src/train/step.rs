@@ -1,13 +1,13 @@
-//! One training step's arithmetic: the loss and gradients of a micro-batch, validation loss,
-//! and token batches as tensors.
+//! One training step's arithmetic: the loss and gradients of a micro-batch, and validation loss.
 
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Int, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_models::CausalLm;
 use lemo_models::token_plan::TokenSparsity;
 
 use super::optim::{self, NamedTensors};
+use crate::data::int_tokens;
 use crate::memory;
 
 /// Loss and gradient of one micro-batch. The model's next-token loss is the segment-based one:
@@ -78,13 +78,4 @@ pub fn validation_sums<B: LemoBackend>(
         count += n;
     }
     (sum, count)
-}
-
-pub fn int_tokens<B: Backend>(sequences: &[Vec<u32>], device: &B::Device) -> Tensor<B, 2, Int> {
-    let len = sequences[0].len();
-    let ids: Vec<i32> = sequences
-        .iter()
-        .flat_map(|s| s.iter().map(|&t| t as i32))
-        .collect();
-    Tensor::from_data(TensorData::new(ids, [sequences.len(), len]), device)
 }

@@ -64,6 +64,13 @@ pub fn train_rank<B: LemoBackend>(
         .stop_after
         .map_or(config.steps, |n| (start_step + n).min(config.steps));
     let mut stopped = false;
+    if start_step == 0 && !setup.val_sequences.is_empty() {
+        let val = validation(setup, &replica, comm)?;
+        if let Some(coordinator) = &mut coordinator {
+            coordinator.validation(0, val)?;
+        }
+    }
+    interrupt::steps_started();
     for step in start_step..stop_at {
         let step_started = Instant::now();
         // Dropout draws from the backend's generator: seeding it per step makes a resumed run
@@ -97,6 +104,15 @@ pub fn train_rank<B: LemoBackend>(
             );
         }
         let grad_norm = optim::global_norm(&grads);
+        if !grad_norm.is_finite() {
+            if let Some(coordinator) = &coordinator {
+                coordinator.abandon();
+            }
+            bail!(
+                "the gradient norm became {grad_norm} at step {} (loss {loss:.4}): lower --lr or check the data",
+                step + 1
+            );
+        }
         if config.max_grad_norm > 0.0 && grad_norm > config.max_grad_norm {
             // torch.nn.utils.clip_grad_norm_: multiply by max_norm / (norm + 1e-6).
             grads = optim::scale_grads(grads, config.max_grad_norm / (grad_norm + 1e-6));
@@ -131,14 +147,7 @@ pub fn train_rank<B: LemoBackend>(
         if !setup.val_sequences.is_empty()
             && ((config.val_every > 0 && done.is_multiple_of(config.val_every)) || is_last)
         {
-            let mut eval_model = replica.model.valid();
-            eval_model.set_shifted_group(None);
-            let val = sync::validation_loss(
-                &eval_model,
-                &setup.val_sequences,
-                config.loss_segment,
-                comm,
-            )?;
+            let val = validation(setup, &replica, comm)?;
             if let Some(coordinator) = &mut coordinator {
                 coordinator.validation(done, val)?;
             }
@@ -152,6 +161,22 @@ pub fn train_rank<B: LemoBackend>(
         }
     }
     coordinator
-        .map(|c| c.finish(setup, &replica, stopped))
+        .map(|c| c.finish(setup, &replica, stopped, &peak))
         .transpose()
+}
+
+/// The validation loss of the replica's model as evaluation sees it (dense attention).
+fn validation<B: LemoBackend>(
+    setup: &Setup,
+    replica: &Replica<B>,
+    comm: &mut Communicator,
+) -> Result<f64> {
+    let mut eval_model = replica.model.valid();
+    eval_model.set_shifted_group(None);
+    sync::validation_loss(
+        &eval_model,
+        &setup.val_sequences,
+        setup.config.loss_segment,
+        comm,
+    )
 }

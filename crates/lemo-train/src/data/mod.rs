@@ -1,9 +1,15 @@
-//! Reading token documents: plain text, JSONL with `text` or `input_ids`, and raw token files.
+//! Reading token documents (plain text, JSONL with `text` or `input_ids`, raw token files),
+//! packing them into sequences ([`corpus`]), and token batches as tensors.
 
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+use lemo_models::ModelConfig;
 use lemo_models::tokenizer::Tokenizer;
+
+pub mod corpus;
 
 /// Byte width of each token id in a raw `.bin` token file (little-endian).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,6 +26,22 @@ impl TokenWidth {
             other => bail!("--token-width must be 2 or 4, not {other}"),
         }
     }
+}
+
+/// A UTF-8 text file, without the byte-order mark some editors put first.
+pub fn read_text(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "{}: not UTF-8 text (byte {})",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })?;
+    Ok(match text.strip_prefix('\u{feff}') {
+        Some(rest) => rest.to_string(),
+        None => text,
+    })
 }
 
 /// A tokenizer loaded on first use, so data that is already tokens needs none.
@@ -46,8 +68,7 @@ impl LazyTokenizer {
 
 /// One document per non-empty line: `input_ids` used as given, or `text` tokenized.
 pub fn read_jsonl(path: &Path, tokenizer: &mut LazyTokenizer) -> Result<Vec<Vec<u32>>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = read_text(path)?;
     let mut documents = Vec::new();
     for (index, line) in text
         .lines()
@@ -123,4 +144,31 @@ pub fn find_tokenizer(model: &Path) -> Option<PathBuf> {
     } else {
         None
     }
+}
+
+/// Token sequences of one length as a `[sequences, length]` id tensor.
+pub fn int_tokens<B: Backend>(sequences: &[Vec<u32>], device: &B::Device) -> Tensor<B, 2, Int> {
+    let len = sequences[0].len();
+    let ids: Vec<i32> = sequences
+        .iter()
+        .flat_map(|s| s.iter().map(|&t| t as i32))
+        .collect();
+    Tensor::from_data(TensorData::new(ids, [sequences.len(), len]), device)
+}
+
+/// BOS to put before documents and EOS after them: the tokenizer's, else the model config's.
+pub fn special_ids(
+    config: &ModelConfig,
+    tokenizer: &mut LazyTokenizer,
+) -> (Option<u32>, Option<u32>) {
+    let from_tokenizer = tokenizer.get().ok().map(|t| (t.bos_id(), t.eos_id()));
+    let (bos, eos) = from_tokenizer.unwrap_or((None, None));
+    let model_bos = match config {
+        ModelConfig::Llama(c) => c.bos_token_id,
+        ModelConfig::Opt(c) => c.bos_token_id,
+    };
+    (
+        bos.or(model_bos),
+        eos.or(config.eos_token_ids().first().copied()),
+    )
 }

@@ -22,8 +22,8 @@ use lemo_sparsity::Thresholds;
 use lemo_sparsity::calibration::Block;
 
 use super::inspect::{InspectArgs, read_sequences};
-use super::{SparsitySettings, calibrate, progress, read_thresholds};
-use crate::train::int_tokens;
+use super::{LemoSettings, calibrate, progress, read_thresholds};
+use crate::data::int_tokens;
 
 /// What `train-predictors` reads besides the model and data options it shares with `calibrate`.
 #[derive(Debug, Args, Clone)]
@@ -131,7 +131,7 @@ fn collect<B: LemoBackend>(
 /// positions interpolated by `position_interpolation` (1: none); returns the predictors file.
 pub fn train_predictors<B: LemoBackend>(
     args: &TrainPredictorsArgs,
-    settings: &SparsitySettings,
+    settings: &LemoSettings,
     model: &CausalLm<B>,
     config: &lemo_models::ModelConfig,
     seq_len: usize,
@@ -183,7 +183,7 @@ pub fn train_predictors<B: LemoBackend>(
             held_out.len()
         );
     }
-    let name = inspect.model.display().to_string();
+    let name = inspect.model.model.display().to_string();
     let thresholds = match &settings.thresholds {
         Some(path) => read_thresholds(path, config)?,
         None => {

@@ -13,54 +13,37 @@ use plotters::prelude::*;
 use serde_json::json;
 
 use super::{
-    SparsityArgs, SparsitySettings, calibrate, profile, read_thresholds, thresholds_for_model,
-    write_thresholds,
+    LemoSettings, calibrate, profile, read_thresholds, thresholds_for_model, write_thresholds,
 };
-use crate::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
-use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer};
-use crate::device::{BackendJob, DeviceKind, PrecisionKind};
-use crate::modelio::{self, ModelSetup};
-use crate::train::{int_tokens, special_ids};
+use crate::data::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
+use crate::data::{LazyTokenizer, TokenWidth};
+use crate::data::{int_tokens, special_ids};
+use crate::device::BackendJob;
+use crate::modelio::{self, ModelArgs, ModelSetup};
 
 use super::predictors::{TrainPredictorsArgs, train_predictors};
 
-/// What `calibrate` and `profile` read.
+/// What `calibrate`, `profile` and `train-predictors` read.
 #[derive(Debug, Args, Clone)]
 pub struct InspectArgs {
-    /// Hugging Face model folder or llama2.c .bin checkpoint.
-    #[arg(long)]
-    pub model: PathBuf,
+    #[command(flatten)]
+    pub model: ModelArgs,
     /// Text files, JSONL (`text` or `input_ids`), raw token .bin files, or a folder of these.
     #[arg(long)]
     pub data: PathBuf,
-    /// Tokenizer for text data [default: the one beside the model].
-    #[arg(long)]
-    pub tokenizer: Option<PathBuf>,
     /// Bytes per token id in .bin token files: 2 or 4.
     #[arg(long, default_value_t = 2)]
     pub token_width: u8,
     /// Sequence length in tokens [default: --target-context, else the model's trained context].
     #[arg(long)]
     pub seq_len: Option<usize>,
-    /// A PEFT adapter to apply first (with the RoPE scaling it was trained with).
-    #[arg(long)]
-    pub adapter: Option<PathBuf>,
-    /// Linear RoPE position interpolation for this context.
-    #[arg(long)]
-    pub target_context: Option<usize>,
     #[command(flatten)]
-    pub sparsity: SparsityArgs,
+    pub lemo: LemoSettings,
     /// calibrate: the thresholds file to write [default: thresholds.json];
     /// profile: the folder for profile.json and kept.svg [default: profile];
     /// train-predictors: the predictors file [default: predictors.safetensors].
     #[arg(long)]
     pub out: Option<PathBuf>,
-    /// bf16 or f32 [default: bf16 on cuda; f32 on cpu and wgpu].
-    #[arg(long, value_enum)]
-    pub precision: Option<PrecisionKind>,
-    /// auto (CUDA when an NVIDIA driver is present, else the CPU), cuda, wgpu or cpu.
-    #[arg(long, value_enum, default_value_t = DeviceKind::Auto)]
-    pub device: DeviceKind,
 }
 
 enum Task {
@@ -71,8 +54,8 @@ enum Task {
 
 struct InspectJob {
     args: InspectArgs,
-    settings: SparsitySettings,
-    precision: PrecisionKind,
+    settings: LemoSettings,
+    setup: ModelSetup,
     task: Task,
 }
 
@@ -92,19 +75,27 @@ pub fn run_train_predictors(args: TrainPredictorsArgs) -> Result<PathBuf> {
 }
 
 fn run(args: InspectArgs, task: Task) -> Result<PathBuf> {
-    let settings = args.sparsity.settings();
+    let settings = args.lemo.clone();
     settings.validate()?;
+    if let Some(out) = &args.out {
+        let inputs = [
+            Some(&args.model.model),
+            Some(&args.data),
+            args.model.adapter.as_ref(),
+        ];
+        let inputs: Vec<&Path> = inputs.into_iter().flatten().map(PathBuf::as_path).collect();
+        modelio::check_output("--out", out, &inputs)?;
+    }
     if settings.keep_exactly {
         bail!(
             "--keep-exactly is for train and eval: calibrate, profile and train-predictors work with thresholds"
         );
     }
-    let device = args.device.resolve();
-    let precision = device.precision(args.precision)?;
+    let (device, setup) = args.model.resolve()?;
     device.run(InspectJob {
         args,
         settings,
-        precision,
+        setup,
         task,
     })
 }
@@ -114,23 +105,19 @@ impl BackendJob for InspectJob {
 
     fn run<B: LemoBackend>(self, device: B::Device) -> Result<PathBuf> {
         let args = &self.args;
-        let setup = ModelSetup {
-            adapter: args.adapter.clone(),
-            target_context: args.target_context,
-            precision: self.precision,
-        };
-        let (model, config) = modelio::load::<B>(&args.model, &setup, &device)?;
+        let setup = &self.setup;
+        let (model, config) = modelio::load::<B>(&args.model.model, setup, &device)?;
         let seq_len = args
             .seq_len
-            .or(args.target_context)
+            .or(args.model.target_context)
             .unwrap_or(config.max_position_embeddings());
         setup.check_seq_len(&config, seq_len)?;
-        model.check_token_elimination(seq_len)?;
+        self.settings.check_sequence(&model, seq_len)?;
         let read = || {
             let count = self.settings.calibration_sequences;
             read_sequences(args, &args.data, &config, seq_len, count)
         };
-        let name = args.model.display().to_string();
+        let name = args.model.model.display().to_string();
         match self.task {
             Task::TrainPredictors(predictor_args) => {
                 let interpolation = setup.interpolation_factor(&config)?;
@@ -164,10 +151,7 @@ pub(super) fn read_sequences(
     seq_len: usize,
     count: usize,
 ) -> Result<Vec<Vec<u32>>> {
-    let tokenizer_path = args
-        .tokenizer
-        .clone()
-        .or_else(|| find_tokenizer(&args.model));
+    let tokenizer_path = args.model.tokenizer_path();
     let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
     let documents = read_documents_cached(
         data,
@@ -216,7 +200,7 @@ fn write_profile<B: LemoBackend>(
     config: &ModelConfig,
     name: &str,
     sequences: &[Vec<u32>],
-    settings: &SparsitySettings,
+    settings: &LemoSettings,
     out: &Path,
 ) -> Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;

@@ -24,7 +24,7 @@ use lemo_sparsity::thresholds::Measured;
 use lemo_sparsity::{LayerThresholds, Thresholds};
 use serde::{Deserialize, Serialize};
 
-use crate::train::int_tokens;
+use crate::data::int_tokens;
 
 mod elimination;
 mod inspect;
@@ -60,62 +60,72 @@ const STEP: f64 = 0.1;
 const ATTENTION_SHARE: f64 = 1.4;
 const MLP_SHARE: f64 = 0.5;
 
-/// How token elimination is set up; `train` reads these from its configuration, the other
-/// subcommands from [`SparsityArgs`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SparsitySettings {
-    /// Thresholds file; unset: calibrate.
+/// How token elimination is set up: the `--method lemo` flags of `train`, `eval`, `bench`,
+/// `calibrate`, `profile` and `train-predictors`, and the same keys in a training TOML file. The
+/// defaults are the flags' defaults ([`crate::defaults`]).
+#[derive(Debug, Clone, PartialEq, Args, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LemoSettings {
+    /// Thresholds file (from `train --method lemo` or `calibrate`) [default: calibrate].
+    #[arg(long)]
     pub thresholds: Option<PathBuf>,
-    /// What the kept fractions of the attention and the MLP blocks follow where not given
-    /// (see [`Self::block_keep`]).
+    /// How many tokens the token-eliminating blocks keep, what calibration aims at: the
+    /// attention blocks keep 1.4 times it (at most all), the MLP blocks half of it (at least
+    /// 2 F - 1), so 0.5 is 0.7 / 0.25. The MLP blocks back-propagate exactly through the rows
+    /// they drop, so dropping more there costs time, not accuracy; the attention blocks' kept
+    /// fraction sets the gradients' accuracy (see README).
+    #[arg(long, default_value_t = 0.5)]
     pub target_keep: f64,
-    /// Kept fractions of the attention and the MLP blocks.
-    #[serde(default)]
+    /// Fraction of tokens the attention blocks keep [default: from --target-keep].
+    #[arg(long)]
     pub attention_keep: Option<f64>,
-    #[serde(default)]
+    /// Fraction of tokens the MLP blocks keep [default: from --target-keep].
+    #[arg(long)]
     pub mlp_keep: Option<f64>,
+    /// Tokens per block of the elimination.
+    #[arg(long, default_value_t = 64)]
     pub block_size: usize,
-    /// Least fraction of each sequence's blocks a block keeps whatever the scores.
+    /// Least fraction of a sequence's blocks any block keeps.
+    #[arg(long, default_value_t = 0.1)]
     pub min_keep: f64,
-    /// Layers kept dense.
+    /// Layers that keep every token, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
     pub dense_layers: Vec<usize>,
     /// Sequences calibration profiles and evaluates on.
+    #[arg(long, default_value_t = 4)]
     pub calibration_sequences: usize,
-    /// Finite-difference refinement rounds (0: the paper's mean initialization and the shift).
+    /// Finite-difference refinement rounds of calibration (0: the paper's mean initialization
+    /// and a shift onto the target).
+    #[arg(long, default_value_t = 0)]
     pub calibration_rounds: usize,
-    /// Trained predictors (`cargo xtask train-predictors`); used unless `scores` is exact.
+    /// Trained predictors (from `train-predictors`): token-block scores come from them, and the
+    /// thresholds too unless --thresholds is given.
+    #[arg(long)]
     pub predictors: Option<PathBuf>,
-    /// Unset: predicted when `predictors` is given, else exact.
+    /// Token-block scores: exact, or predicted [default: predicted with --predictors, else exact].
+    #[arg(long, value_enum)]
     pub scores: Option<ScoreSource>,
-    /// What the MLP blocks' backward pass does on their dropped rows.
+    /// The backward pass of an MLP block on the rows it drops: the MLP's exact input gradient,
+    /// recomputed from those rows (the dense gradient, at the cost of the block's forward pass on
+    /// them), or the residual alone.
+    #[arg(long, value_enum, default_value_t = MlpDroppedRows::Exact)]
     pub mlp_dropped_rows: MlpDroppedRows,
-    /// Every token-eliminating block keeps exactly its kept fraction of each sequence's blocks,
-    /// the best-scoring ones, instead of those over a calibrated threshold.
-    #[serde(default)]
+    /// Keep exactly the kept fraction (--target-keep, --attention-keep, --mlp-keep) of every
+    /// sequence's token blocks in every token-eliminating block, the best-scoring ones, instead
+    /// of the blocks over calibrated thresholds: the memory is then what `bench` measures. With
+    /// thresholds the kept fraction follows the scores' spread, which training moves
+    /// (stories260K calibrated at 0.5 kept 0.59 of its attention rows over 120 steps).
+    #[arg(long)]
     pub keep_exactly: bool,
 }
 
-impl Default for SparsitySettings {
+impl Default for LemoSettings {
     fn default() -> Self {
-        Self {
-            thresholds: None,
-            target_keep: 0.5,
-            attention_keep: None,
-            mlp_keep: None,
-            block_size: 64,
-            min_keep: 0.1,
-            dense_layers: vec![0],
-            calibration_sequences: 4,
-            calibration_rounds: 0,
-            predictors: None,
-            scores: None,
-            mlp_dropped_rows: MlpDroppedRows::Exact,
-            keep_exactly: false,
-        }
+        crate::defaults()
     }
 }
 
-impl SparsitySettings {
+impl LemoSettings {
     /// The kept fraction one kind of block aims at: its own flag, else its share of
     /// `target_keep` ([`ATTENTION_SHARE`], [`MLP_SHARE`]).
     pub fn block_keep(&self, block: Block) -> f64 {
@@ -133,6 +143,23 @@ impl SparsitySettings {
     /// The mean of the two kinds of block's targets.
     pub fn mean_keep(&self) -> f64 {
         0.5 * (self.block_keep(Block::Attention) + self.block_keep(Block::Mlp))
+    }
+
+    /// Whether `model` can eliminate tokens of sequences of `seq_len` tokens in blocks of
+    /// these settings.
+    pub fn check_sequence<B: LemoBackend>(
+        &self,
+        model: &CausalLm<B>,
+        seq_len: usize,
+    ) -> Result<()> {
+        model.check_token_elimination(seq_len)?;
+        if self.block_size > seq_len {
+            bail!(
+                "--block-size {} is longer than the sequence ({seq_len} tokens): a block is at most the sequence",
+                self.block_size
+            );
+        }
+        Ok(())
     }
 
     pub fn validate(&self) -> Result<()> {
@@ -170,114 +197,11 @@ impl SparsitySettings {
     }
 }
 
-/// Token-elimination flags of `eval`, `bench`, `calibrate` and `profile`.
-#[derive(Debug, Args, Clone, Default)]
-pub struct SparsityArgs {
-    /// Thresholds file (from `train --method lemo` or `calibrate`) [default: calibrate].
-    #[arg(long)]
-    pub thresholds: Option<PathBuf>,
-    /// How many tokens the token-eliminating blocks keep, what calibration aims at: the
-    /// attention blocks keep 1.4 times it (at most all), the MLP blocks half of it (at least
-    /// 2 F - 1), so 0.5 is 0.7 / 0.25. The MLP blocks back-propagate exactly through the rows
-    /// they drop, so dropping more there costs time, not accuracy; the attention blocks' kept
-    /// fraction sets the gradients' accuracy (see README) [default: 0.5].
-    #[arg(long)]
-    pub target_keep: Option<f64>,
-    /// Fraction of tokens the attention blocks keep [default: from --target-keep].
-    #[arg(long)]
-    pub attention_keep: Option<f64>,
-    /// Fraction of tokens the MLP blocks keep [default: from --target-keep].
-    #[arg(long)]
-    pub mlp_keep: Option<f64>,
-    /// Tokens per block of the elimination [default: 64].
-    #[arg(long)]
-    pub block_size: Option<usize>,
-    /// Least fraction of a sequence's blocks any block keeps [default: 0.1].
-    #[arg(long)]
-    pub min_keep: Option<f64>,
-    /// Layers that keep every token, comma-separated [default: 0].
-    #[arg(long, value_delimiter = ',')]
-    pub dense_layers: Option<Vec<usize>>,
-    /// Sequences calibration profiles and evaluates on [default: 4].
-    #[arg(long)]
-    pub calibration_sequences: Option<usize>,
-    /// Finite-difference refinement rounds of calibration [default: 0].
-    #[arg(long)]
-    pub calibration_rounds: Option<usize>,
-    /// Trained predictors (from `cargo xtask train-predictors`): token-block scores come from
-    /// them, and the thresholds too unless --thresholds is given.
-    #[arg(long)]
-    pub predictors: Option<PathBuf>,
-    /// Token-block scores: exact, or predicted [default: predicted with --predictors, else exact].
-    #[arg(long, value_enum)]
-    pub scores: Option<ScoreSource>,
-    /// The backward pass of an MLP block on the rows it drops: the MLP's exact input gradient,
-    /// recomputed from those rows (the dense gradient, at the cost of the block's forward pass on
-    /// them), or the residual alone [default: exact].
-    #[arg(long, value_enum)]
-    pub mlp_dropped_rows: Option<MlpDroppedRows>,
-    /// Keep exactly the kept fraction (--target-keep, --attention-keep, --mlp-keep) of every
-    /// sequence's token blocks in every token-eliminating block, the best-scoring ones, instead
-    /// of the blocks over calibrated thresholds: the memory is then what `bench` measures. With
-    /// thresholds the kept fraction follows the scores' spread, which training moves
-    /// (stories260K calibrated at 0.5 kept 0.59 of its attention rows over 120 steps).
-    #[arg(long)]
-    pub keep_exactly: bool,
-}
-
-impl SparsityArgs {
-    /// The flags given, over `settings`.
-    pub fn apply(&self, mut settings: SparsitySettings) -> SparsitySettings {
-        if let Some(v) = &self.thresholds {
-            settings.thresholds = Some(v.clone());
-        }
-        if let Some(v) = self.target_keep {
-            settings.target_keep = v;
-        }
-        if let Some(v) = self.attention_keep {
-            settings.attention_keep = Some(v);
-        }
-        if let Some(v) = self.mlp_keep {
-            settings.mlp_keep = Some(v);
-        }
-        if let Some(v) = self.block_size {
-            settings.block_size = v;
-        }
-        if let Some(v) = self.min_keep {
-            settings.min_keep = v;
-        }
-        if let Some(v) = &self.dense_layers {
-            settings.dense_layers = v.clone();
-        }
-        if let Some(v) = self.calibration_sequences {
-            settings.calibration_sequences = v;
-        }
-        if let Some(v) = self.calibration_rounds {
-            settings.calibration_rounds = v;
-        }
-        if let Some(v) = &self.predictors {
-            settings.predictors = Some(v.clone());
-        }
-        if let Some(v) = self.scores {
-            settings.scores = Some(v);
-        }
-        if let Some(v) = self.mlp_dropped_rows {
-            settings.mlp_dropped_rows = v;
-        }
-        settings.keep_exactly |= self.keep_exactly;
-        settings
-    }
-
-    pub fn settings(&self) -> SparsitySettings {
-        self.apply(SparsitySettings::default())
-    }
-}
-
 /// Thresholds with every block of `config`'s shape set by `layer`.
 pub(crate) fn thresholds_for_model(
     config: &ModelConfig,
     model_name: &str,
-    settings: &SparsitySettings,
+    settings: &LemoSettings,
     layers: Vec<LayerThresholds>,
 ) -> Thresholds {
     Thresholds {
@@ -434,7 +358,7 @@ fn profiled_calibrator<B: LemoBackend>(
     model: &CausalLm<B>,
     config: &ModelConfig,
     sequences: &[Vec<u32>],
-    settings: &SparsitySettings,
+    settings: &LemoSettings,
 ) -> Calibrator {
     let profiles = profile(model, config, sequences, settings.block_size);
     Calibrator::new(
@@ -453,7 +377,7 @@ pub fn calibrate<B: LemoBackend>(
     config: &ModelConfig,
     model_name: &str,
     sequences: &[Vec<u32>],
-    settings: &SparsitySettings,
+    settings: &LemoSettings,
     report: bool,
 ) -> Result<Thresholds> {
     let progress = |len, what| match report {
@@ -566,11 +490,11 @@ mod tests {
     use super::*;
 
     fn keeps(target: f64, attention: Option<f64>, mlp: Option<f64>) -> [f64; 2] {
-        let settings = SparsitySettings {
+        let settings = LemoSettings {
             target_keep: target,
             attention_keep: attention,
             mlp_keep: mlp,
-            ..SparsitySettings::default()
+            ..LemoSettings::default()
         };
         [Block::Attention, Block::Mlp].map(|block| settings.block_keep(block))
     }

@@ -14,7 +14,7 @@ use lemo_sparsity::calibration::Block;
 use lemo_sparsity::{LayerThresholds, Thresholds};
 use serde::{Deserialize, Serialize};
 
-use super::SparsitySettings;
+use super::LemoSettings;
 
 /// Width of `bench`'s untrained attention predictors. Trained ones start at
 /// [`lemo_predictor::predictor::DEFAULT_RANK`], and elastic size transformation leaves most
@@ -83,7 +83,7 @@ pub fn token_sparsity(elimination: Option<&Elimination>) -> TokenSparsity<'_> {
 /// The predictors `settings` ask for, checked against the model: `--predictors` unless
 /// `--scores exact`; `--scores predicted` without a file is an error.
 pub fn read_predictors(
-    settings: &SparsitySettings,
+    settings: &LemoSettings,
     config: &ModelConfig,
 ) -> Result<Option<Predictors>> {
     let path = match (settings.scores, &settings.predictors) {
@@ -137,14 +137,26 @@ pub fn check_coverage(predictors: &Predictors, path: &Path, thresholds: &Thresho
 /// runs at `position_interpolation` (its linear RoPE factor; `None`: not a question, as for
 /// `bench`) is warned when the predictors learned from another one.
 pub fn elimination(
-    settings: &SparsitySettings,
+    settings: &LemoSettings,
     config: &ModelConfig,
     position_interpolation: Option<f64>,
     otherwise: impl FnOnce() -> Result<Thresholds>,
 ) -> Result<Elimination> {
     let predictors = read_predictors(settings, config)?;
     let thresholds = match (&settings.thresholds, &predictors) {
-        (Some(path), _) => super::read_thresholds(path, config)?,
+        (Some(path), _) => {
+            let thresholds = super::read_thresholds(path, config)?;
+            if thresholds.block_size != settings.block_size {
+                bail!(
+                    "--thresholds {} was calibrated with blocks of {} tokens, not --block-size {}: pass --block-size {}",
+                    path.display(),
+                    thresholds.block_size,
+                    settings.block_size,
+                    thresholds.block_size
+                );
+            }
+            thresholds
+        }
         (None, _) if settings.keep_exactly => keep_exactly(config, settings),
         (None, Some(predictors)) => predictors.header.thresholds.clone(),
         (None, None) => otherwise()?,
@@ -176,10 +188,10 @@ pub fn elimination(
 }
 
 /// Thresholds under which every token-eliminating block keeps exactly its kept fraction
-/// ([`SparsitySettings::block_keep`]) of its token blocks, the best-scoring ones (a floor and no
+/// ([`LemoSettings::block_keep`]) of its token blocks, the best-scoring ones (a floor and no
 /// threshold): what `bench` measures with on random weights, where exact and predicted scores
 /// then keep as many tokens.
-pub fn keep_exactly(config: &ModelConfig, settings: &SparsitySettings) -> Thresholds {
+pub fn keep_exactly(config: &ModelConfig, settings: &LemoSettings) -> Thresholds {
     let layers = (0..config.num_layers())
         .map(|layer| {
             let sparse = (!settings.dense_layers.contains(&layer)).then_some(f32::MAX);
@@ -201,13 +213,13 @@ pub fn keep_exactly(config: &ModelConfig, settings: &SparsitySettings) -> Thresh
 /// ([`BENCH_PREDICTOR_RANK`]; their time and memory are those of trained ones, their choice of
 /// blocks is not).
 pub fn bench_elimination<B: Backend>(
-    settings: &SparsitySettings,
+    settings: &LemoSettings,
     config: &ModelConfig,
     device: &B::Device,
 ) -> Result<Elimination> {
     let untrained =
         settings.scores == Some(ScoreSource::Predicted) && settings.predictors.is_none();
-    let exact = SparsitySettings {
+    let exact = LemoSettings {
         scores: untrained.then_some(ScoreSource::Exact).or(settings.scores),
         ..settings.clone()
     };

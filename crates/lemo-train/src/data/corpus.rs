@@ -11,7 +11,7 @@ use anyhow::{Context, Result, bail};
 use burn_dataset::transform::ShuffledDataset;
 use burn_dataset::{Dataset, InMemDataset};
 
-use crate::data::{LazyTokenizer, TokenWidth, read_jsonl, read_token_file};
+use super::{LazyTokenizer, TokenWidth, read_jsonl, read_token_file};
 
 /// How documents become sequences.
 #[derive(Debug, Clone)]
@@ -91,6 +91,11 @@ fn list_files(path: &Path) -> Result<Vec<PathBuf>> {
         Ok(files)
     } else if path.is_file() {
         Ok(vec![path.to_path_buf()])
+    } else if path.exists() {
+        bail!(
+            "--data {}: not a regular file or folder (a pipe or device cannot be read twice, as caching and validation do)",
+            path.display()
+        )
     } else {
         bail!("--data {}: no such file or folder", path.display())
     }
@@ -113,7 +118,8 @@ fn decode_docs(bytes: &[u8]) -> Option<Vec<Vec<u32>>> {
         .chunks_exact(4)
         .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
     let count = words.next()?;
-    let mut docs = Vec::with_capacity(count as usize);
+    // A corrupt file's count is not trusted with an allocation: it is checked against the bytes.
+    let mut docs = Vec::with_capacity((count as usize).min(bytes.len() / 4));
     for _ in 0..count {
         let len = words.next()? as usize;
         let doc: Vec<u32> = words.by_ref().take(len).collect();
@@ -122,7 +128,7 @@ fn decode_docs(bytes: &[u8]) -> Option<Vec<Vec<u32>>> {
         }
         docs.push(doc);
     }
-    Some(docs)
+    words.next().is_none().then_some(docs)
 }
 
 /// Token documents of `path` (a file or a folder of files, in name order). Text is tokenized with
@@ -167,9 +173,7 @@ pub fn read_documents_cached(
         let docs = match extension.as_str() {
             "jsonl" | "json" => read_jsonl(&file, tokenizer)?,
             _ => {
-                let text = String::from_utf8(bytes)
-                    .with_context(|| format!("{}: not UTF-8 text", file.display()))?;
-                vec![tokenizer.get()?.encode(&text)?]
+                vec![tokenizer.get()?.encode(&super::read_text(&file)?)?]
             }
         };
         if let Some(cached) = cached {

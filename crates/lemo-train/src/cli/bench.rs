@@ -1,0 +1,77 @@
+//! `bench`: time and memory of a few training steps per sequence length.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::Args;
+use lemo_train::bench::BenchJob;
+use lemo_train::device::{DeviceKind, Runtime};
+use lemo_train::lemo::LemoSettings;
+use lemo_train::memory::DeviceWatch;
+use lemo_train::method::Method;
+
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Hugging Face config.json (or a folder holding one), e.g. bench/configs/llama-2-7b.json,
+    /// whose model gets random weights; or a .gguf file, whose own weights are used.
+    #[arg(long)]
+    model: PathBuf,
+    /// lora (dense), longlora (S2 attention) or lemo (token elimination).
+    #[arg(long, value_enum, default_value_t = Method::Lora)]
+    method: Method,
+    /// Sequence lengths, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "4096,8192")]
+    seq_lens: Vec<usize>,
+    /// Keep only each layer's input and recompute the layer in the backward pass.
+    #[arg(long)]
+    checkpointing: bool,
+    /// Measured steps per length (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    steps: usize,
+    /// Unmeasured steps first (compilation, autotuning).
+    #[arg(long, default_value_t = 2)]
+    warmup: usize,
+    /// LoRA rank of the adapters.
+    #[arg(long, default_value_t = 8)]
+    lora_rank: usize,
+    /// Seed of the random weights, adapters and data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Also write all results as one JSON array to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// --method lemo: without --thresholds, every token-eliminating block keeps
+    /// --target-keep of the token blocks of the bench's sequence (random weights have no
+    /// loss to calibrate against).
+    #[command(flatten)]
+    lemo: LemoSettings,
+    #[command(flatten)]
+    runtime: Runtime,
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    let (device, precision) = args.runtime.resolve()?;
+    let job = BenchJob {
+        sparsity: args.lemo,
+        config: args.model,
+        method: args.method,
+        seq_lens: args.seq_lens,
+        checkpointing: args.checkpointing,
+        steps: args.steps.max(1),
+        warmup: args.warmup,
+        lora_rank: args.lora_rank,
+        seed: args.seed,
+        precision,
+        device_watch: (device == DeviceKind::Cuda)
+            .then(DeviceWatch::start)
+            .flatten(),
+    };
+    let results = device.run(job)?;
+    if let Some(path) = args.out {
+        lemo_models::adapter::write_atomically(
+            &path,
+            serde_json::to_string_pretty(&results)?.as_bytes(),
+        )?;
+    }
+    Ok(())
+}

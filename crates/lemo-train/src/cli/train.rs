@@ -1,0 +1,111 @@
+//! `train`: the configuration resolved from defaults, a preset, a TOML file and the flags (or a
+//! resumed run's saved configuration and the flags), then the run, then its summary.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+use clap::{ArgMatches, Args};
+use lemo_train::train::config::{Preset, TrainConfig};
+use lemo_train::train::run_dir::Start;
+use lemo_train::train::{TrainJob, TrainSummary, interrupt};
+
+#[derive(Debug, Args)]
+pub struct TrainArgs {
+    /// Built-in setup: `tiny` trains a small random-init Llama on generated text on the CPU.
+    #[arg(long, value_enum)]
+    preset: Option<Preset>,
+    /// TOML file with any of the options below (snake_case keys, e.g. `seq_len = 4096`).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Continue a run: its folder (latest checkpoint) or one checkpoint folder.
+    #[arg(long, conflicts_with_all = ["out", "overwrite"])]
+    resume: Option<PathBuf>,
+    /// Replace the run already in --out (its adapter, checkpoints, metrics and plots); without
+    /// it a new run refuses a folder that holds one.
+    #[arg(long)]
+    overwrite: bool,
+    /// Train even where the memory plan predicts the step will not fit in the device's free
+    /// memory.
+    #[arg(long)]
+    skip_memory_plan: bool,
+    #[command(flatten)]
+    settings: TrainConfig,
+}
+
+pub fn run(args: TrainArgs, matches: &ArgMatches) -> Result<()> {
+    let overrides = args.settings.given_on_command_line(matches)?;
+    let (config, resume) = match &args.resume {
+        Some(path) => {
+            let (config, checkpoint) = TrainConfig::resumed(path, &overrides)?;
+            if checkpoint.is_none() {
+                eprintln!(
+                    "train: {} holds no checkpoint yet: the run starts over from step 0 with its saved configuration",
+                    path.display()
+                );
+            }
+            (config, checkpoint)
+        }
+        None => {
+            let mut config = args.preset.map(TrainConfig::preset).unwrap_or_default();
+            if let Some(file) = &args.config {
+                config = config.merged(&TrainConfig::from_toml_file(file)?)?;
+            }
+            (config.merged(&overrides)?, None)
+        }
+    };
+    let start = match (&resume, args.overwrite || args.resume.is_some()) {
+        (Some(_), _) => Start::Resume,
+        (None, true) => Start::Overwrite,
+        (None, false) => Start::Fresh,
+    };
+    let mut job = TrainJob::new(config, resume, start)?;
+    job.skip_memory_plan = args.skip_memory_plan;
+    // Under a launcher rank 0 reports the run; the other processes end quietly.
+    let Some(summary) = job.train()? else {
+        return Ok(());
+    };
+    print_summary(&summary);
+    if summary.interrupted {
+        eprintln!(
+            "interrupted after step {}: continue with `lemo-train train --resume {}`",
+            summary.steps_done,
+            summary.out.display()
+        );
+        std::process::exit(interrupt::EXIT_STATUS);
+    }
+    Ok(())
+}
+
+fn print_summary(summary: &TrainSummary) {
+    let loss = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+    println!(
+        "trained {} steps in {:.1} s ({:.0} tokens/s): training loss {} -> {}, validation loss {} -> {}",
+        summary.steps_done,
+        summary.elapsed_s,
+        summary.tokens_per_s,
+        loss(summary.first_loss),
+        loss(summary.last_loss),
+        loss(summary.baseline_val_loss),
+        loss(summary.val_loss)
+    );
+    let device = summary
+        .device_peak_gib
+        .map_or(String::new(), |d| format!(" (device {d:.2} GiB)"));
+    println!("memory peak {:.2} GiB{device}", summary.peak_gib);
+    println!("outputs in {}:", summary.out.display());
+    if let Some(adapter) = &summary.adapter {
+        println!("  adapter (PEFT)   {}", adapter.display());
+    } else {
+        println!(
+            "  adapter          not written: the run stopped early; continue: --resume {}",
+            summary.out.display()
+        );
+    }
+    if let Some(checkpoint) = &summary.last_checkpoint {
+        println!("  last checkpoint  {}", checkpoint.display());
+    }
+    println!("  metrics          {}", summary.metrics.display());
+    for plot in &summary.plots {
+        println!("  plot             {}", plot.display());
+    }
+}
