@@ -16,6 +16,7 @@ pub mod merge;
 pub mod model;
 pub mod norm;
 pub mod opt;
+pub mod random;
 pub mod rope;
 pub mod row_chunks;
 pub mod token_plan;

@@ -12,6 +12,7 @@ use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors, tensor::Metadata};
 
 use crate::lora::Linear;
+use crate::random::seeded_random;
 use crate::{Error, Result};
 
 /// A source of f32 tensors by name. `shape` is what the model expects; a source must check it.
@@ -299,21 +300,4 @@ impl WeightSource for RandomWeights {
         };
         Ok(Some(values))
     }
-}
-
-/// f32 values of `shape` drawn from `distribution` by a host generator seeded with `seed` and
-/// `name`: the same on every device, and a different stream per tensor name so that adding a
-/// tensor does not shift the others.
-pub fn seeded_random(
-    name: &str,
-    seed: u64,
-    shape: &[usize],
-    distribution: Distribution,
-) -> TensorData {
-    use rand::SeedableRng;
-    let seed = name.bytes().fold(seed, |h, b| {
-        h.wrapping_mul(0x100000001b3).wrapping_add(b as u64)
-    });
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    TensorData::random::<f32, _, _>(shape.to_vec(), distribution, &mut rng)
 }

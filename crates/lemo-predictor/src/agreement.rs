@@ -5,7 +5,7 @@ use burn::tensor::backend::Backend;
 use lemo_sparsity::KeptRows;
 
 use crate::predictor::QueryKey;
-use crate::training::BlockSamples;
+use crate::samples::BlockSamples;
 
 /// How a layer's attention block selects its kept token blocks from exact and from predicted
 /// scores (see `KeptRows::from_block_scores`).

@@ -25,6 +25,7 @@ pub mod agreement;
 pub mod file;
 pub mod prediction;
 pub mod predictor;
+pub mod samples;
 pub mod scorer;
 pub mod stacked;
 pub mod training;

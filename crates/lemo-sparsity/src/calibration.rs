@@ -17,6 +17,7 @@
 //!    then put each kind's measured kept fraction on the target, so the refinement decides
 //!    *where* tokens are dropped and the target decides *how many*.
 
+pub use crate::thresholds::Block;
 use crate::thresholds::LayerThresholds;
 
 /// Weight of the squared distance from the target kept fraction in the objective.
@@ -27,13 +28,6 @@ pub const KEEP_PENALTY: f64 = 4.0;
 pub struct LayerProfile {
     pub attention: Vec<f32>,
     pub mlp: Vec<f32>,
-}
-
-/// Which block of a layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Block {
-    Attention,
-    Mlp,
 }
 
 /// The objective `J` of the module docs.
@@ -177,17 +171,6 @@ impl Calibrator {
     pub fn descend(&mut self, layer: usize, block: Block, gradient: f64, rate: f64) {
         if let Some(d) = &mut self.drop[layer][slot(block)] {
             *d = (*d - rate * gradient).clamp(0.0, self.max_drop);
-        }
-    }
-
-    /// Every token-eliminating block drops the fraction `1 - keep` of its profiled blocks: the
-    /// plain quantile rule, for when there is nothing to refine against (random weights).
-    pub fn set_keep(&mut self, keep: f64) {
-        let drop = (1.0 - keep).clamp(0.0, self.max_drop);
-        for blocks in &mut self.drop {
-            for d in blocks.iter_mut().flatten() {
-                *d = drop;
-            }
         }
     }
 

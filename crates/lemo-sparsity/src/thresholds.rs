@@ -4,7 +4,12 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::calibration::Block;
+/// Which block of a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Block {
+    Attention,
+    Mlp,
+}
 
 /// What a thresholds file cannot be used for, in one line.
 #[derive(Debug, thiserror::Error)]

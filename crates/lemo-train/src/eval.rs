@@ -15,6 +15,7 @@ use lemo_sparsity::calibration::Block;
 
 use crate::device::BackendJob;
 use crate::lemo::{LemoSettings, THRESHOLDS_FILE, read_thresholds, sparse_keep};
+use crate::task_progress::TaskProgress;
 
 /// Rows of the vocabulary projection computed at once.
 const LOSS_CHUNK_ROWS: usize = 1024;
@@ -30,6 +31,20 @@ pub struct EvalReport {
     pub keep_attention: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub keep_mlp: Option<f64>,
+}
+
+impl std::fmt::Display for EvalReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "loss {:.6}  perplexity {:.4}  over {} predicted tokens",
+            self.loss, self.ppl, self.tokens
+        )?;
+        if let (Some(attention), Some(mlp)) = (self.keep_attention, self.keep_mlp) {
+            writeln!(f, "kept fraction: attention {attention:.3}, MLP {mlp:.3}")?;
+        }
+        Ok(())
+    }
 }
 
 pub struct EvalJob {
@@ -115,10 +130,11 @@ impl BackendJob for EvalJob {
             bail!("no document has the two tokens needed to score a prediction");
         }
         let started = Instant::now();
+        let mut progress = TaskProgress::new(plan.len() as u64, "eval: windows", true);
         let plan_len = plan.len() as f64;
         let (mut loss_sum, mut tokens) = (0.0f64, 0usize);
         let (mut keep_attention, mut keep_mlp) = (0.0, 0.0);
-        for (index, (document, start, end)) in plan.iter().enumerate() {
+        for (document, start, end) in &plan {
             let ids: Vec<i32> = document[*start..*end].iter().map(|&id| id as i32).collect();
             let input =
                 Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, end - start]), &device);
@@ -130,15 +146,13 @@ impl BackendJob for EvalJob {
             }
             loss_sum += sum.into_scalar().elem::<f64>();
             tokens += count;
-            eprint!(
-                "\reval: window {}/{} | loss {:.4} | {:.0} tokens/s ",
-                index + 1,
-                plan.len(),
+            progress.inc(&format!(
+                "| loss {:.4} | {:.0} tokens/s",
                 loss_sum / tokens as f64,
                 tokens as f64 / started.elapsed().as_secs_f64()
-            );
+            ));
         }
-        eprintln!();
+        progress.finish();
         let loss = loss_sum / tokens as f64;
         Ok(EvalReport {
             loss,

@@ -30,6 +30,7 @@ pub mod bench;
 pub mod data;
 pub mod device;
 pub mod distributed;
+pub mod errors;
 pub mod eval;
 pub mod generate;
 pub mod lemo;
@@ -41,6 +42,7 @@ pub mod method;
 pub mod modelio;
 pub mod passkey;
 pub mod preset;
+pub mod task_progress;
 pub mod train;
 
 /// A settings struct at its flags' defaults. Each setting's default is spelled once, in the

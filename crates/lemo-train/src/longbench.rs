@@ -89,6 +89,16 @@ pub struct LongBenchReport {
     pub results: Vec<SampleResult>,
 }
 
+impl std::fmt::Display for LongBenchReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(
+            f,
+            "longbench: {}/{} correct, accuracy {:.3}",
+            self.correct, self.samples, self.accuracy
+        )
+    }
+}
+
 pub struct LongBenchJob {
     pub model: PathBuf,
     pub setup: ModelSetup,

@@ -127,6 +127,24 @@ pub struct LengthResult {
     pub accuracy: f64,
 }
 
+/// Retrieval accuracy at every length, as `eval --passkey` reports it (a JSON array).
+#[derive(Debug, Clone, Serialize)]
+#[serde(transparent)]
+pub struct PasskeyReport(pub Vec<LengthResult>);
+
+impl std::fmt::Display for PasskeyReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for r in &self.0 {
+            writeln!(
+                f,
+                "passkey length {:>6}: {}/{} correct, accuracy {:.2}",
+                r.length, r.correct, r.trials, r.accuracy
+            )?;
+        }
+        Ok(())
+    }
+}
+
 pub struct PasskeyJob {
     pub model: PathBuf,
     pub setup: ModelSetup,

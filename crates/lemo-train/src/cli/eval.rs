@@ -12,7 +12,7 @@ use lemo_train::lemo::LemoSettings;
 use lemo_train::longbench::{self, LongBenchJob};
 use lemo_train::method::Method;
 use lemo_train::modelio::ModelArgs;
-use lemo_train::passkey::PasskeyJob;
+use lemo_train::passkey::{PasskeyJob, PasskeyReport};
 
 #[derive(Debug, Args)]
 pub struct EvalArgs {
@@ -97,18 +97,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
         setup,
         sparsity,
     })?;
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        println!(
-            "loss {:.6}  perplexity {:.4}  over {} predicted tokens",
-            report.loss, report.ppl, report.tokens
-        );
-        if let (Some(attention), Some(mlp)) = (report.keep_attention, report.keep_mlp) {
-            println!("kept fraction: attention {attention:.3}, MLP {mlp:.3}");
-        }
-    }
-    Ok(())
+    print(&report, args.json)
 }
 
 /// `--passkey` or `--longbench`.
@@ -124,17 +113,7 @@ fn retrieval(args: EvalArgs) -> Result<()> {
             trials: args.trials,
             seed: args.seed,
         })?;
-        if args.json {
-            println!("{}", serde_json::to_string(&results)?);
-        } else {
-            for r in &results {
-                println!(
-                    "passkey length {:>6}: {}/{} correct, accuracy {:.2}",
-                    r.length, r.correct, r.trials, r.accuracy
-                );
-            }
-        }
-        return Ok(());
+        return print(&PasskeyReport(results), args.json);
     }
     let data = args.data.context("--longbench needs --data FILE.jsonl")?;
     let report = device.run(LongBenchJob {
@@ -144,13 +123,14 @@ fn retrieval(args: EvalArgs) -> Result<()> {
         samples: longbench::read_samples(&data)?,
         max_tokens: args.max_tokens,
     })?;
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        println!(
-            "longbench: {}/{} correct, accuracy {:.3}",
-            report.correct, report.samples, report.accuracy
-        );
+    print(&report, args.json)
+}
+
+/// A report as one JSON line (`--json`) or as text.
+fn print(report: &(impl serde::Serialize + std::fmt::Display), json: bool) -> Result<()> {
+    match json {
+        true => println!("{}", serde_json::to_string(report)?),
+        false => print!("{report}"),
     }
     Ok(())
 }

@@ -7,7 +7,7 @@ use anyhow::Result;
 use clap::{ArgMatches, Args};
 use lemo_train::train::config::{Preset, TrainConfig};
 use lemo_train::train::run_dir::Start;
-use lemo_train::train::{TrainJob, TrainSummary, interrupt};
+use lemo_train::train::{TrainJob, interrupt};
 
 #[derive(Debug, Args)]
 pub struct TrainArgs {
@@ -64,7 +64,7 @@ pub fn run(args: TrainArgs, matches: &ArgMatches) -> Result<()> {
     let Some(summary) = job.train()? else {
         return Ok(());
     };
-    print_summary(&summary);
+    print!("{summary}");
     if summary.interrupted {
         eprintln!(
             "interrupted after step {}: continue with `lemo-train train --resume {}`",
@@ -74,38 +74,4 @@ pub fn run(args: TrainArgs, matches: &ArgMatches) -> Result<()> {
         std::process::exit(interrupt::EXIT_STATUS);
     }
     Ok(())
-}
-
-fn print_summary(summary: &TrainSummary) {
-    let loss = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
-    println!(
-        "trained {} steps in {:.1} s ({:.0} tokens/s): training loss {} -> {}, validation loss {} -> {}",
-        summary.steps_done,
-        summary.elapsed_s,
-        summary.tokens_per_s,
-        loss(summary.first_loss),
-        loss(summary.last_loss),
-        loss(summary.baseline_val_loss),
-        loss(summary.val_loss)
-    );
-    let device = summary
-        .device_peak_gib
-        .map_or(String::new(), |d| format!(" (device {d:.2} GiB)"));
-    println!("memory peak {:.2} GiB{device}", summary.peak_gib);
-    println!("outputs in {}:", summary.out.display());
-    if let Some(adapter) = &summary.adapter {
-        println!("  adapter (PEFT)   {}", adapter.display());
-    } else {
-        println!(
-            "  adapter          not written: the run stopped early; continue: --resume {}",
-            summary.out.display()
-        );
-    }
-    if let Some(checkpoint) = &summary.last_checkpoint {
-        println!("  last checkpoint  {}", checkpoint.display());
-    }
-    println!("  metrics          {}", summary.metrics.display());
-    for plot in &summary.plots {
-        println!("  plot             {}", plot.display());
-    }
 }

@@ -4,7 +4,6 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
-use clap::Args;
 use lemo_kernels::LemoBackend;
 use lemo_models::token_plan::{TokenPlan, TokenSparsity};
 use lemo_models::{CausalLm, ModelConfig};
@@ -12,39 +11,14 @@ use lemo_sparsity::calibration::{Block, Calibrator};
 use plotters::prelude::*;
 use serde_json::json;
 
+use super::inputs::{InspectArgs, read_sequences};
+use super::predictors::{TrainPredictorsArgs, train_predictors};
 use super::{
     LemoSettings, calibrate, profile, read_thresholds, thresholds_for_model, write_thresholds,
 };
-use crate::data::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
-use crate::data::{LazyTokenizer, TokenWidth};
-use crate::data::{int_tokens, special_ids};
+use crate::data::int_tokens;
 use crate::device::BackendJob;
-use crate::modelio::{self, ModelArgs, ModelSetup};
-
-use super::predictors::{TrainPredictorsArgs, train_predictors};
-
-/// What `calibrate`, `profile` and `train-predictors` read.
-#[derive(Debug, Args, Clone)]
-pub struct InspectArgs {
-    #[command(flatten)]
-    pub model: ModelArgs,
-    /// Text files, JSONL (`text` or `input_ids`), raw token .bin files, or a folder of these.
-    #[arg(long)]
-    pub data: PathBuf,
-    /// Bytes per token id in .bin token files: 2 or 4.
-    #[arg(long, default_value_t = 2)]
-    pub token_width: u8,
-    /// Sequence length in tokens [default: --target-context, else the model's trained context].
-    #[arg(long)]
-    pub seq_len: Option<usize>,
-    #[command(flatten)]
-    pub lemo: LemoSettings,
-    /// calibrate: the thresholds file to write [default: thresholds.json];
-    /// profile: the folder for profile.json and kept.svg [default: profile];
-    /// train-predictors: the predictors file [default: predictors.safetensors].
-    #[arg(long)]
-    pub out: Option<PathBuf>,
-}
+use crate::modelio::{self, ModelSetup};
 
 enum Task {
     Calibrate,
@@ -143,43 +117,6 @@ impl BackendJob for InspectJob {
     }
 }
 
-/// The first `count` sequences of `seq_len` tokens of `data`, packed as `train` packs them.
-pub(super) fn read_sequences(
-    args: &InspectArgs,
-    data: &Path,
-    config: &ModelConfig,
-    seq_len: usize,
-    count: usize,
-) -> Result<Vec<Vec<u32>>> {
-    let tokenizer_path = args.model.tokenizer_path();
-    let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
-    let documents = read_documents_cached(
-        data,
-        TokenWidth::from_bytes(args.token_width)?,
-        &mut tokenizer,
-        tokenizer_path.as_deref(),
-        default_cache_dir().as_deref(),
-    )?;
-    let vocab = config.vocab_size();
-    if let Some(bad) = documents.iter().flatten().find(|&&id| id as usize >= vocab) {
-        bail!("token id {bad} is outside the model's vocabulary of {vocab} (wrong tokenizer?)");
-    }
-    let (bos, eos) = special_ids(config, &mut tokenizer);
-    let corpus = Corpus::new(
-        &documents,
-        &PackOptions {
-            seq_len,
-            bos,
-            eos,
-            val_fraction: 0.0,
-            seed: 0,
-        },
-    )?;
-    Ok((0..count.min(corpus.train_len()))
-        .map(|i| corpus.train_sequence(i))
-        .collect())
-}
-
 /// Percentiles `[10, 50, 90]`, the mean and the count of `values`.
 fn statistics(values: &[f32]) -> serde_json::Value {
     if values.is_empty() {
@@ -204,7 +141,7 @@ fn write_profile<B: LemoBackend>(
     out: &Path,
 ) -> Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    let profiles = profile(model, config, sequences, settings.block_size);
+    let profiles = profile(model, config, sequences, settings.block_size, true);
     let thresholds = match &settings.thresholds {
         Some(path) => read_thresholds(path, config)?,
         None => {

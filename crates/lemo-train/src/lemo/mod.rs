@@ -25,15 +25,18 @@ use lemo_sparsity::{LayerThresholds, Thresholds};
 use serde::{Deserialize, Serialize};
 
 use crate::data::int_tokens;
+use crate::task_progress::TaskProgress;
 
 mod elimination;
+mod inputs;
 mod inspect;
 mod predictors;
 
 pub use elimination::{
     Elimination, MlpDroppedRows, ScoreSource, bench_elimination, elimination, token_sparsity,
 };
-pub use inspect::{InspectArgs, run_calibrate, run_profile, run_train_predictors};
+pub use inputs::InspectArgs;
+pub use inspect::{run_calibrate, run_profile, run_train_predictors};
 pub use predictors::TrainPredictorsArgs;
 
 /// File name of the thresholds a run used, in its folder and beside its adapter.
@@ -311,6 +314,7 @@ pub fn profile<B: LemoBackend>(
     config: &ModelConfig,
     sequences: &[Vec<u32>],
     block_size: usize,
+    report: bool,
 ) -> Vec<LayerProfile> {
     let device = model.lm_head_weight().device();
     let observe = Thresholds {
@@ -322,6 +326,11 @@ pub fn profile<B: LemoBackend>(
         )
     };
     let mut profiles = vec![LayerProfile::default(); config.num_layers()];
+    let mut bar = TaskProgress::new(
+        sequences.len() as u64,
+        "lemo: profiling token-block scores (sequences)",
+        report,
+    );
     for sequence in sequences {
         let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
         let mut sparsity = TokenSparsity::recording(&observe, Record::Scores);
@@ -335,22 +344,10 @@ pub fn profile<B: LemoBackend>(
                 .mlp
                 .extend(relative_to_mean(scores.mlp.map(|r| r.scores)));
         }
+        bar.inc("");
     }
+    bar.finish();
     profiles
-}
-
-fn progress(len: u64, what: &str) -> indicatif::ProgressBar {
-    let bar = indicatif::ProgressBar::with_draw_target(
-        Some(len),
-        indicatif::ProgressDrawTarget::stderr(),
-    );
-    bar.set_style(
-        indicatif::ProgressStyle::with_template("{msg} {bar:30.cyan/blue} {pos}/{len} | ETA {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    bar.set_message(what.to_string());
-    bar
 }
 
 /// A calibrator at the paper's initial thresholds, from the profile of `sequences`.
@@ -359,8 +356,9 @@ fn profiled_calibrator<B: LemoBackend>(
     config: &ModelConfig,
     sequences: &[Vec<u32>],
     settings: &LemoSettings,
+    report: bool,
 ) -> Calibrator {
-    let profiles = profile(model, config, sequences, settings.block_size);
+    let profiles = profile(model, config, sequences, settings.block_size, report);
     Calibrator::new(
         profiles,
         &settings.dense_layers,
@@ -380,15 +378,12 @@ pub fn calibrate<B: LemoBackend>(
     settings: &LemoSettings,
     report: bool,
 ) -> Result<Thresholds> {
-    let progress = |len, what| match report {
-        true => progress(len, what),
-        false => indicatif::ProgressBar::hidden(),
-    };
+    let progress = |len, what| TaskProgress::new(len, what, report);
     if sequences.is_empty() {
         bail!("calibration needs at least one sequence of data");
     }
     let started = Instant::now();
-    let mut calibrator = profiled_calibrator(model, config, sequences, settings);
+    let mut calibrator = profiled_calibrator(model, config, sequences, settings, report);
     let sparse: Vec<(usize, Block)> = (0..calibrator.num_layers())
         .flat_map(|l| [(l, Block::Attention), (l, Block::Mlp)])
         .filter(|&(l, b)| calibrator.is_sparse(l, b))
@@ -405,7 +400,7 @@ pub fn calibrate<B: LemoBackend>(
         let e = evaluate(model, sequences, Some(&thresholds));
         objective(e.loss, dense.loss, e.keep(), settings.mean_keep())
     };
-    let bar = progress(
+    let mut bar = progress(
         (settings.calibration_rounds * sparse.len() * 2) as u64,
         "calibrate: refining thresholds",
     );
@@ -414,9 +409,9 @@ pub fn calibrate<B: LemoBackend>(
             .iter()
             .map(|&(layer, block)| {
                 let up = cost(calibrator.perturbed(layer, block, PROBE));
-                bar.inc(1);
+                bar.inc("");
                 let down = cost(calibrator.perturbed(layer, block, -PROBE));
-                bar.inc(1);
+                bar.inc("");
                 (up - down) / (2.0 * PROBE)
             })
             .collect();
@@ -428,10 +423,10 @@ pub fn calibrate<B: LemoBackend>(
             }
         }
     }
-    bar.finish_and_clear();
+    bar.finish();
     // Step 3: for each kind of block, bisection on a common shift of the drop fractions until
     // its kept fraction is on the target (it falls as the shift grows).
-    let bar = progress(24, "calibrate: meeting the target");
+    let mut bar = progress(24, "calibrate: meeting the target");
     for block in [Block::Attention, Block::Mlp] {
         let (mut low, mut high) = (-1.0, 1.0);
         for _ in 0..12 {
@@ -448,11 +443,11 @@ pub fn calibrate<B: LemoBackend>(
             } else {
                 high = middle;
             }
-            bar.inc(1);
+            bar.inc("");
         }
         calibrator.shift(block, 0.5 * (low + high));
     }
-    bar.finish_and_clear();
+    bar.finish();
     let mut thresholds =
         thresholds_for_model(config, model_name, settings, calibrator.thresholds());
     let measured = evaluate(model, sequences, Some(&thresholds));

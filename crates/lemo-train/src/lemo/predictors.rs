@@ -16,14 +16,15 @@ use lemo_predictor::agreement::{Recall, Selection, predicted_log_scores, recall}
 use lemo_predictor::predictor::{DEFAULT_COMPONENTS, DEFAULT_RANK};
 use lemo_predictor::scorer::ScorerShape;
 use lemo_predictor::stacked::{max_attention_epochs, train_attention_layers};
-use lemo_predictor::training::{BlockSamples, TrainOptions};
+use lemo_predictor::training::{BlockSamples, TrainOptions, TrainedBlock};
 use lemo_predictor::{Predictors, PredictorsHeader, QueryKey};
 use lemo_sparsity::Thresholds;
 use lemo_sparsity::calibration::Block;
 
-use super::inspect::{InspectArgs, read_sequences};
-use super::{LemoSettings, calibrate, progress, read_thresholds};
+use super::inputs::{InspectArgs, read_sequences};
+use super::{LemoSettings, calibrate, read_thresholds};
 use crate::data::int_tokens;
+use crate::task_progress::TaskProgress;
 
 /// What `train-predictors` reads besides the model and data options it shares with `calibrate`.
 #[derive(Debug, Args, Clone)]
@@ -93,7 +94,7 @@ fn collect<B: LemoBackend>(
         )
     };
     let mut samples: Vec<Option<BlockSamples>> = vec![None; thresholds.num_layers];
-    let bar = progress(sequences.len() as u64, what);
+    let mut bar = TaskProgress::new(sequences.len() as u64, what, true);
     for sequence in sequences {
         let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
         let mut sparsity =
@@ -121,36 +122,84 @@ fn collect<B: LemoBackend>(
                 })
                 .push(token_rows, &record.scores);
         }
-        bar.inc(1);
+        bar.inc("");
     }
-    bar.finish_and_clear();
+    bar.finish();
     samples
 }
 
-/// Runs `train-predictors` on backend `B` over sequences of `seq_len` tokens, the model's
-/// positions interpolated by `position_interpolation` (1: none); returns the predictors file.
-pub fn train_predictors<B: LemoBackend>(
+impl TrainPredictorsArgs {
+    fn validate(&self) -> Result<()> {
+        if self.sequences < 2 || self.eval_sequences == 0 {
+            bail!("--sequences must be at least 2 and --eval-sequences at least 1");
+        }
+        if self.components == 0 || self.rank == 0 {
+            bail!("--components and --rank must be at least 1");
+        }
+        if !(0.0..=1.0).contains(&self.recall_target) {
+            bail!(
+                "--recall-target {} is not a share between 0 and 1",
+                self.recall_target
+            );
+        }
+        Ok(())
+    }
+
+    /// Tokens of each block kept as training data: a divisor of `block_size`.
+    fn tokens_per_block(&self, block_size: usize) -> Result<usize> {
+        let tokens = self.tokens_per_block.min(block_size);
+        if tokens == 0 || !block_size.is_multiple_of(tokens) {
+            bail!(
+                "--tokens-per-block {} does not divide the block size {block_size}",
+                self.tokens_per_block
+            );
+        }
+        Ok(tokens)
+    }
+
+    fn options(&self) -> TrainOptions {
+        TrainOptions {
+            epochs: self.epochs,
+            learning_rate: self.predictor_lr,
+            prune_every: self.prune_every,
+            prune_fraction: self.prune_fraction,
+            recall_tolerance: self.recall_tolerance,
+            seed: 0,
+        }
+    }
+}
+
+/// Each token-sparse layer: its samples and how it selects (predicted scores keep the fraction
+/// the exact scores keep on every training sequence, raised after training to the recall
+/// target).
+fn fitted_layers<'a>(
+    train_samples: &'a [Option<BlockSamples>],
+    thresholds: &Thresholds,
+) -> Result<Vec<(usize, &'a BlockSamples, Selection)>> {
+    let layers: Vec<(usize, &BlockSamples, Selection)> = train_samples
+        .iter()
+        .enumerate()
+        .filter_map(|(layer, samples)| {
+            let samples = samples.as_ref()?;
+            let threshold = thresholds.layers[layer].attention?;
+            let floor = thresholds.min_keep_of(Block::Attention);
+            let selection = Selection::fitted(threshold, floor, &samples.scores, samples.blocks);
+            Some((layer, samples, selection))
+        })
+        .collect();
+    if layers.is_empty() {
+        bail!("these thresholds keep every attention block dense: there is nothing to predict");
+    }
+    Ok(layers)
+}
+
+/// The training sequences and the held-out ones (`--eval-data`, else the last of `--data`).
+fn read_train_and_held_out(
     args: &TrainPredictorsArgs,
-    settings: &LemoSettings,
-    model: &CausalLm<B>,
     config: &lemo_models::ModelConfig,
     seq_len: usize,
-    position_interpolation: f64,
-) -> Result<PathBuf> {
-    let started = Instant::now();
+) -> Result<(Vec<Vec<u32>>, Vec<Vec<u32>>)> {
     let inspect = &args.inspect;
-    if args.sequences < 2 || args.eval_sequences == 0 {
-        bail!("--sequences must be at least 2 and --eval-sequences at least 1");
-    }
-    if args.components == 0 || args.rank == 0 {
-        bail!("--components and --rank must be at least 1");
-    }
-    if !(0.0..=1.0).contains(&args.recall_target) {
-        bail!(
-            "--recall-target {} is not a share between 0 and 1",
-            args.recall_target
-        );
-    }
     let (train, held_out) = match &args.eval_data {
         Some(eval_data) => (
             read_sequences(inspect, &inspect.data, config, seq_len, args.sequences)?,
@@ -183,6 +232,23 @@ pub fn train_predictors<B: LemoBackend>(
             held_out.len()
         );
     }
+    Ok((train, held_out))
+}
+
+/// Runs `train-predictors` on backend `B` over sequences of `seq_len` tokens, the model's
+/// positions interpolated by `position_interpolation` (1: none); returns the predictors file.
+pub fn train_predictors<B: LemoBackend>(
+    args: &TrainPredictorsArgs,
+    settings: &LemoSettings,
+    model: &CausalLm<B>,
+    config: &lemo_models::ModelConfig,
+    seq_len: usize,
+    position_interpolation: f64,
+) -> Result<PathBuf> {
+    let started = Instant::now();
+    let inspect = &args.inspect;
+    args.validate()?;
+    let (train, held_out) = read_train_and_held_out(args, config, seq_len)?;
     let name = inspect.model.model.display().to_string();
     let thresholds = match &settings.thresholds {
         Some(path) => read_thresholds(path, config)?,
@@ -198,13 +264,7 @@ pub fn train_predictors<B: LemoBackend>(
         thresholds.block_size
     );
     let block_size = thresholds.block_size;
-    let tokens_per_block = args.tokens_per_block.min(block_size);
-    if tokens_per_block == 0 || !block_size.is_multiple_of(tokens_per_block) {
-        bail!(
-            "--tokens-per-block {} does not divide the block size {block_size}",
-            args.tokens_per_block
-        );
-    }
+    let tokens_per_block = args.tokens_per_block(block_size)?;
     let train_samples = collect(
         model,
         &thresholds,
@@ -224,31 +284,8 @@ pub fn train_predictors<B: LemoBackend>(
         train.len() + held_out.len(),
         started.elapsed().as_secs_f64()
     );
-    // Each token-sparse layer: its samples and how it selects (predicted scores keep the
-    // fraction the exact scores keep on every training sequence, raised after training to the
-    // recall target).
-    let layers: Vec<(usize, &BlockSamples, Selection)> = train_samples
-        .iter()
-        .enumerate()
-        .filter_map(|(layer, samples)| {
-            let samples = samples.as_ref()?;
-            let threshold = thresholds.layers[layer].attention?;
-            let floor = thresholds.min_keep_of(Block::Attention);
-            let selection = Selection::fitted(threshold, floor, &samples.scores, samples.blocks);
-            Some((layer, samples, selection))
-        })
-        .collect();
-    if layers.is_empty() {
-        bail!("these thresholds keep every attention block dense: there is nothing to predict");
-    }
-    let options = TrainOptions {
-        epochs: args.epochs,
-        learning_rate: args.predictor_lr,
-        prune_every: args.prune_every,
-        prune_fraction: args.prune_fraction,
-        recall_tolerance: args.recall_tolerance,
-        seed: 0,
-    };
+    let layers = fitted_layers(&train_samples, &thresholds)?;
+    let options = args.options();
     let device = model.lm_head_weight().device();
     // A fifth of the training sequences (at least one) decide what pruning may remove.
     let splits: Vec<(BlockSamples, BlockSamples)> = layers
@@ -261,9 +298,10 @@ pub fn train_predictors<B: LemoBackend>(
     let fit: Vec<&BlockSamples> = splits.iter().map(|(fit, _)| fit).collect();
     let validation: Vec<&BlockSamples> = splits.iter().map(|(_, v)| v).collect();
     let selections: Vec<Selection> = layers.iter().map(|&(_, _, s)| s).collect();
-    let bar = progress(
+    let mut bar = TaskProgress::new(
         max_attention_epochs(args.rank, &options) as u64,
         "train-predictors: attention predictors (every layer)",
+        true,
     );
     let results = train_attention_layers::<Autodiff<B>>(
         &fit,
@@ -275,30 +313,85 @@ pub fn train_predictors<B: LemoBackend>(
         },
         &options,
         &device,
-        &mut || bar.inc(1),
+        &mut || bar.inc(""),
     );
-    bar.finish_and_clear();
+    bar.finish();
     eprintln!(
         "train-predictors: attention predictors of {} layers trained, {:.1}s",
         layers.len(),
         started.elapsed().as_secs_f64()
     );
 
+    let trained: Vec<TrainedLayer<B>> = layers
+        .iter()
+        .zip(results)
+        .zip(validation)
+        .map(|((&(layer, _, fitted), result), validation)| TrainedLayer {
+            layer,
+            fitted,
+            result,
+            validation,
+        })
+        .collect();
     let mut header = PredictorsHeader::new(thresholds.clone(), args.rank);
     header.model = name;
     header.recall_target = Some(args.recall_target).filter(|&target| target > 0.0);
-    let mut predictors: Vec<Option<QueryKey<B>>> = vec![None; thresholds.num_layers];
+    let predictors = held_out_report(&mut header, args, trained, &held_out_samples, &device);
+    header.held_out_sequences = held_out.len();
+    header.seq_len = seq_len;
+    header.position_interpolation = Some(position_interpolation);
+    print_report(&header);
+    let predictors = Predictors::new(header, &predictors);
+    let out = inspect
+        .out
+        .clone()
+        .unwrap_or_else(|| "predictors.safetensors".into());
+    lemo_models::adapter::write_atomically(&out, &predictors.to_bytes())?;
+    eprintln!(
+        "train-predictors: wrote {} ({} parameters), {:.1}s",
+        out.display(),
+        predictors.num_params(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(out)
+}
+
+/// One layer's trained predictor, with the selection fitted to the training sequences and the
+/// validation samples its recall target is met on.
+struct TrainedLayer<'a, B: LemoBackend> {
+    layer: usize,
+    fitted: Selection,
+    result: TrainedBlock<B>,
+    validation: &'a BlockSamples,
+}
+
+/// Each layer's kept fraction raised to the recall target, its held-out recall and size in
+/// `header` (and the means); returns the predictors by layer.
+fn held_out_report<B: LemoBackend>(
+    header: &mut PredictorsHeader,
+    args: &TrainPredictorsArgs,
+    trained: Vec<TrainedLayer<B>>,
+    held_out_samples: &[Option<BlockSamples>],
+    device: &B::Device,
+) -> Vec<Option<QueryKey<B>>> {
+    let mut predictors: Vec<Option<QueryKey<B>>> = vec![None; header.thresholds.num_layers];
     let mut held_out_recalls: Vec<Recall> = Vec::new();
-    for ((&(layer, _, fitted), result), validation) in layers.iter().zip(results).zip(&validation) {
+    for TrainedLayer {
+        layer,
+        fitted,
+        result,
+        validation,
+    } in trained
+    {
         let selection = fitted.with_recall_target(
             args.recall_target,
-            &predicted_log_scores(&result.predictor, validation, &device),
+            &predicted_log_scores(&result.predictor, validation, device),
             validation,
         );
         let held_out = held_out_samples[layer]
             .as_ref()
             .expect("held-out sequences have the same blocks");
-        let measured = recall(&result.predictor, held_out, selection, &device);
+        let measured = recall(&result.predictor, held_out, selection, device);
         held_out_recalls.push(measured);
         header.thresholds.layers[layer].attention_keep = Some(selection.predicted_keep);
         header.layers[layer] = Some(lemo_predictor::file::BlockReport {
@@ -318,23 +411,7 @@ pub fn train_predictors<B: LemoBackend>(
     header.recall = held_out_recalls.iter().map(|r| r.recall).sum::<f64>() / count;
     header.precision = held_out_recalls.iter().map(|r| r.precision).sum::<f64>() / count;
     header.captured = held_out_recalls.iter().map(|r| r.captured).sum::<f64>() / count;
-    header.held_out_sequences = held_out.len();
-    header.seq_len = seq_len;
-    header.position_interpolation = Some(position_interpolation);
-    print_report(&header);
-    let predictors = Predictors::new(header, &predictors);
-    let out = inspect
-        .out
-        .clone()
-        .unwrap_or_else(|| "predictors.safetensors".into());
-    lemo_models::adapter::write_atomically(&out, &predictors.to_bytes())?;
-    eprintln!(
-        "train-predictors: wrote {} ({} parameters), {:.1}s",
-        out.display(),
-        predictors.num_params(),
-        started.elapsed().as_secs_f64()
-    );
-    Ok(out)
+    predictors
 }
 
 /// The per-layer table of recall, precision and size, and the means.

@@ -64,6 +64,45 @@ pub struct TrainSummary {
     pub last_checkpoint: Option<PathBuf>,
 }
 
+/// What a user reads at the end of a run: time, throughput, losses, memory and the outputs.
+impl std::fmt::Display for TrainSummary {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let loss = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.4}"));
+        writeln!(
+            f,
+            "trained {} steps in {:.1} s ({:.0} tokens/s): training loss {} -> {}, validation loss {} -> {}",
+            self.steps_done,
+            self.elapsed_s,
+            self.tokens_per_s,
+            loss(self.first_loss),
+            loss(self.last_loss),
+            loss(self.baseline_val_loss),
+            loss(self.val_loss)
+        )?;
+        let device = self
+            .device_peak_gib
+            .map_or(String::new(), |d| format!(" (device {d:.2} GiB)"));
+        writeln!(f, "memory peak {:.2} GiB{device}", self.peak_gib)?;
+        writeln!(f, "outputs in {}:", self.out.display())?;
+        match &self.adapter {
+            Some(adapter) => writeln!(f, "  adapter (PEFT)   {}", adapter.display())?,
+            None => writeln!(
+                f,
+                "  adapter          not written: the run stopped early; continue: --resume {}",
+                self.out.display()
+            )?,
+        }
+        if let Some(checkpoint) = &self.last_checkpoint {
+            writeln!(f, "  last checkpoint  {}", checkpoint.display())?;
+        }
+        writeln!(f, "  metrics          {}", self.metrics.display())?;
+        for plot in &self.plots {
+            writeln!(f, "  plot             {}", plot.display())?;
+        }
+        Ok(())
+    }
+}
+
 pub struct TrainJob {
     pub config: TrainConfig,
     /// Checkpoint folder to continue from.

@@ -35,17 +35,7 @@ pub fn train_rank<B: LemoBackend>(
         memory::set_probe(memory::backend_probe::<B>(device.clone()));
     }
     if rank == 0 {
-        eprintln!(
-            "train: {} on {} ({} trainable parameters, {}), {} steps x {} micro-batches x {} sequences x {ranks} rank(s), device {}",
-            config.method.name(),
-            setup.model_path.display(),
-            optim::trainable_count::<Autodiff<B>, _>(&replica.model),
-            setup.precision.name(),
-            config.steps,
-            config.grad_accum,
-            config.batch_size,
-            B::name(&device)
-        );
+        announce(setup, &replica, ranks, &device);
     }
     let shard = Shard {
         rank,
@@ -94,24 +84,12 @@ pub fn train_rank<B: LemoBackend>(
         let mut grads = sync::sum_grads(grads, &layout, &device, comm)?;
         let allreduce_time = reduce_started.elapsed().as_secs_f64();
         let loss = totals.loss();
-        if !loss.is_finite() {
-            if let Some(coordinator) = &coordinator {
-                coordinator.abandon();
-            }
-            bail!(
-                "loss became {loss} at step {}: lower --lr or check the data",
-                step + 1
-            );
-        }
         let grad_norm = optim::global_norm(&grads);
-        if !grad_norm.is_finite() {
+        if let Err(diverged) = check_finite(loss, grad_norm, step + 1) {
             if let Some(coordinator) = &coordinator {
                 coordinator.abandon();
             }
-            bail!(
-                "the gradient norm became {grad_norm} at step {} (loss {loss:.4}): lower --lr or check the data",
-                step + 1
-            );
+            return Err(diverged);
         }
         if config.max_grad_norm > 0.0 && grad_norm > config.max_grad_norm {
             // torch.nn.utils.clip_grad_norm_: multiply by max_norm / (norm + 1e-6).
@@ -163,6 +141,36 @@ pub fn train_rank<B: LemoBackend>(
     coordinator
         .map(|c| c.finish(setup, &replica, stopped, &peak))
         .transpose()
+}
+
+/// The run's first line: method, model, trainable parameters, precision, batch and device.
+fn announce<B: LemoBackend>(setup: &Setup, replica: &Replica<B>, ranks: usize, device: &B::Device) {
+    let config = &setup.config;
+    eprintln!(
+        "train: {} on {} ({} trainable parameters, {}), {} steps x {} micro-batches x {} sequences x {ranks} rank(s), device {}",
+        config.method.name(),
+        setup.model_path.display(),
+        optim::trainable_count::<Autodiff<B>, _>(&replica.model),
+        setup.precision.name(),
+        config.steps,
+        config.grad_accum,
+        config.batch_size,
+        B::name(device)
+    );
+}
+
+/// A diverged step (a loss or gradient norm that is NaN or infinite) ends the run: its update
+/// would make the adapter non-finite.
+fn check_finite(loss: f64, grad_norm: f64, step: usize) -> Result<()> {
+    if !loss.is_finite() {
+        bail!("loss became {loss} at step {step}: lower --lr or check the data");
+    }
+    if !grad_norm.is_finite() {
+        bail!(
+            "the gradient norm became {grad_norm} at step {step} (loss {loss:.4}): lower --lr or check the data"
+        );
+    }
+    Ok(())
 }
 
 /// The validation loss of the replica's model as evaluation sees it (dense attention).

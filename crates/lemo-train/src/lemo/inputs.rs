@@ -1,0 +1,73 @@
+//! What `calibrate`, `profile` and `train-predictors` read: the model, the data and the LeMo
+//! settings, and the data packed into sequences as `train` packs them.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Result, bail};
+use clap::Args;
+use lemo_models::ModelConfig;
+
+use super::LemoSettings;
+use crate::data::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
+use crate::data::{LazyTokenizer, TokenWidth, special_ids};
+use crate::modelio::ModelArgs;
+
+/// What `calibrate`, `profile` and `train-predictors` read.
+#[derive(Debug, Args, Clone)]
+pub struct InspectArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Text files, JSONL (`text` or `input_ids`), raw token .bin files, or a folder of these.
+    #[arg(long)]
+    pub data: PathBuf,
+    /// Bytes per token id in .bin token files: 2 or 4.
+    #[arg(long, default_value_t = 2)]
+    pub token_width: u8,
+    /// Sequence length in tokens [default: --target-context, else the model's trained context].
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    #[command(flatten)]
+    pub lemo: LemoSettings,
+    /// calibrate: the thresholds file to write [default: thresholds.json];
+    /// profile: the folder for profile.json and kept.svg [default: profile];
+    /// train-predictors: the predictors file [default: predictors.safetensors].
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+}
+
+/// The first `count` sequences of `seq_len` tokens of `data`, packed as `train` packs them.
+pub fn read_sequences(
+    args: &InspectArgs,
+    data: &Path,
+    config: &ModelConfig,
+    seq_len: usize,
+    count: usize,
+) -> Result<Vec<Vec<u32>>> {
+    let tokenizer_path = args.model.tokenizer_path();
+    let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
+    let documents = read_documents_cached(
+        data,
+        TokenWidth::from_bytes(args.token_width)?,
+        &mut tokenizer,
+        tokenizer_path.as_deref(),
+        default_cache_dir().as_deref(),
+    )?;
+    let vocab = config.vocab_size();
+    if let Some(bad) = documents.iter().flatten().find(|&&id| id as usize >= vocab) {
+        bail!("token id {bad} is outside the model's vocabulary of {vocab} (wrong tokenizer?)");
+    }
+    let (bos, eos) = special_ids(config, &mut tokenizer);
+    let corpus = Corpus::new(
+        &documents,
+        &PackOptions {
+            seq_len,
+            bos,
+            eos,
+            val_fraction: 0.0,
+            seed: 0,
+        },
+    )?;
+    Ok((0..count.min(corpus.train_len()))
+        .map(|i| corpus.train_sequence(i))
+        .collect())
+}
