@@ -35,6 +35,7 @@ pub mod generate;
 pub mod lemo;
 pub mod longbench;
 pub mod memory;
+pub mod memory_budget;
 pub mod memory_plan;
 pub mod merge;
 pub mod method;

@@ -8,9 +8,12 @@
 //!   with every layer's stored part;
 //! - the backward pass runs from the last layer down and frees each layer's stored part when
 //!   done with it: while layer l's runs, the layers below hold their stored part and layer l its
-//!   graph (kept), or its input and its rebuilt graph with the recomputation's working memory
-//!   (`rebuilt_bytes`);
-//! - offloading reserves two layer inputs on the device: one in use, the next being fetched.
+//!   graph (kept), or its input and its rebuilt graph (`rebuilt_bytes`), and beside either the
+//!   gradients' working memory (`backward_bytes`);
+//! - offloading reserves two layer inputs on the device: one in use, the next being fetched;
+//! - a plan that mixes kept and other layers also holds `mixed_bytes`: the device pool keeps the
+//!   working memory of the layers that run without a graph reserved beside the kept graphs,
+//!   which cannot reuse it (a plan of one kind reuses it, and its figures include it).
 //!
 //! Time: a recomputed layer runs its forward pass again (`recompute_ns`); an offloaded one too,
 //! plus what of its copies the compute beside them does not hide (`exposed_copy_ns`).
@@ -31,8 +34,10 @@ use super::{ActivationPlan, LayerActivations};
 pub struct LayerCost {
     /// Its graph, kept from the forward to the backward pass.
     pub kept_bytes: u64,
-    /// Its rebuilt graph and the recomputation's working memory, live during its backward pass.
+    /// Its rebuilt graph, live during its backward pass.
     pub rebuilt_bytes: u64,
+    /// The working memory of its backward pass beside its graph, kept or rebuilt.
+    pub backward_bytes: u64,
     /// Its forward pass, which a recomputation repeats.
     pub recompute_ns: u64,
     /// What of its input's copies to the host and back the compute beside them does not hide.
@@ -45,6 +50,8 @@ pub struct CostTable {
     pub base_bytes: u64,
     /// One layer's input (the residual stream, the same width in every layer).
     pub input_bytes: u64,
+    /// What a plan mixing kept and other layers holds besides (see the module's notes).
+    pub mixed_bytes: u64,
     pub layers: Vec<LayerCost>,
 }
 
@@ -131,8 +138,8 @@ impl CostTable {
     /// Device bytes of a layer during its backward pass.
     fn live(&self, cost: &LayerCost, mode: LayerActivations) -> u64 {
         match mode {
-            LayerActivations::Kept => cost.kept_bytes,
-            _ => self.input_bytes + cost.rebuilt_bytes,
+            LayerActivations::Kept => cost.kept_bytes + cost.backward_bytes,
+            _ => self.input_bytes + cost.rebuilt_bytes + cost.backward_bytes,
         }
     }
 
@@ -158,7 +165,13 @@ impl CostTable {
     pub fn footprint(&self, plan: &ActivationPlan) -> Footprint {
         assert_eq!(plan.num_layers(), self.layers.len(), "one mode per layer");
         let offloaded = plan.count(LayerActivations::Offloaded) as u64;
-        let fixed = self.base_bytes + self.reserve(offloaded > 0);
+        let kept = plan.count(LayerActivations::Kept);
+        let mixed = if kept > 0 && kept < plan.num_layers() {
+            self.mixed_bytes
+        } else {
+            0
+        };
+        let fixed = self.base_bytes + self.reserve(offloaded > 0) + mixed;
         let (mut below, mut peak) = (0, 0);
         for (cost, &mode) in self.layers.iter().zip(plan.layers()) {
             peak = peak.max(fixed + below + self.live(cost, mode));
@@ -192,7 +205,8 @@ impl CostTable {
 
     /// The best plan the dynamic program finds with up to `max_offloaded` offloaded layers.
     fn program(&self, budget: Budget, max_offloaded: usize) -> Option<ActivationPlan> {
-        let fixed = self.base_bytes + self.reserve(max_offloaded > 0);
+        // Plans of one kind are tried apart (see `choose`): these may mix.
+        let fixed = self.base_bytes + self.reserve(max_offloaded > 0) + self.mixed_bytes;
         let room = budget.device.checked_sub(fixed)?;
         let unit = (budget.device / UNITS).max(1);
         let units = |bytes: u64| bytes.div_ceil(unit) as usize;

@@ -4,16 +4,19 @@ use lemo_test_support::HostRng;
 
 const MIB: u64 = 1 << 20;
 
-/// A table of `layers` equal layers: graphs of 10 MiB, inputs of 1 MiB, rebuilt graphs of
-/// 12 MiB, 100 ns per recomputation, no exposed copy time.
+/// A table of `layers` equal layers: graphs of 10 MiB (2 MiB more during their backward pass),
+/// inputs of 1 MiB, 3 MiB more for plans that mix, 100 ns per recomputation, no exposed copy
+/// time.
 fn equal_layers(layers: usize) -> CostTable {
     CostTable {
         base_bytes: 100 * MIB,
         input_bytes: MIB,
+        mixed_bytes: 3 * MIB,
         layers: vec![
             LayerCost {
                 kept_bytes: 10 * MIB,
-                rebuilt_bytes: 12 * MIB,
+                rebuilt_bytes: 10 * MIB,
+                backward_bytes: 2 * MIB,
                 recompute_ns: 100,
                 exposed_copy_ns: 0,
             };
@@ -27,10 +30,12 @@ fn random_table(random: &mut HostRng, layers: usize) -> CostTable {
     CostTable {
         base_bytes: 50 * MIB + below(50 * MIB),
         input_bytes: MIB + below(2 * MIB),
+        mixed_bytes: below(5 * MIB),
         layers: (0..layers)
             .map(|_| LayerCost {
                 kept_bytes: 2 * MIB + below(20 * MIB),
-                rebuilt_bytes: below(25 * MIB),
+                rebuilt_bytes: below(20 * MIB),
+                backward_bytes: below(5 * MIB),
                 recompute_ns: below(4) * 50,
                 exposed_copy_ns: below(3) * 20,
             })
