@@ -4,8 +4,8 @@
 //! - `base_bytes` are live throughout (weights, trainable state, the loss head, CUDA context,
 //!   pool slack);
 //! - a layer stores its graph on the device (`kept_bytes`, kept), its input (`input_bytes`,
-//!   recomputed) or nothing (offloaded: `input_bytes` of host memory), so the forward pass ends
-//!   with every layer's stored part;
+//!   recomputed) or what its copies hold on the device (`offloaded_bytes`, offloaded, besides
+//!   `input_bytes` of host memory), so the forward pass ends with every layer's stored part;
 //! - the backward pass runs from the last layer down and frees each layer's stored part when
 //!   done with it: while layer l's runs, the layers below hold their stored part and layer l its
 //!   graph (kept), or its input and its rebuilt graph (`rebuilt_bytes`), and beside either the
@@ -50,6 +50,8 @@ pub struct CostTable {
     pub base_bytes: u64,
     /// One layer's input (the residual stream, the same width in every layer).
     pub input_bytes: u64,
+    /// What an offloaded layer's copies still hold on the device (transfer buffers).
+    pub offloaded_bytes: u64,
     /// What a plan mixing kept and other layers holds besides (see the module's notes).
     pub mixed_bytes: u64,
     pub layers: Vec<LayerCost>,
@@ -95,7 +97,7 @@ impl fmt::Display for DoesNotFit {
 
 impl std::error::Error for DoesNotFit {}
 
-pub fn gib(bytes: u64) -> f64 {
+fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
 
@@ -131,7 +133,7 @@ impl CostTable {
         match mode {
             LayerActivations::Kept => cost.kept_bytes,
             LayerActivations::Recomputed => self.input_bytes,
-            LayerActivations::Offloaded => 0,
+            LayerActivations::Offloaded => self.offloaded_bytes,
         }
     }
 
