@@ -4,8 +4,8 @@
 //!
 //! - [`hidden_states`]: the plain forward pass (training, evaluation, generation with a cache);
 //! - [`next_token_loss`]: next-token cross-entropy from the final hidden states;
-//! - [`recomputed_loss_backward`]: the loss and its gradients with per-layer activation
-//!   checkpointing, which keeps one hidden state per layer instead of every activation.
+//! - [`planned_loss_backward`]: the loss and its gradients with each layer's activations kept,
+//!   recomputed from its input, or recomputed from its input offloaded to host memory.
 
 use std::ops::Range;
 
@@ -22,7 +22,9 @@ use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
 use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 
+use crate::activation_plan::{ActivationPlan, LayerActivations};
 use crate::cache::{KvCache, LayerCache};
+use crate::offload::HostCopy;
 use crate::row_chunks::slice_len;
 use crate::token_plan::{DroppedRows, TokenSparsity};
 
@@ -288,23 +290,38 @@ pub fn next_token_loss<B: LemoBackend>(
     (loss, rows)
 }
 
-/// [`next_token_loss`] of `tokens` (positions from 0) and the gradients of `scale` times it, with
-/// per-layer activation checkpointing. The forward pass runs without a graph and keeps only each
-/// layer's input; the backward pass then rebuilds one layer's graph at a time from its saved
-/// input, last layer first, and back-propagates the gradient of its output through it. Memory is
-/// one hidden state per layer plus one layer's activations, less a frozen dense MLP block's
-/// ([`MlpGraph::Recomputed`]); the price is a second forward pass and, there, two GEMMs more.
+/// What a layer holds between its forward and its backward pass (see [`ActivationPlan`]).
+enum Stored<B: AutodiffBackend> {
+    /// Its graph, from a leaf input to its output.
+    Graph {
+        input: Tensor<B, 3>,
+        output: Tensor<B, 3>,
+    },
+    Input(Tensor<B::InnerBackend, 3>),
+    Host(HostCopy<B::InnerBackend>),
+}
+
+/// [`next_token_loss`] of `tokens` (positions from 0) and the gradients of `scale` times it,
+/// each layer's activations held as `plan` says. The forward pass builds a kept layer's graph
+/// from a leaf copy of its input, and runs the other layers without a graph, keeping only their
+/// input (on the device, or copied to host memory); the backward pass then goes down the layers,
+/// back-propagating the gradient of each layer's output through its kept graph or through one
+/// rebuilt from its input (an offloaded input is fetched back while the layer above runs).
+/// Memory is the kept layers' activations, the other layers' inputs and one rebuilt layer's
+/// activations, less a frozen dense MLP block's ([`MlpGraph::Recomputed`]); a rebuilt layer costs
+/// its forward pass again and, there, two GEMMs more.
 ///
 /// Each partial backward pass's gradients go to `on_gradients` (the loss head's first, then the
 /// layers' from the last, then the embedding's when it is trainable): a trainable parameter gets
 /// its gradient from the passes that used it, so the caller sums what it finds in each. Returns
 /// the unscaled loss sum and the number of predictions.
-pub fn recomputed_loss_backward<B, D>(
+pub fn planned_loss_backward<B, D>(
     decoder: &D,
     tokens: Tensor<B, 2, Int>,
     chunk_rows: usize,
     scale: f64,
     sparsity: &mut TokenSparsity,
+    plan: &ActivationPlan,
     on_gradients: &mut dyn FnMut(&B::Gradients),
 ) -> (Tensor<B::InnerBackend, 1>, usize)
 where
@@ -313,16 +330,41 @@ where
     D: Decoder<B> + AutodiffModule<B>,
     D::InnerModule: Decoder<B::InnerBackend>,
 {
+    assert_eq!(
+        plan.num_layers(),
+        decoder.num_layers(),
+        "one mode per layer"
+    );
     let [batch, len] = tokens.dims();
     let positions = 0..len;
 
     let inner = decoder.valid();
     let inner_shared = inner.shared(positions.clone(), batch);
+    let shared = decoder.shared(positions.clone(), batch);
     let mut h = inner.embed(tokens.clone().inner(), positions.clone());
     row_buffers(&inner, &h);
-    let mut layer_inputs = Vec::with_capacity(inner.num_layers());
-    for index in 0..inner.num_layers() {
-        layer_inputs.push(h.clone());
+    let mut stored = Vec::with_capacity(plan.num_layers());
+    for (index, mode) in plan.layers().iter().enumerate() {
+        let saved = match mode {
+            LayerActivations::Kept => {
+                let input = Tensor::<B, 3>::from_inner(h).require_grad();
+                let output = layer(
+                    decoder,
+                    index,
+                    input.clone(),
+                    &shared,
+                    None,
+                    sparsity,
+                    MlpGraph::Saved,
+                );
+                h = output.clone().inner();
+                stored.push(Stored::Graph { input, output });
+                continue;
+            }
+            LayerActivations::Recomputed => Stored::Input(h.clone()),
+            LayerActivations::Offloaded => Stored::Host(HostCopy::new(h.clone())),
+        };
+        stored.push(saved);
         h = layer(
             &inner,
             index,
@@ -362,9 +404,7 @@ where
         (None, TokenSparsity::Replay(plan)) => TokenSparsity::Replay(plan),
         _ => TokenSparsity::Dense,
     };
-    let shared = decoder.shared(positions.clone(), batch);
-    while let Some(input) = layer_inputs.pop() {
-        let index = layer_inputs.len();
+    let mut rebuild = |index: usize, input: Tensor<B::InnerBackend, 3>| {
         let input = Tensor::<B, 3>::from_inner(input).require_grad();
         let output = layer(
             decoder,
@@ -375,6 +415,18 @@ where
             &mut replay,
             MlpGraph::Recomputed,
         );
+        (input, output)
+    };
+    while let Some(saved) = stored.pop() {
+        let index = stored.len();
+        if let Some(Stored::Host(below)) = stored.last_mut() {
+            below.prefetch();
+        }
+        let (input, output) = match saved {
+            Stored::Graph { input, output } => (input, output),
+            Stored::Input(input) => rebuild(index, input),
+            Stored::Host(copy) => rebuild(index, copy.into_device()),
+        };
         let gradients = propagate(output, grad_h);
         on_gradients(&gradients);
         grad_h = input
@@ -383,6 +435,7 @@ where
     }
     // Reaches the embedding's parameters when they are trainable, and nothing otherwise.
     on_gradients(&propagate(decoder.embed(tokens, positions), grad_h));
+    drop(rebuild);
     drop(replay);
     // The caller gets the plan of the forward pass, as from a plain forward pass.
     if let (Some(recorded), TokenSparsity::Select { plan, .. }) = (recorded, sparsity) {

@@ -1,6 +1,7 @@
 //! Llama, Mistral and OPT causal language models in Burn, with LoRA adapters, loaded from
 //! Hugging Face folders, llama2.c checkpoints or GGUF files.
 
+pub mod activation_plan;
 pub mod adapter;
 pub mod cache;
 pub mod config;
@@ -15,6 +16,7 @@ pub mod lora;
 pub mod merge;
 pub mod model;
 pub mod norm;
+pub mod offload;
 pub mod opt;
 pub mod random;
 pub mod rope;

@@ -10,6 +10,7 @@ use lemo_kernels::LemoBackend;
 use lemo_kernels::gemm::matmul;
 use lemo_kernels::precision::Precision;
 
+use crate::activation_plan::ActivationPlan;
 use crate::cache::KvCache;
 use crate::config::{ModelConfig, RopeConfig, RopeScaling};
 use crate::decoder::{self, Decoder};
@@ -282,33 +283,36 @@ impl<B: AutodiffBackend + LemoBackend> CausalLm<B>
 where
     B::InnerBackend: LemoBackend,
 {
-    /// [`Self::next_token_loss_sum`] and the gradients of `scale` times it, recomputing each
-    /// layer's activations in the backward pass (see [`decoder::recomputed_loss_backward`]):
-    /// the partial backward passes' gradients go to `on_gradients`. Returns the unscaled loss
-    /// sum and the number of predictions.
-    pub fn next_token_loss_backward_recomputed(
+    /// [`Self::next_token_loss_sum`] and the gradients of `scale` times it, each layer's
+    /// activations kept, recomputed or offloaded as `plan` says (see
+    /// [`decoder::planned_loss_backward`]): the partial backward passes' gradients go to
+    /// `on_gradients`. Returns the unscaled loss sum and the number of predictions.
+    pub fn next_token_loss_backward_planned(
         &self,
         tokens: Tensor<B, 2, Int>,
         chunk_rows: usize,
         scale: f64,
         sparsity: &mut TokenSparsity,
+        plan: &ActivationPlan,
         on_gradients: &mut dyn FnMut(&B::Gradients),
     ) -> (Tensor<B::InnerBackend, 1>, usize) {
         match self {
-            CausalLm::Llama(m) => decoder::recomputed_loss_backward(
+            CausalLm::Llama(m) => decoder::planned_loss_backward(
                 m,
                 tokens,
                 chunk_rows,
                 scale,
                 sparsity,
+                plan,
                 on_gradients,
             ),
-            CausalLm::Opt(m) => decoder::recomputed_loss_backward(
+            CausalLm::Opt(m) => decoder::planned_loss_backward(
                 m,
                 tokens,
                 chunk_rows,
                 scale,
                 sparsity,
+                plan,
                 on_gradients,
             ),
         }

@@ -1,4 +1,5 @@
-//! Per-layer activation checkpointing gives the loss and gradients of the plain backward pass.
+//! Any mix of kept, recomputed and offloaded layers gives the loss and gradients of the plain
+//! backward pass (offload is a host copy on the CPU backend).
 
 mod common;
 
@@ -7,6 +8,7 @@ use burn::tensor::{Distribution, Int, Tensor};
 use common::{GradientSums, assert_same_gradients, trainable_model};
 use lemo_kernels::CpuBackend;
 use lemo_models::CausalLm;
+use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
 use lemo_models::decoder::Decoder;
 use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::token_plan::TokenSparsity;
@@ -14,8 +16,26 @@ use lemo_sparsity::Thresholds;
 
 type B = Autodiff<CpuBackend>;
 
-/// Compares the plain and the recomputing backward pass, dense or with token elimination by
-/// `thresholds` (the recomputation replays the rows the forward pass chose).
+/// Every layer recomputed, and the three modes in turn from each starting mode, so that every
+/// layer is kept, recomputed and offloaded in one of the plans, next to layers of other modes.
+fn plans(num_layers: usize) -> Vec<ActivationPlan> {
+    let cycled = |shift: usize| {
+        ActivationPlan::new(
+            (0..num_layers)
+                .map(|layer| LayerActivations::ALL[(layer + shift) % 3])
+                .collect(),
+        )
+    };
+    std::iter::once(ActivationPlan::uniform(
+        LayerActivations::Recomputed,
+        num_layers,
+    ))
+    .chain((0..3).map(cycled))
+    .collect()
+}
+
+/// Compares the plain backward pass with the planned one under each of [`plans`], dense or with
+/// token elimination by `thresholds` (the recomputation replays the rows the forward pass chose).
 fn assert_recomputation_matches(model: &CausalLm<B>, len: usize, thresholds: Option<&Thresholds>) {
     let sparsity = || thresholds.map_or(TokenSparsity::Dense, TokenSparsity::select);
     let [vocab, _] = model.lm_head_weight().dims();
@@ -32,22 +52,28 @@ fn assert_recomputation_matches(model: &CausalLm<B>, len: usize, thresholds: Opt
     plain.add(model, &loss.clone().mul_scalar(scale).backward());
     let plain_loss: f32 = loss.into_scalar();
 
-    let mut recomputed = GradientSums::default();
-    let (loss, recomputed_predictions) = model.next_token_loss_backward_recomputed(
-        tokens,
-        chunk_rows,
-        scale,
-        &mut sparsity(),
-        &mut |gradients| recomputed.add(model, gradients),
-    );
-    let recomputed_loss: f32 = loss.into_scalar();
-
-    assert_eq!(predictions, recomputed_predictions);
-    assert!(
-        (plain_loss - recomputed_loss).abs() <= 1e-5 * plain_loss.abs(),
-        "loss {plain_loss} vs {recomputed_loss}"
-    );
-    assert_same_gradients(plain, recomputed, 1e-4);
+    for plan in plans(model.num_layers()) {
+        let mut planned = GradientSums::default();
+        let (loss, planned_predictions) = model.next_token_loss_backward_planned(
+            tokens.clone(),
+            chunk_rows,
+            scale,
+            &mut sparsity(),
+            &plan,
+            &mut |gradients| planned.add(model, gradients),
+        );
+        let planned_loss: f32 = loss.into_scalar();
+        println!(
+            "plan {}: loss {plain_loss} vs {planned_loss}",
+            String::from(plan)
+        );
+        assert_eq!(predictions, planned_predictions);
+        assert!(
+            (plain_loss - planned_loss).abs() <= 1e-5 * plain_loss.abs(),
+            "loss {plain_loss} vs {planned_loss}"
+        );
+        assert_same_gradients(plain.clone(), planned, 1e-4);
+    }
 }
 
 #[test]

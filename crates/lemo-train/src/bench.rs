@@ -12,6 +12,8 @@ use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Tensor};
 use lemo_kernels::LemoBackend;
+use lemo_models::activation_plan::ActivationPlan;
+use lemo_models::activation_plan::planner::Budget;
 use lemo_models::weights::WeightSource;
 use lemo_models::{CausalLm, LoraConfig, ModelConfig};
 use lemo_predictor::Predictors;
@@ -21,7 +23,7 @@ use crate::data::int_tokens;
 use crate::device::{BackendJob, PrecisionKind};
 use crate::lemo::{self, LemoSettings, sparse_keep};
 use crate::memory::{self, DeviceWatch, gib};
-use crate::memory_plan::{self, PlanInput};
+use crate::memory_plan::{self, PlanInput, Planned};
 use crate::method::Method;
 use crate::train::forward_backward;
 use crate::train::optim::{self, AdamW, AdamWSettings, NamedTensors};
@@ -109,6 +111,10 @@ pub struct BenchResult {
     pub predicted_peak_gib: f64,
     /// (predicted - device peak) / device peak.
     pub predicted_error: Option<f64>,
+    /// Each layer kept (k), recomputed (r) or offloaded (o), as the planner chose within the
+    /// budget, and the plan line printed for it.
+    pub activation_plan: Option<ActivationPlan>,
+    pub plan: Option<String>,
     /// With predicted scores: seconds the attention predictors take per step, timed apart
     /// ([`predictor_seconds`]), and their parameters.
     pub predictor_s: Option<f64>,
@@ -119,7 +125,10 @@ pub struct BenchJob {
     pub config: PathBuf,
     pub method: Method,
     pub seq_lens: Vec<usize>,
+    /// Recompute every layer whatever the budget.
     pub checkpointing: bool,
+    /// What the activation plan may use (`None`: unknown, every layer kept).
+    pub budget: Option<Budget>,
     pub steps: usize,
     pub warmup: usize,
     pub lora_rank: usize,
@@ -249,6 +258,7 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
     let mut results = Vec::new();
     let mut ran_out = false;
     for &seq_len in &job.seq_lens {
+        let planned = memory_plan::plan(&plan_input(&job, &config, &lora, seq_len), job.budget);
         let mut result = BenchResult {
             model: name.clone(),
             method: job.method.name().into(),
@@ -269,12 +279,22 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
             keep_attention: None,
             keep_mlp: None,
             device_peak_gib: None,
-            predicted_peak_gib: gib(
-                memory_plan::predict(&plan_input(&job, &config, &lora, seq_len)).total as u64,
-            ),
+            predicted_peak_gib: planned.as_ref().map_or(0.0, |p| gib(p.memory.total as u64)),
             predicted_error: None,
+            activation_plan: planned.as_ref().ok().map(|p| p.activations.clone()),
+            plan: planned.as_ref().ok().map(Planned::line),
             predictor_s: None,
             predictor_params: None,
+        };
+        let activations = match planned {
+            Ok(planned) => planned.activations,
+            Err(error) => {
+                eprintln!("bench: {seq_len} tokens: {error:#}");
+                result.error = Some(format!("{error:#}"));
+                println!("{}", serde_json::to_string(&result)?);
+                results.push(result);
+                continue;
+            }
         };
         if ran_out {
             result.oom = true;
@@ -317,7 +337,7 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                     batch,
                     LOSS_SEGMENT,
                     scale,
-                    job.checkpointing,
+                    &activations,
                     &mut token_sparsity,
                     &mut grads,
                 );

@@ -28,7 +28,7 @@ pub fn report_panics_in_one_line() {
             );
         } else if crate::memory::is_out_of_memory(message) {
             eprintln!(
-                "error: {rank}the device ran out of memory ({first_line}): try a shorter --seq-len (training: --checkpointing or a smaller --batch-size)"
+                "error: {rank}the device ran out of memory ({first_line}): try a shorter --seq-len (training: a smaller --memory-budget, --checkpointing or a smaller --batch-size)"
             );
         } else {
             eprintln!("error: {rank}internal failure: {first_line}");

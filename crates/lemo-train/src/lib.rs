@@ -36,6 +36,7 @@ pub mod generate;
 pub mod lemo;
 pub mod longbench;
 pub mod memory;
+pub mod memory_budget;
 pub mod memory_plan;
 pub mod merge;
 pub mod method;

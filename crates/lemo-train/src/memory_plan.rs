@@ -1,6 +1,8 @@
 //! The memory plan: the device peak of a training step predicted from the model config,
-//! sequence length, batch, method, checkpointing and precision, before anything is loaded, so
-//! that a run that cannot fit is refused at once with the options that would fit.
+//! sequence length, batch, method, precision and which layers keep, recompute or offload their
+//! activations, before anything is loaded; and the activation plan itself, the fastest that fits
+//! the memory budget (`--memory-budget`, `--host-memory-budget`), so that a run that cannot fit
+//! is refused at once with the length and the budget that would fit.
 //!
 //! peak = fixed + weights + trainable state + loss segment + activations, where
 //! - weights: every parameter at the frozen precision;
@@ -10,11 +12,11 @@
 //! - activations per token and layer: `ACTIVATION_SCALE * (9 hidden + 5 intermediate)`
 //!   elements at the activation precision (the inputs of the projections, attention and MLP
 //!   products a LoRA step saves; a frozen norm keeps its output, which the adapters after it
-//!   save anyway, so the norms add nothing); without checkpointing every layer keeps them (`lemo`: the
-//!   kept fraction of them, plus the residual row every token keeps and the input rows each MLP
-//!   block drops, from which its backward pass recomputes them), with checkpointing only
-//!   each layer's input is kept and `RECOMPUTE_LAYERS` layers' worth is live during the
-//!   recomputation;
+//!   save anyway, so the norms add nothing); a kept layer keeps them (`lemo`: the kept fraction
+//!   of them, plus the residual row every token keeps and the input rows each MLP block drops,
+//!   from which its backward pass recomputes them), a recomputed one only its input, and
+//!   `RECOMPUTE_LAYERS` layers' worth is live while a recomputed layer's backward pass runs;
+//!   an offloaded layer keeps its input in host memory (see [`cost_table`]);
 //! - fixed: the CUDA context, library workspaces and pool slack.
 //!
 //! The three constants were fitted to device-level peaks (nvidia-smi) of Llama-2-7B `lora`
@@ -30,6 +32,8 @@
 
 use anyhow::{Result, bail};
 use lemo_models::ModelConfig;
+use lemo_models::activation_plan::planner::{self, Budget, CostTable, LayerCost};
+use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
 
 use crate::device::{DeviceKind, PrecisionKind};
 use crate::memory::gib;
@@ -42,6 +46,18 @@ const RECOMPUTE_LAYERS: f64 = 1.69;
 /// What lemo adds to the formula on Llama-2-7B, per GiB of bf16 weights: without and with
 /// checkpointing.
 const LEMO_OFFSET_PER_WEIGHT_GIB: [f64; 2] = [-2.62 / 12.55, 4.60 / 12.55];
+/// What a recomputation runs at (bf16 GEMM and attention of a Llama-7B layer on an H100): only
+/// the ratio of recomputation to copy time matters to the plan.
+const RECOMPUTE_FLOPS: f64 = 200e12;
+/// What offloading a layer input costs as measured, not what PCIe could do: on an H100
+/// (`bench/results/h100-planner.json`, Llama-2-7B dense at 8K, 22 of 32 layers offloaded under
+/// an 18 GiB budget) a step took 10.5 s against about 0.8 s recomputing every layer, 0.44 s per
+/// 64 MiB input each way and back, so the copies do not overlap the compute yet; and the device
+/// peak was 2.7 GiB over the plan, about two inputs per offloaded layer held by the transfer
+/// thread's memory pool. Priced so, offloading is the planner's last resort, chosen only where
+/// recomputing every layer does not fit.
+const HOST_COPY_BYTES_PER_S: f64 = 0.15e9;
+const OFFLOADED_INPUTS_ON_DEVICE: f64 = 2.0;
 
 /// What a step's memory depends on.
 #[derive(Debug, Clone)]
@@ -112,11 +128,15 @@ impl Dims {
         }
     }
 
-    fn parameters(&self) -> f64 {
-        let embeddings = self.vocab * self.hidden * if self.tied { 1.0 } else { 2.0 };
+    fn layer_parameters(&self) -> f64 {
         let attention = self.hidden * (2.0 * self.q_dim + 2.0 * self.kv_dim);
         let mlp = self.mlp_matrices * self.hidden * self.intermediate;
-        embeddings + self.layers * (attention + mlp + 2.0 * self.hidden) + self.hidden
+        attention + mlp + 2.0 * self.hidden
+    }
+
+    fn parameters(&self) -> f64 {
+        let embeddings = self.vocab * self.hidden * if self.tied { 1.0 } else { 2.0 };
+        embeddings + self.layers * self.layer_parameters() + self.hidden
     }
 
     /// `(in, out)` of a targeted projection.
@@ -131,13 +151,23 @@ impl Dims {
     }
 }
 
-pub fn predict(input: &PlanInput) -> MemoryPlan {
-    let dims = Dims::of(&input.model);
-    let (frozen_bytes, activation_bytes) = match input.precision {
-        PrecisionKind::Bf16 => (2.0, 2.0),
-        PrecisionKind::F32 => (4.0, 4.0),
-    };
-    let weights = dims.parameters() * frozen_bytes;
+fn element_bytes(precision: PrecisionKind) -> f64 {
+    match precision {
+        PrecisionKind::Bf16 => 2.0,
+        PrecisionKind::F32 => 4.0,
+    }
+}
+
+/// Everything the activation plan leaves as it is, in bytes.
+struct Fixed {
+    fixed: f64,
+    weights: f64,
+    trainable: f64,
+    loss: f64,
+}
+
+fn fixed_parts(input: &PlanInput, dims: &Dims) -> Fixed {
+    let frozen_bytes = element_bytes(input.precision);
     let lora: f64 = input
         .lora_targets
         .iter()
@@ -152,41 +182,90 @@ pub fn predict(input: &PlanInput) -> MemoryPlan {
     } else {
         0.0
     };
-    let trainable = (lora + extras) * 16.0;
-    let loss = input.loss_segment.min(input.seq_len) as f64 * dims.vocab * 4.0 * 3.0;
+    Fixed {
+        fixed: FIXED_GIB * GIB,
+        weights: dims.parameters() * frozen_bytes,
+        trainable: (lora + extras) * 16.0,
+        loss: input.loss_segment.min(input.seq_len) as f64 * dims.vocab * 4.0 * 3.0,
+    }
+}
+
+/// What each layer costs kept, recomputed or offloaded (see
+/// [`lemo_models::activation_plan::planner`]). A layer's graph is `ACTIVATION_SCALE * (9 hidden
+/// + 5 intermediate)` elements per token (`lemo`: its kept fraction of them, the residual row
+/// every token keeps and the input rows its MLP block drops); a rebuilt one holds its graph
+/// again, and either needs `RECOMPUTE_LAYERS - 1` graphs' worth of working memory beside it
+/// during its backward pass (the measured all-kept peaks include it in `ACTIVATION_SCALE`, so
+/// they are over-predicted by that much at the top layer); a plan mixing kept and recomputed
+/// layers holds a dense layer's forward working memory besides. `lemo`'s offsets are spread
+/// over the layers they come from: the smaller pool padding of kept graphs, the full-width MLP
+/// products of a recomputation. Times are forward FLOPs at `RECOMPUTE_FLOPS` and input bytes
+/// at `HOST_COPY_BYTES_PER_S`.
+pub fn cost_table(input: &PlanInput) -> CostTable {
+    let dims = Dims::of(&input.model);
+    let parts = fixed_parts(input, &dims);
+    let activation_bytes = element_bytes(input.precision);
     let tokens = (input.seq_len * input.batch_size) as f64;
     let layer = ACTIVATION_SCALE
         * (9.0 * dims.hidden + 5.0 * dims.intermediate)
         * activation_bytes
         * tokens;
     let residual = dims.hidden * activation_bytes * tokens;
-    let (activations, lemo_offset) = match (input.method, input.checkpointing) {
-        (Method::Lemo, checkpointing) => {
-            let sparse = (dims.layers - input.dense_layers as f64).max(0.0);
-            let kept_layers = dims.layers - sparse + sparse * input.target_keep;
-            // The MLP blocks also save the input rows they drop, which their backward pass
-            // recomputes from (with checkpointing, for one layer at a time: negligible).
-            let dropped_mlp_rows = sparse * (1.0 - input.target_keep) * residual;
-            let activations = if checkpointing {
-                dims.layers * residual + RECOMPUTE_LAYERS * layer * input.target_keep
-            } else {
-                kept_layers * layer + dims.layers * residual + dropped_mlp_rows
-            };
-            let bf16_weights = dims.parameters() * 2.0;
-            let offset = LEMO_OFFSET_PER_WEIGHT_GIB[usize::from(checkpointing)];
-            (activations, offset * bf16_weights)
+    let bf16_weights = dims.parameters() * 2.0;
+    let layers = dims.layers as usize;
+    let lemo = input.method == Method::Lemo;
+    let [kept_offset, rebuilt_offset] =
+        LEMO_OFFSET_PER_WEIGHT_GIB.map(|o| if lemo { o * bf16_weights } else { 0.0 });
+    let flops = tokens * (2.0 * dims.layer_parameters() + 2.0 * tokens * dims.q_dim);
+    let recompute_ns = flops / RECOMPUTE_FLOPS * 1e9;
+    let copy_ns = residual / HOST_COPY_BYTES_PER_S * 1e9;
+    let layer_cost = |index: usize| {
+        let sparse = lemo && index >= input.dense_layers;
+        let keep = if sparse { input.target_keep } else { 1.0 };
+        let graph = if lemo {
+            keep * layer + residual + (1.0 - keep) * residual
+        } else {
+            layer
+        };
+        LayerCost {
+            kept_bytes: (graph + kept_offset / layers as f64).max(0.0) as u64,
+            rebuilt_bytes: (keep * layer + rebuilt_offset) as u64,
+            backward_bytes: ((RECOMPUTE_LAYERS - 1.0) * keep * layer) as u64,
+            recompute_ns: recompute_ns as u64,
+            exposed_copy_ns: (copy_ns - recompute_ns).max(0.0) as u64,
         }
-        (_, true) => (dims.layers * residual + RECOMPUTE_LAYERS * layer, 0.0),
-        (_, false) => (dims.layers * layer, 0.0),
     };
-    let fixed = FIXED_GIB * GIB + lemo_offset;
+    CostTable {
+        base_bytes: (parts.fixed + parts.weights + parts.trainable + parts.loss) as u64,
+        input_bytes: residual as u64,
+        offloaded_bytes: (OFFLOADED_INPUTS_ON_DEVICE * residual) as u64,
+        // A layer's forward pass outside the graph computes every row, whatever it keeps.
+        mixed_bytes: layer as u64,
+        layers: (0..layers).map(layer_cost).collect(),
+    }
+}
+
+/// The plan `--checkpointing` forces, or every layer kept.
+fn uniform_plan(input: &PlanInput) -> ActivationPlan {
+    let mode = if input.checkpointing {
+        LayerActivations::Recomputed
+    } else {
+        LayerActivations::Kept
+    };
+    ActivationPlan::uniform(mode, Dims::of(&input.model).layers as usize)
+}
+
+/// The predicted peak of `plan` and its parts.
+pub fn predict_plan(input: &PlanInput, plan: &ActivationPlan) -> MemoryPlan {
+    let parts = fixed_parts(input, &Dims::of(&input.model));
+    let total = cost_table(input).footprint(plan).device_peak as f64;
     MemoryPlan {
-        fixed,
-        weights,
-        trainable,
-        loss,
-        activations,
-        total: fixed + weights + trainable + loss + activations,
+        fixed: parts.fixed,
+        weights: parts.weights,
+        trainable: parts.trainable,
+        loss: parts.loss,
+        activations: total - parts.fixed - parts.weights - parts.trainable - parts.loss,
+        total,
     }
 }
 
@@ -200,7 +279,7 @@ pub fn free_memory(device: DeviceKind) -> Option<u64> {
     }
 }
 
-fn host_available_memory() -> Option<u64> {
+pub fn host_available_memory() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
@@ -245,46 +324,105 @@ fn cuda_free_memory() -> Option<u64> {
     }
 }
 
-/// Prints the plan next to the free memory and refuses a run that will not fit, naming the
-/// options that would.
-pub fn check(input: &PlanInput, free: Option<u64>) -> Result<MemoryPlan> {
-    let plan = predict(input);
-    let free_text = free.map_or("unknown".to_string(), |f| format!("{:.1} GiB", gib(f)));
-    eprintln!(
-        "memory plan: {:.1} GiB predicted peak ({:.1} weights, {:.1} activations), {free_text} free",
-        plan.total / GIB,
-        plan.weights / GIB,
-        plan.activations / GIB
-    );
-    let Some(free) = free else {
-        return Ok(plan);
-    };
-    if plan.total <= free as f64 {
-        return Ok(plan);
-    }
-    bail!(
-        "the memory plan predicts {:.1} GiB at --seq-len {}, over the {:.1} GiB free: {} \
-         (or --skip-memory-plan to try anyway)",
-        plan.total / GIB,
-        input.seq_len,
-        gib(free),
-        fitting_options(input, free as f64)
-    );
+/// A run's activation plan and its predicted peak.
+#[derive(Debug, Clone)]
+pub struct Planned {
+    pub activations: ActivationPlan,
+    pub memory: MemoryPlan,
+    /// Host bytes of the offloaded layer inputs.
+    pub host_bytes: u64,
+    pub budget: Option<Budget>,
 }
 
-/// The changes that would fit in `free` bytes: checkpointing, token elimination, a shorter
-/// sequence (the longest multiple of 1024 that fits).
-fn fitting_options(input: &PlanInput, free: f64) -> String {
-    let fits = |changed: &PlanInput| predict(changed).total <= free;
-    let mut options = Vec::new();
-    if !input.checkpointing {
-        let changed = PlanInput {
-            checkpointing: true,
-            ..input.clone()
+impl Planned {
+    /// `plan: 20 layers kept, 12 recomputed, 0 offloaded; 71.3 GiB of 76.0 GiB`.
+    pub fn line(&self) -> String {
+        let budget = self.budget.map_or("no budget known".into(), |b| {
+            format!("{:.1} GiB", gib(b.device))
+        });
+        let host = if self.host_bytes > 0 {
+            format!(", {:.1} GiB on the host", gib(self.host_bytes))
+        } else {
+            String::new()
         };
-        if fits(&changed) {
-            options.push("--checkpointing".to_string());
+        format!(
+            "plan: {}; {:.1} GiB of {budget}{host}",
+            self.activations,
+            self.memory.total / GIB
+        )
+    }
+}
+
+/// The activation plan of a run within `budget`: every layer recomputed with `--checkpointing`,
+/// else the fastest plan that fits (every layer kept where no budget is known). Prints the plan
+/// line; a run that cannot fit is refused with the longest length and the budget that would.
+pub fn plan(input: &PlanInput, budget: Option<Budget>) -> Result<Planned> {
+    let costs = cost_table(input);
+    let planned = |chosen: planner::Chosen| Planned {
+        memory: predict_plan(input, &chosen.plan),
+        host_bytes: chosen.footprint.host,
+        activations: chosen.plan,
+        budget,
+    };
+    let Some(limit) = budget else {
+        // Unknown memory: every layer kept (or recomputed with --checkpointing).
+        let activations = uniform_plan(input);
+        let planned = Planned {
+            memory: predict_plan(input, &activations),
+            host_bytes: 0,
+            activations,
+            budget,
+        };
+        eprintln!("{}", planned.line());
+        return Ok(planned);
+    };
+    if costs.base_bytes > limit.device {
+        bail!(
+            "the memory budget of {:.1} GiB is below the {:.1} GiB that the weights, trainable state \
+             and loss take before any activation",
+            gib(limit.device),
+            gib(costs.base_bytes)
+        );
+    }
+    let chosen = if input.checkpointing {
+        planner::check(&costs, uniform_plan(input), limit)
+    } else {
+        planner::choose(&costs, limit)
+    };
+    match chosen {
+        Ok(chosen) => {
+            let planned = planned(chosen);
+            eprintln!("{}", planned.line());
+            Ok(planned)
         }
+        Err(error) => bail!(
+            "{error} at --seq-len {}: {}",
+            input.seq_len,
+            fitting_options(input, limit)
+        ),
+    }
+}
+
+/// The longest length (a multiple of 1024) that fits `budget`, and `--method lemo` where it
+/// would make the run fit.
+fn fitting_options(input: &PlanInput, budget: Budget) -> String {
+    let fits = |changed: &PlanInput| {
+        let costs = cost_table(changed);
+        costs.least_device_bytes(budget.host) <= budget.device
+    };
+    let mut options = Vec::new();
+    let longest = (1..input.seq_len / 1024)
+        .rev()
+        .map(|k| k * 1024)
+        .find(|&seq_len| {
+            fits(&PlanInput {
+                seq_len,
+                checkpointing: false,
+                ..input.clone()
+            })
+        });
+    if let Some(seq_len) = longest {
+        options.push(format!("--seq-len {seq_len}"));
     }
     if input.method != Method::Lemo {
         let changed = PlanInput {
@@ -295,20 +433,8 @@ fn fitting_options(input: &PlanInput, free: f64) -> String {
             options.push(format!("--method lemo (kept {})", input.target_keep));
         }
     }
-    let longest = (1..input.seq_len / 1024)
-        .rev()
-        .map(|k| k * 1024)
-        .find(|&seq_len| {
-            fits(&PlanInput {
-                seq_len,
-                ..input.clone()
-            })
-        });
-    if let Some(seq_len) = longest {
-        options.push(format!("--seq-len {seq_len}"));
-    }
     if options.is_empty() {
-        "no single change fits: a smaller model or a larger device".to_string()
+        "no shorter length fits: a smaller model, a larger budget or more host memory".into()
     } else {
         format!("try {}", options.join(", or "))
     }
@@ -355,7 +481,7 @@ mod tests {
                 method,
                 row["checkpointing"].as_bool().unwrap(),
             );
-            let predicted = predict(&input).total / GIB;
+            let predicted = predict_plan(&input, &uniform_plan(&input)).total / GIB;
             let measured = row["device_peak_gib"].as_f64().unwrap();
             println!(
                 "{} {} checkpointing {}: predicted {predicted:.1} GiB, measured {measured:.1}",
@@ -367,13 +493,39 @@ mod tests {
         assert!(checked >= 3);
     }
 
+    fn budget(device_gib: u64) -> Option<Budget> {
+        Some(Budget {
+            device: device_gib << 30,
+            host: 0,
+        })
+    }
+
     #[test]
-    fn a_plan_over_the_free_memory_names_what_fits() {
-        let input = llama_2_7b(16384, Method::Lora, false);
-        let message = check(&input, Some(60 << 30)).unwrap_err().to_string();
-        assert!(message.contains("--checkpointing"), "{message}");
-        assert!(message.contains("--seq-len"), "{message}");
+    fn a_run_over_the_budget_names_the_length_that_fits() {
+        let input = llama_2_7b(131072, Method::Lora, false);
+        let message = plan(&input, budget(40)).unwrap_err().to_string();
+        assert!(message.contains("--seq-len 131072"), "{message}");
+        assert!(message.contains("try --seq-len"), "{message}");
         assert!(!message.contains('\n'));
-        check(&input, Some(100 << 30)).unwrap();
+        let message = plan(&input, budget(10)).unwrap_err().to_string();
+        assert!(message.contains("weights"), "{message}");
+    }
+
+    /// 16K dense does not fit 60 GiB with every layer kept: the plan recomputes some layers,
+    /// keeps the rest, and stays within the budget; more budget keeps more layers.
+    #[test]
+    fn the_plan_keeps_what_the_budget_holds() {
+        let input = llama_2_7b(16384, Method::Lora, false);
+        assert!(predict_plan(&input, &uniform_plan(&input)).total > 60.0 * GIB);
+        let tight = plan(&input, budget(60)).unwrap();
+        let kept = tight.activations.count(LayerActivations::Kept);
+        assert!(kept > 0 && kept < 32, "{}", tight.line());
+        assert!(tight.memory.total <= 60.0 * GIB);
+        let roomy = plan(&input, budget(70)).unwrap();
+        assert!(roomy.activations.count(LayerActivations::Kept) > kept);
+        assert!(tight.line().starts_with("plan: "), "{}", tight.line());
+        // --checkpointing recomputes every layer whatever the budget.
+        let forced = plan(&llama_2_7b(16384, Method::Lora, true), budget(70)).unwrap();
+        assert_eq!(forced.activations.count(LayerActivations::Recomputed), 32);
     }
 }

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use lemo_kernels::LemoBackend;
+use lemo_models::activation_plan::ActivationPlan;
 use lemo_models::config::{RopeConfig, RopeScaling};
 use lemo_models::gguf::GgufFile;
 use lemo_models::llama2c::Llama2cCheckpoint;
@@ -121,6 +122,12 @@ pub struct TrainingInfo {
     pub rope_scaling: Option<serde_json::Value>,
     pub seq_len: usize,
     pub steps: usize,
+    /// Each layer kept (k), recomputed (r) or offloaded (o) in the training steps, and the
+    /// plan line printed for it (absent in adapters of earlier versions).
+    #[serde(default)]
+    pub activation_plan: Option<ActivationPlan>,
+    #[serde(default)]
+    pub plan: Option<String>,
 }
 
 impl TrainingInfo {

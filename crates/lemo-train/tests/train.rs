@@ -94,6 +94,21 @@ fn tiny_preset_trains_writes_outputs_and_resumes_exactly() {
         .map(|r| r.2)
         .collect();
     assert_eq!(recomputed_losses.len(), 4);
+    // The activation plan is recorded with every step: all kept on the host's budget here,
+    // all recomputed with --checkpointing.
+    for (run, letter) in [(&full, 'k'), (&recomputed, 'r')] {
+        let metrics = std::fs::read_to_string(run.join("metrics.jsonl")).unwrap();
+        let first: serde_json::Value = metrics
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .find(|r| r["kind"] == "train")
+            .unwrap();
+        let plan = first["activation_plan"].as_str().unwrap();
+        assert!(
+            !plan.is_empty() && plan.chars().all(|c| c == letter),
+            "{plan}"
+        );
+    }
     for (plain, recomputed) in train_losses.iter().zip(&recomputed_losses) {
         assert!(
             (plain - recomputed).abs() < 1e-4,

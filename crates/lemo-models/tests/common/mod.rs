@@ -18,6 +18,14 @@ pub struct GradientSums<B: AutodiffBackend> {
     pub sums: Vec<Option<Tensor<B::InnerBackend, 1>>>,
 }
 
+impl<B: AutodiffBackend> Clone for GradientSums<B> {
+    fn clone(&self) -> Self {
+        Self {
+            sums: self.sums.clone(),
+        }
+    }
+}
+
 impl<B: AutodiffBackend> Default for GradientSums<B> {
     fn default() -> Self {
         Self { sums: Vec::new() }

@@ -8,6 +8,7 @@ use lemo_train::bench::BenchJob;
 use lemo_train::device::{DeviceKind, Runtime};
 use lemo_train::lemo::LemoSettings;
 use lemo_train::memory::DeviceWatch;
+use lemo_train::memory_budget::MemoryBudgetArgs;
 use lemo_train::method::Method;
 
 #[derive(Debug, Args)]
@@ -22,9 +23,12 @@ pub struct BenchArgs {
     /// Sequence lengths, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "4096,8192")]
     seq_lens: Vec<usize>,
-    /// Keep only each layer's input and recompute the layer in the backward pass.
+    /// Keep only each layer's input and recompute every layer in the backward pass, whatever
+    /// the memory budget.
     #[arg(long)]
     checkpointing: bool,
+    #[command(flatten)]
+    budget: MemoryBudgetArgs,
     /// Measured steps per length (the median is reported).
     #[arg(long, default_value_t = 5)]
     steps: usize,
@@ -57,6 +61,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         method: args.method,
         seq_lens: args.seq_lens,
         checkpointing: args.checkpointing,
+        budget: args.budget.resolve(device)?,
         steps: args.steps.max(1),
         warmup: args.warmup,
         lora_rank: args.lora_rank,

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::Result;
 use clap::{ArgMatches, Args};
+use lemo_train::memory_budget::MemoryBudgetArgs;
 use lemo_train::train::config::{Preset, TrainConfig};
 use lemo_train::train::run_dir::Start;
 use lemo_train::train::{TrainJob, interrupt};
@@ -28,6 +29,8 @@ pub struct TrainArgs {
     /// memory.
     #[arg(long)]
     skip_memory_plan: bool,
+    #[command(flatten)]
+    budget: MemoryBudgetArgs,
     #[command(flatten)]
     settings: TrainConfig,
 }
@@ -60,6 +63,7 @@ pub fn run(args: TrainArgs, matches: &ArgMatches) -> Result<()> {
     };
     let mut job = TrainJob::new(config, resume, start)?;
     job.skip_memory_plan = args.skip_memory_plan;
+    job.budget = args.budget.resolve(job.device)?;
     // Under a launcher rank 0 reports the run; the other processes end quietly.
     let Some(summary) = job.train()? else {
         return Ok(());

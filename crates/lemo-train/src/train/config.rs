@@ -117,8 +117,9 @@ pub struct TrainConfig {
     /// longlora's S2 attention group size [default: seq-len / 4].
     #[arg(long)]
     pub s2_group_size: Option<usize>,
-    /// Activation checkpointing: keep only each layer's input and recompute the layer in the
-    /// backward pass (one more forward pass, memory of one layer's activations).
+    /// Activation checkpointing: keep only each layer's input and recompute every layer in the
+    /// backward pass, whatever the memory budget (without it, the planner recomputes only the
+    /// layers whose activations do not fit --memory-budget).
     #[arg(long)]
     pub checkpointing: bool,
     #[command(flatten)]

@@ -120,6 +120,7 @@ impl Coordinator {
             "mem_device_peak_gib": device_peak,
             "mem_device_peak_gib_by_rank": device_per_rank,
             "mem_source": memory::source(),
+            "activation_plan": &setup.activations,
             "precision": setup.precision.name(),
             "keep_attention": kept.map(|k| k.0),
             "keep_mlp": kept.map(|k| k.1),

@@ -36,6 +36,7 @@ use lemo_models::ModelConfig;
 use crate::device::{BackendJob, DeviceKind, PrecisionKind};
 use crate::distributed::launch::Launch;
 use crate::distributed::{self, Engine, Layout};
+use crate::memory_budget::MemoryBudgetArgs;
 use crate::memory_plan;
 use config::TrainConfig;
 
@@ -113,8 +114,11 @@ pub struct TrainJob {
     pub precision: PrecisionKind,
     /// The device the run uses (whose free memory the memory plan reads).
     pub device: DeviceKind,
-    /// Train even where the memory plan predicts the run will not fit.
+    /// Train even where the memory plan predicts the run will not fit (every layer kept, or
+    /// recomputed with `--checkpointing`).
     pub skip_memory_plan: bool,
+    /// What the activation plan may use (`None`: unknown, every layer kept).
+    pub budget: Option<lemo_models::activation_plan::planner::Budget>,
     /// This process's rank when a launcher started one process per GPU (`WORLD_SIZE`, ...).
     pub launch: Option<Launch>,
 }
@@ -135,6 +139,7 @@ impl TrainJob {
             precision,
             device,
             skip_memory_plan: false,
+            budget: MemoryBudgetArgs::default().resolve(device)?,
             launch: Launch::from_env()?,
         })
     }

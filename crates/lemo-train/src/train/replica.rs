@@ -132,7 +132,7 @@ impl<B: LemoBackend> Replica<B> {
                 tokens,
                 config.loss_segment,
                 scale,
-                config.checkpointing,
+                &setup.activations,
                 &mut token_sparsity,
                 &mut grads,
             );

@@ -7,6 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use burn_dataset::Dataset;
+use lemo_models::activation_plan::ActivationPlan;
 use lemo_models::model::ModelFormat;
 use lemo_models::{LoraConfig, ModelConfig};
 use serde_json::json;
@@ -37,6 +38,8 @@ pub struct Setup {
     pub resumed: Option<CheckpointFiles>,
     /// Recorded beside every adapter the run writes.
     pub info: TrainingInfo,
+    /// Which layers keep, recompute or offload their activations.
+    pub activations: ActivationPlan,
 }
 
 impl Setup {
@@ -96,10 +99,10 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         .or(config.target_context)
         .unwrap_or(trained_context);
     crate::modelio::check_seq_len(&model_config, seq_len, config.target_context)?;
-    if !job.skip_memory_plan {
-        let plan = plan_input(&config, model_config.clone(), seq_len, precision);
-        memory_plan::check(&plan, memory_plan::free_memory(job.device))?;
-    }
+    let planned = memory_plan::plan(
+        &plan_input(&config, model_config.clone(), seq_len, precision),
+        job.budget.filter(|_| !job.skip_memory_plan),
+    )?;
     if let Some(limit) = model_config.max_sequence_length().filter(|&l| seq_len > l) {
         bail!("--seq-len {seq_len} is longer than this model supports ({limit} positions)");
     }
@@ -165,6 +168,8 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         rope_scaling,
         seq_len,
         steps: config.steps,
+        activation_plan: Some(planned.activations.clone()),
+        plan: Some(planned.line()),
     };
     Ok(Setup {
         config,
@@ -178,6 +183,7 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         run_id,
         resumed,
         info,
+        activations: planned.activations,
     })
 }
 

@@ -4,6 +4,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Int, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_models::CausalLm;
+use lemo_models::activation_plan::ActivationPlan;
 use lemo_models::token_plan::TokenSparsity;
 
 use super::optim::{self, NamedTensors};
@@ -13,34 +14,35 @@ use crate::memory;
 /// Loss and gradient of one micro-batch. The model's next-token loss is the segment-based one:
 /// the vocabulary projection and cross-entropy run (forward and backward) one segment of
 /// `segment` positions at a time during the forward pass, so at most one segment's logits exist
-/// at once; the backward pass then starts from the hidden-state gradients they left. With
-/// `checkpointing`, only each layer's input is kept and the backward pass recomputes one layer
-/// at a time. Each block processes the rows `sparsity` gives it (the kept rows of `--method
+/// at once; the backward pass then starts from the hidden-state gradients they left. Each layer
+/// keeps, recomputes or offloads its activations as `activations` says (every layer kept: the
+/// plain backward pass over one graph). Each block processes the rows `sparsity` gives it (the kept rows of `--method
 /// lemo`), and the plan it chose is left in `sparsity`.
 ///
 /// `scale` multiplies the loss (1 / predicted tokens / accumulation steps). Gradients of the
 /// trainable parameters are added into `grads`; returns the unscaled loss sum, the number of
-/// predictions and the memory in use at the end of the forward pass (with checkpointing: once
-/// the loss's backward pass has run, while every layer input is kept).
+/// predictions and the memory in use at the end of the forward pass (with layers not kept: once
+/// the loss's backward pass has run, while every layer's stored part is held).
 pub fn forward_backward<B: AutodiffBackend + LemoBackend>(
     model: &CausalLm<B>,
     tokens: Tensor<B, 2, Int>,
     segment: usize,
     scale: f64,
-    checkpointing: bool,
+    activations: &ActivationPlan,
     sparsity: &mut TokenSparsity,
     grads: &mut NamedTensors<B::InnerBackend>,
 ) -> (f64, usize, u64)
 where
     B::InnerBackend: LemoBackend,
 {
-    let (loss_sum, predictions, after_forward) = if checkpointing {
+    let (loss_sum, predictions, after_forward) = if !activations.is_all_kept() {
         let mut after_forward = None;
-        let (loss_sum, predictions) = model.next_token_loss_backward_recomputed(
+        let (loss_sum, predictions) = model.next_token_loss_backward_planned(
             tokens,
             segment,
             scale,
             sparsity,
+            activations,
             &mut |gradients| {
                 after_forward.get_or_insert_with(|| memory::sample().in_use);
                 optim::accumulate_grads(model, gradients, grads);
