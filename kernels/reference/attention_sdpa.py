@@ -302,7 +302,8 @@ def main():
     if args.parity_dir:
         write_parity(args.parity_dir, seed)
     timings = throughput(
-        [int(s) for s in args.seqs.split(",")], args.heads, kv_heads, args.head_dim, args.iterations
+        [int(s) for s in args.seqs.split(",") if s],  # --seqs '': parity files alone
+        args.heads, kv_heads, args.head_dim, args.iterations,
     )
     report = {
         "implementation": f"torch {torch.__version__} scaled_dot_product_attention "

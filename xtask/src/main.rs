@@ -7,6 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::{Parser, Subcommand};
 
 mod fetch_model;
+mod gpu_test;
 
 #[derive(Parser)]
 #[command(name = "cargo xtask")]
@@ -32,6 +33,11 @@ enum Task {
     },
     /// Run CI's script (.ci/run) here.
     Ci,
+    /// The GPU paths (bf16, cuBLASLt, cuDNN, tensor-core flash attention, NCCL) against their
+    /// references: `gpu-test bundle` here, then `xtask gpu-test run --bundle DIR` on the GPU
+    /// machine with the bundle unpacked in DIR (see xtask/src/gpu_test.rs and the README).
+    #[command(name = "gpu-test", subcommand)]
+    GpuTest(GpuTest),
     /// Per-layer token-elimination thresholds for a model on your data (the paper's Algorithm 1
     /// toward `--target-keep`): `lemo-train calibrate` with the same options, e.g.
     /// `cargo xtask calibrate-thresholds --model M --data D --seq-len 2048 --target-keep 0.5
@@ -69,6 +75,22 @@ enum Task {
         /// The Python whose pip downloads the wheel.
         #[arg(long, default_value = "python3")]
         python: String,
+    },
+}
+
+#[derive(Subcommand)]
+enum GpuTest {
+    /// Build, strip and pack what `run` needs into `.device/gpu-test.tar.xz` (carry it to the GPU
+    /// machine and unpack it there with `tar -xJf gpu-test.tar.xz -C DIR`).
+    Bundle,
+    /// Run every GPU check with the unpacked bundle's binaries and write the results file.
+    Run {
+        /// The folder holding the unpacked bundle (`bin/`, `COMMIT`).
+        #[arg(long, default_value = gpu_test::BUNDLE_DIR)]
+        bundle: PathBuf,
+        /// The results file (commit it under kernels/results/).
+        #[arg(long, default_value = "kernels/results/gpu-test.json")]
+        out: PathBuf,
     },
 }
 
@@ -160,6 +182,13 @@ fn main() -> Result<()> {
                 out.join("bin.tar.xz").display(),
                 binaries.join(", ")
             );
+        }
+        Task::GpuTest(GpuTest::Bundle) => {
+            let archive = gpu_test::bundle(&root)?;
+            println!("{}", archive.display());
+        }
+        Task::GpuTest(GpuTest::Run { bundle, out }) => {
+            gpu_test::run_checks(&std::env::current_dir()?, &bundle, &out)?
         }
         Task::Ci => run(Command::new("bash")
             .arg(root.join(".ci/run"))

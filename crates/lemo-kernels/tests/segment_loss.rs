@@ -3,46 +3,46 @@
 //! sequence, ignored targets, and the fused per-row kernel on its own.
 
 use burn::backend::Autodiff;
-use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, Int, Tensor, TensorData};
 use lemo_kernels::WgpuBackend;
 use lemo_kernels::loss::{self, IGNORE_INDEX, segment_cross_entropy};
+use lemo_test_support::{HostRng, assert_close, exclusive_generator, seed_backend};
 
 type B = Autodiff<WgpuBackend>;
 
-fn relative<const D: usize>(actual: Tensor<B, D>, expected: Tensor<B, D>) -> f32 {
-    assert_eq!(actual.dims(), expected.dims());
-    let scale: f32 = expected.clone().abs().max().into_scalar();
-    let error: f32 = (actual - expected).abs().max().into_scalar();
-    error / scale.max(1e-12)
-}
-
+/// Seeded inputs (the seed printed, `LEMO_TEST_SEED` overrides it), and the generator held for
+/// the rest of the test.
 fn inputs(
     rows: usize,
     width: usize,
     vocab: usize,
-) -> (Tensor<B, 2>, Tensor<B, 2>, Tensor<B, 1, Int>) {
+) -> (
+    Tensor<B, 2>,
+    Tensor<B, 2>,
+    Tensor<B, 1, Int>,
+    std::sync::MutexGuard<'static, ()>,
+) {
+    let generator = exclusive_generator();
     let device = Default::default();
-    let seed = std::time::UNIX_EPOCH.elapsed().unwrap().as_nanos() as u64;
-    println!("seed {seed}");
-    B::seed(&device, seed);
+    let seed = seed_backend::<B>(&device);
     let hidden = Tensor::random([rows, width], Distribution::Normal(0.0, 1.0), &device);
     let weight = Tensor::random([vocab, width], Distribution::Normal(0.0, 0.5), &device);
+    let mut rng = HostRng::new(seed);
     let targets: Vec<i64> = (0..rows)
         .map(|i| {
             if i % 7 == 3 {
                 IGNORE_INDEX
             } else {
-                ((i * 31 + seed as usize) % vocab) as i64
+                rng.below(vocab) as i64
             }
         })
         .collect();
     let targets = Tensor::from_data(TensorData::new(targets, [rows]), &device);
-    (hidden, weight, targets)
+    (hidden, weight, targets, generator)
 }
 
 fn check(rows: usize, width: usize, vocab: usize, chunk: usize) {
-    let (hidden, weight, targets) = inputs(rows, width, vocab);
+    let (hidden, weight, targets, _generator) = inputs(rows, width, vocab);
     let (hidden, weight) = (hidden.require_grad(), weight.require_grad());
 
     let loss = segment_cross_entropy(hidden.clone(), weight.clone(), targets.clone(), chunk);
@@ -52,26 +52,20 @@ fn check(rows: usize, width: usize, vocab: usize, chunk: usize) {
 
     let expected = loss::reference::cross_entropy(hidden.clone(), weight.clone(), targets);
     let grads = (expected.clone() * 0.37).backward();
-    for (name, error) in [
-        ("loss", relative(loss, expected)),
-        (
-            "d hidden",
-            relative(
-                Tensor::from_inner(grad_hidden),
-                Tensor::from_inner(hidden.grad(&grads).unwrap()),
-            ),
-        ),
-        (
-            "d weight",
-            relative(
-                Tensor::from_inner(grad_weight),
-                Tensor::from_inner(weight.grad(&grads).unwrap()),
-            ),
-        ),
-    ] {
-        println!("{name}: {error:.2e}");
-        assert!(error < 1e-5, "{name}: relative error {error}");
-    }
+    let grad_of = |grad| Tensor::<B, 2>::from_inner(grad);
+    assert_close("loss", loss, expected, 1e-5);
+    assert_close(
+        "d hidden",
+        grad_of(grad_hidden),
+        grad_of(hidden.grad(&grads).unwrap()),
+        1e-5,
+    );
+    assert_close(
+        "d weight",
+        grad_of(grad_weight),
+        grad_of(weight.grad(&grads).unwrap()),
+        1e-5,
+    );
 }
 
 #[test]
@@ -86,7 +80,7 @@ fn one_chunk() {
 
 #[test]
 fn frozen_lm_head_gets_no_gradient() {
-    let (hidden, weight, targets) = inputs(30, 16, 99);
+    let (hidden, weight, targets, _generator) = inputs(30, 16, 99);
     let hidden = hidden.require_grad();
     let loss = segment_cross_entropy(hidden.clone(), weight.clone(), targets, 8);
     let grads = loss.backward();
@@ -96,7 +90,7 @@ fn frozen_lm_head_gets_no_gradient() {
 
 #[test]
 fn fused_rows_kernel() {
-    let (hidden, weight, targets) = inputs(19, 8, 1003);
+    let (hidden, weight, targets, _generator) = inputs(19, 8, 1003);
     let logits = hidden.matmul(weight.transpose()) * 4.0;
     let (losses, grad) = loss::cross_entropy_rows(logits.clone(), targets.clone(), true);
     let (expected, expected_grad) = loss::reference::cross_entropy_rows::<B>(
@@ -108,10 +102,6 @@ fn fused_rows_kernel() {
     let expected_grad = Tensor::<B, 2>::from_primitive(burn::tensor::TensorPrimitive::Float(
         expected_grad.unwrap(),
     ));
-    let (loss_error, grad_error) = (
-        relative(losses, expected),
-        relative(grad.unwrap(), expected_grad),
-    );
-    println!("losses {loss_error:.2e}, grad {grad_error:.2e}");
-    assert!(loss_error < 1e-5 && grad_error < 1e-5);
+    assert_close("losses", losses, expected, 1e-5);
+    assert_close("grad", grad.unwrap(), expected_grad, 1e-5);
 }

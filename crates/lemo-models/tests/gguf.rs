@@ -14,38 +14,15 @@ use lemo_models::gguf::{GgufFile, Header};
 use lemo_models::tokenizer::Tokenizer;
 use lemo_models::{CausalLm, KvCache, ModelConfig};
 use rand::{RngExt, SeedableRng, rngs::StdRng};
+use lemo_test_support::{read_json, smollm2_gguf};
 use serde_json::Value;
 
 type B = CpuBackend;
-
-const SMOLLM2_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/gguf")
         .join(name)
-}
-
-fn read_json(path: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-/// SmolLM2-135M from the cache that `cargo xtask fetch-model smollm2-135m` fills
-/// (`$LEMO_MODEL_CACHE`, else `~/.cache/lemo/models`), or `None` with the reason printed.
-fn smollm2() -> Option<PathBuf> {
-    let cache = std::env::var_os("LEMO_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/lemo/models")));
-    let path = cache.map(|c| c.join(SMOLLM2_FILE));
-    match path {
-        Some(path) if path.exists() => Some(path),
-        _ => {
-            println!(
-                "skipping: {SMOLLM2_FILE} is not in the model cache (run `cargo xtask fetch-model smollm2-135m`)"
-            );
-            None
-        }
-    }
 }
 
 #[test]
@@ -294,7 +271,7 @@ fn random_and_mutated_headers_never_panic() {
         tiny_llama().build(),
         std::fs::read(fixture("quant.gguf")).unwrap(),
     ];
-    let mut rng = StdRng::seed_from_u64(7);
+    let mut rng = StdRng::seed_from_u64(lemo_test_support::seed());
     let mut parsed = 0;
     let mut check = |bytes: &[u8]| {
         if let Ok(header) = Header::parse(bytes) {
@@ -345,7 +322,7 @@ fn random_and_mutated_headers_never_panic() {
 
 #[test]
 fn smollm2_config_comes_from_the_metadata() {
-    let Some(path) = smollm2() else { return };
+    let Some(path) = smollm2_gguf() else { return };
     let file = GgufFile::open(&path).unwrap();
     let config = file.llama_config().unwrap();
     assert_eq!(
@@ -379,7 +356,7 @@ fn smollm2_config_comes_from_the_metadata() {
 
 #[test]
 fn smollm2_token_ids_match_llama_cpp() {
-    let Some(path) = smollm2() else { return };
+    let Some(path) = smollm2_gguf() else { return };
     let tokenizer = Tokenizer::from_file(&path).unwrap();
     assert_eq!((tokenizer.bos_id(), tokenizer.eos_id()), (Some(1), Some(2)));
     let texts = read_json(&fixture("texts.json"));
@@ -443,7 +420,7 @@ fn token_tensor(ids: &[u32]) -> Tensor<B, 2, Int> {
 
 #[test]
 fn smollm2_losses_and_greedy_continuation_match_llama_cpp() {
-    let Some(path) = smollm2() else { return };
+    let Some(path) = smollm2_gguf() else { return };
     let (model, _) = CausalLm::<B>::from_path(&path, &Default::default(), Precision::F32).unwrap();
     let expected = read_json(&fixture("smollm2.json"));
     for (name, case) in expected["eval"].as_object().unwrap() {

@@ -10,22 +10,13 @@ use lemo_kernels::CpuBackend;
 use lemo_kernels::precision::Precision;
 use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::{CausalLm, KvCache, LoraConfig};
+use lemo_test_support::{hf_fixture, read_json};
 use serde_json::Value;
 
 type B = CpuBackend;
 
-fn fixture(case: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/hf")
-        .join(case)
-}
-
-fn read_json(path: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
 fn sequences(case: &str) -> Vec<Vec<i32>> {
-    std::fs::read_to_string(fixture(case).join("tokens.jsonl"))
+    std::fs::read_to_string(hf_fixture(case).join("tokens.jsonl"))
         .unwrap()
         .lines()
         .map(|line| serde_json::from_value(read_json_str(line)["input_ids"].clone()).unwrap())
@@ -61,8 +52,8 @@ fn per_token_nll(model: &CausalLm<B>, ids: &[i32]) -> Vec<f32> {
 /// check than the mean loss, in which per-token errors partly cancel).
 fn check_against_transformers(case: &str) {
     let (model, _) =
-        CausalLm::<B>::from_path(&fixture(case), &Default::default(), Precision::F32).unwrap();
-    let expected = read_json(&fixture(case).join("expected.json"));
+        CausalLm::<B>::from_path(&hf_fixture(case), &Default::default(), Precision::F32).unwrap();
+    let expected = read_json(&hf_fixture(case).join("expected.json"));
     let expected_nll: Vec<Vec<f64>> =
         serde_json::from_value(expected["per_token_nll"].clone()).unwrap();
     let sequences = sequences(case);
@@ -146,8 +137,8 @@ fn greedy(model: &CausalLm<B>, prompt: &[i32], new_tokens: usize) -> Vec<i32> {
 fn greedy_decoding_with_kv_cache_matches_transformers() {
     let case = "llama_gqa_tied";
     let (model, _) =
-        CausalLm::<B>::from_path(&fixture(case), &Default::default(), Precision::F32).unwrap();
-    let reference = &read_json(&fixture(case).join("expected.json"))["greedy"];
+        CausalLm::<B>::from_path(&hf_fixture(case), &Default::default(), Precision::F32).unwrap();
+    let reference = &read_json(&hf_fixture(case).join("expected.json"))["greedy"];
     let prompt: Vec<i32> = serde_json::from_value(reference["prompt"].clone()).unwrap();
     let expected: Vec<i32> = serde_json::from_value(reference["new_tokens"].clone()).unwrap();
     assert_eq!(greedy(&model, &prompt, expected.len()), expected);
@@ -208,8 +199,9 @@ fn stories260k_greedy_text_matches_llama2c() {
 
 /// A model with LoRA on every Llama projection and a random (non-zero) `lora_B`.
 fn model_with_random_lora(config: &LoraConfig) -> CausalLm<B> {
+    lemo_test_support::seed_backend::<B>(&Default::default());
     let (model, _) = CausalLm::<B>::from_path(
-        &fixture("llama_gqa_tied"),
+        &hf_fixture("llama_gqa_tied"),
         &Default::default(),
         Precision::F32,
     )
@@ -245,7 +237,7 @@ fn max_difference(a: Tensor<B, 3>, b: Tensor<B, 3>) -> f32 {
 fn fresh_lora_starts_at_the_base_model_and_merging_preserves_outputs() {
     let ids = &sequences("llama_gqa_tied")[0];
     let (base, _) = CausalLm::<B>::from_path(
-        &fixture("llama_gqa_tied"),
+        &hf_fixture("llama_gqa_tied"),
         &Default::default(),
         Precision::F32,
     )
@@ -291,7 +283,7 @@ fn adapters_round_trip_through_the_peft_layout() {
     assert_eq!(tensors.len(), 2 * 2 * 4, "A and B for q/k/v/o in 2 layers");
 
     let (base, _) = CausalLm::<B>::from_path(
-        &fixture("llama_gqa_tied"),
+        &hf_fixture("llama_gqa_tied"),
         &Default::default(),
         Precision::F32,
     )
@@ -308,10 +300,10 @@ fn adapters_round_trip_through_the_peft_layout() {
     std::fs::remove_dir_all(dir).unwrap();
 }
 
-fn copy_fixture(case: &str, name: &str) -> PathBuf {
+fn copy_hf_fixture(case: &str, name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("lemo-{name}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    for entry in std::fs::read_dir(fixture(case)).unwrap() {
+    for entry in std::fs::read_dir(hf_fixture(case)).unwrap() {
         let path = entry.unwrap().path();
         std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
     }
@@ -327,7 +319,7 @@ fn load_error(path: &Path) -> String {
 #[test]
 fn bf16_on_a_backend_without_it_is_an_error() {
     let error = CausalLm::<B>::from_path(
-        &fixture("llama_gqa_tied"),
+        &hf_fixture("llama_gqa_tied"),
         &Default::default(),
         Precision::MIXED_BF16,
     )
@@ -337,7 +329,7 @@ fn bf16_on_a_backend_without_it_is_an_error() {
 
 #[test]
 fn bad_checkpoints_give_one_line_errors_naming_the_problem() {
-    let truncated = copy_fixture("llama_gqa_tied", "truncated");
+    let truncated = copy_hf_fixture("llama_gqa_tied", "truncated");
     let weights = truncated.join("model.safetensors");
     let bytes = std::fs::read(&weights).unwrap();
     std::fs::write(&weights, &bytes[..bytes.len() / 2]).unwrap();
@@ -347,7 +339,7 @@ fn bad_checkpoints_give_one_line_errors_naming_the_problem() {
         "{message}"
     );
 
-    let mismatched = copy_fixture("llama_gqa_tied", "mismatch");
+    let mismatched = copy_hf_fixture("llama_gqa_tied", "mismatch");
     let config_path = mismatched.join("config.json");
     let mut config = read_json(&config_path);
     config["intermediate_size"] = Value::from(999);

@@ -4,7 +4,6 @@
 mod common;
 
 use burn::backend::Autodiff;
-use burn::tensor::{Distribution, Int, Tensor};
 use common::{GradientSums, assert_same_gradients, trainable_model};
 use lemo_kernels::CpuBackend;
 use lemo_models::CausalLm;
@@ -13,6 +12,7 @@ use lemo_models::decoder::Decoder;
 use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::token_plan::TokenSparsity;
 use lemo_sparsity::Thresholds;
+use lemo_test_support::random_tokens;
 
 type B = Autodiff<CpuBackend>;
 
@@ -39,11 +39,7 @@ fn plans(num_layers: usize) -> Vec<ActivationPlan> {
 fn assert_recomputation_matches(model: &CausalLm<B>, len: usize, thresholds: Option<&Thresholds>) {
     let sparsity = || thresholds.map_or(TokenSparsity::Dense, TokenSparsity::select);
     let [vocab, _] = model.lm_head_weight().dims();
-    let tokens = Tensor::<B, 2, Int>::random(
-        [1, len],
-        Distribution::Uniform(0.0, vocab as f64),
-        &Default::default(),
-    );
+    let tokens = random_tokens::<B>(vocab, [1, len], &Default::default());
     let (chunk_rows, scale) = (7, 0.25);
 
     let (loss, predictions) =

@@ -6,7 +6,6 @@
 mod common;
 
 use burn::backend::Autodiff;
-use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, ElementConversion, Int, Tensor};
 use common::{GradientSums, assert_same_gradients, every_token_kept, half_kept, trainable_model};
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
@@ -15,18 +14,7 @@ use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::token_plan::{LayerPlan, TokenPlan, TokenSparsity};
 use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
-
-fn random_tokens<B: Backend>(
-    model_vocab: usize,
-    shape: [usize; 2],
-    device: &B::Device,
-) -> Tensor<B, 2, Int> {
-    Tensor::random(
-        shape,
-        Distribution::Uniform(0.0, model_vocab as f64),
-        device,
-    )
-}
+use lemo_test_support::random_tokens;
 
 /// Loss sum and gradients of `tokens` under `sparsity`.
 fn loss_and_gradients<B: burn::tensor::backend::AutodiffBackend + LemoBackend>(

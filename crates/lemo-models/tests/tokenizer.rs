@@ -4,6 +4,7 @@
 //! ../shared/data; tests that need them skip when it is absent.
 
 use lemo_models::tokenizer::Tokenizer;
+use lemo_test_support::read_json;
 use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -16,11 +17,6 @@ fn fixture(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("tests/fixtures/tokenizer")
         .join(name)
-}
-
-fn read_json(path: &Path) -> Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 fn load(path: &Path) -> Tokenizer {

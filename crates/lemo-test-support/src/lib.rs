@@ -1,10 +1,19 @@
 //! What the lemo crates' tests share: one seed per test run (fixed by default, printed,
 //! overridable with `LEMO_TEST_SEED`), a host-side generator that follows it, the relative-error
 //! check for tensors, where the fixtures and the optional shared data (real models, books) are
-//! found, and the checks of a command-line run (its JSON output, its one-line errors).
+//! found ([`files`]), how a test that cannot run says so ([`skip`]), and the checks of a
+//! command-line run ([`cli`]).
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+pub mod cli;
+pub mod files;
+pub mod skip;
+
+pub use cli::{assert_clean_error, run, stdout_json};
+pub use files::{
+    gradient_fixture, hf_fixture, read_json, read_safetensors, repo_root, shared_data,
+    smollm2_gguf,
+};
+pub use skip::skip;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Distribution, ElementConversion, Int, Tensor, TensorData};
@@ -133,65 +142,29 @@ pub fn assert_close_scalar(what: &str, actual: f64, expected: f64, tolerance: f6
     );
 }
 
-/// The repository's root folder.
-pub fn repo_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-/// The shared data (real models and corpora, never in the repository) beside the repository,
-/// `../shared/data`, or `$LEMO_SHARED_DATA`; `None`, with a note that the test skips, when
-/// absent.
-pub fn shared_data() -> Option<PathBuf> {
-    let path = std::env::var_os("LEMO_SHARED_DATA")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| repo_root().join("../shared/data"));
-    if path.is_dir() {
-        Some(path)
-    } else {
-        println!("skipping: {} not found", path.display());
-        None
-    }
-}
-
-/// A tiny random-init Hugging Face model saved by transformers, with its losses
-/// (`crates/lemo-models/tests/fixtures/hf/{case}`).
-pub fn hf_fixture(case: &str) -> PathBuf {
-    repo_root()
-        .join("crates/lemo-models/tests/fixtures/hf")
-        .join(case)
-}
-
-/// Runs `binary` (a test's `env!("CARGO_BIN_EXE_...")`) with `args`.
-pub fn run(binary: &str, args: &[&str]) -> Output {
-    Command::new(binary)
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {binary}: {e}"))
-}
-
-/// The one JSON value a successful run printed on stdout.
-pub fn stdout_json(output: &Output) -> serde_json::Value {
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(output.status.success(), "failed: {stderr}");
-    let stdout = String::from_utf8(output.stdout.clone()).unwrap();
-    assert_eq!(
-        stdout.lines().count(),
-        1,
-        "stdout must hold one JSON value: {stdout:?}"
-    );
-    serde_json::from_str(&stdout).unwrap()
-}
-
-/// Asserts that a run failed with exactly one stderr line, `error: ...`, containing `needle`,
-/// and no panic.
-pub fn assert_clean_error(output: &Output, needle: &str) {
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success(), "should fail: {stderr}");
-    let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines.len(), 1, "expected one line, got {stderr:?}");
+/// Asserts `max |actual - expected| <= tolerance * max |expected|` for host values of one
+/// tensor, printing the relative error; an all-zero expectation fails, as in [`assert_close`].
+pub fn assert_close_values(what: &str, actual: &[f32], expected: &[f32], tolerance: f64) {
+    assert_eq!(actual.len(), expected.len(), "{what}: lengths differ");
+    let scale = expected.iter().fold(0f64, |m, &e| m.max((e as f64).abs()));
+    assert!(scale > 0.0, "{what}: the expected values are all zeros");
+    let error = actual
+        .iter()
+        .zip(expected)
+        .fold(0f64, |m, (&a, &e)| m.max((a as f64 - e as f64).abs()))
+        / scale;
+    println!("{what}: relative error {error:.2e}");
     assert!(
-        lines[0].starts_with("error: ") && lines[0].contains(needle),
-        "expected `error: ...{needle}...`, got {stderr:?}"
+        error <= tolerance,
+        "{what}: relative error {error:.2e} over {tolerance}"
     );
-    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// Token ids uniform in `0..vocab`, `[batch, len]`, from the backend's (seeded) generator.
+pub fn random_tokens<B: Backend>(
+    vocab: usize,
+    shape: [usize; 2],
+    device: &B::Device,
+) -> Tensor<B, 2, Int> {
+    Tensor::random(shape, Distribution::Uniform(0.0, vocab as f64), device)
 }

@@ -1,44 +1,22 @@
 //! `lemo-train` on GGUF files: SmolLM2-135M from the model cache (`cargo xtask fetch-model
 //! smollm2-135m`) answers as llama.cpp does, and a damaged file ends in a one-line error.
 
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
+use lemo_test_support::{read_json, repo_root, smollm2_gguf};
 use serde_json::Value;
 
 fn lemo(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lemo-train"))
-        .args(args)
-        .output()
-        .expect("run lemo-train")
+    lemo_test_support::run(env!("CARGO_BIN_EXE_lemo-train"), args)
 }
 
 fn reference() -> Value {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../lemo-models/tests/fixtures/gguf/smollm2.json");
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
-}
-
-/// The cached SmolLM2 file, or `None` with the reason printed.
-fn smollm2() -> Option<PathBuf> {
-    let cache = std::env::var_os("LEMO_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/lemo/models")));
-    let path = cache.map(|c| c.join("SmolLM2-135M-Instruct.Q4_1.gguf"));
-    match path {
-        Some(path) if path.exists() => Some(path),
-        _ => {
-            println!(
-                "skipping: SmolLM2-135M is not in the model cache (run `cargo xtask fetch-model smollm2-135m`)"
-            );
-            None
-        }
-    }
+    read_json(&repo_root().join("crates/lemo-models/tests/fixtures/gguf/smollm2.json"))
 }
 
 #[test]
 fn generate_continues_a_chat_prompt_as_llama_cpp_does() {
-    let Some(model) = smollm2() else { return };
+    let Some(model) = smollm2_gguf() else { return };
     let prompt =
         "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n";
     let output = lemo(&[
@@ -68,15 +46,8 @@ fn generate_continues_a_chat_prompt_as_llama_cpp_does() {
 
 #[test]
 fn tokenize_reads_the_tokenizer_from_the_gguf_file() {
-    let Some(model) = smollm2() else { return };
-    let texts: Value = serde_json::from_str(
-        &std::fs::read_to_string(
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../lemo-models/tests/fixtures/gguf/texts.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
+    let Some(model) = smollm2_gguf() else { return };
+    let texts = read_json(&repo_root().join("crates/lemo-models/tests/fixtures/gguf/texts.json"));
     let text = texts["tokenize"]["code"].as_str().unwrap();
     let output = lemo(&[
         "tokenize",

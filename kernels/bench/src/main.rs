@@ -10,7 +10,7 @@
 //!
 //! Usage: `attention_bench [--parity-dir DIR] [--seqs 4096,16384,65536] [--heads 32]
 //!         [--kv-heads 32,8] [--head-dim 128] [--iterations 5] [--variants plain,tensor-core]
-//!         [--out FILE] [--wgpu]`
+//!         [--out FILE] [--wgpu]` (`--seqs ''`: parity alone)
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -58,8 +58,10 @@ fn parse_args() -> Args {
         match flag.as_str() {
             "--parity-dir" => args.parity_dir = Some(value().into()),
             "--seqs" => {
+                // An empty list times nothing (parity alone).
                 args.seqs = value()
                     .split(',')
+                    .filter(|s| !s.is_empty())
                     .map(|s| s.parse().expect("--seqs: comma-separated integers"))
                     .collect()
             }

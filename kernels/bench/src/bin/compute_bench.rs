@@ -10,7 +10,8 @@
 //! synchronizations (cubecl's profiler), after warm-up, median of repeats; the PyTorch script
 //! `kernels/reference/compute_torch.py` times the same shapes the same way.
 //!
-//! Usage: `compute_bench [--out FILE] [--quick] [--repeats 5]`
+//! Usage: `compute_bench [--out FILE] [--quick] [--parity-only] [--repeats 5]` (`--parity-only`:
+//! the parity checks alone, as `cargo xtask gpu-test` runs them)
 
 use std::time::Duration;
 
@@ -31,6 +32,8 @@ type Client = ComputeClient<cubecl::cuda::CudaRuntime>;
 struct Args {
     out: Option<String>,
     quick: bool,
+    /// No timings, and not Burn's own f32 matmul (its autotune takes most of a quick run).
+    parity_only: bool,
     repeats: usize,
 }
 
@@ -38,6 +41,7 @@ fn parse_args() -> Args {
     let mut args = Args {
         out: None,
         quick: false,
+        parity_only: false,
         repeats: 5,
     };
     let mut raw = std::env::args().skip(1);
@@ -45,6 +49,7 @@ fn parse_args() -> Args {
         match flag.as_str() {
             "--out" => args.out = raw.next(),
             "--quick" => args.quick = true,
+            "--parity-only" => args.parity_only = true,
             "--repeats" => {
                 args.repeats = raw
                     .next()
@@ -651,17 +656,26 @@ fn main() {
     let startup = json!({"startup_and_fused_parity_seconds": first_section_seconds});
     parity.extend(section("gemm_parity", &mut errors, gemm_parity).unwrap_or_default());
     parity.extend(section("gemm_ordering", &mut errors, ordering_check));
-    timings.extend(
-        section("gemm_timings", &mut errors, || gemm_timings(&args, &client)).unwrap_or_default(),
-    );
+    if !args.parity_only {
+        timings.extend(
+            section("gemm_timings", &mut errors, || gemm_timings(&args, &client))
+                .unwrap_or_default(),
+        );
+    }
     write(&parity, &timings, &errors, startup.clone());
     if let Some((loss_parity, loss_timing)) =
         section("segment_loss", &mut errors, || segment_loss(&args))
     {
         parity.extend(loss_parity);
-        timings.extend(loss_timing);
+        if !args.parity_only {
+            timings.extend(loss_timing);
+        }
     }
     write(&parity, &timings, &errors, startup.clone());
+    if args.parity_only {
+        report_failures(&parity, &errors);
+        return;
+    }
     timings.extend(
         section("fused_timings", &mut errors, || {
             fused_timings(&args, &client)
@@ -674,6 +688,10 @@ fn main() {
     let mut extra_report = startup.clone();
     extra_report["burn_f32_matmul"] = extra.unwrap_or(Value::Null);
     write(&parity, &timings, &errors, extra_report);
+    report_failures(&parity, &errors);
+}
+
+fn report_failures(parity: &[Value], errors: &[Value]) {
     let failed = parity.iter().filter(|p| p["ok"] == false).count();
     println!(
         "parity: {} checks, {failed} failed; {} sections failed",

@@ -25,7 +25,7 @@ pub struct AdamWStep {
 
 impl AdamWStep {
     /// `(1 - lr wd, lr / (1 - b1^t), sqrt(1 - b2^t))`, computed in f64 on the host as PyTorch
-    /// does, before both implementations round them to f32.
+    /// does, before the kernel rounds them to f32 (the reference computes its own).
     pub(crate) fn corrections(&self) -> (f64, f64, f64) {
         let t = self.step as f64;
         let bias1 = 1.0 - self.beta1.powf(t);

@@ -31,7 +31,12 @@ pub fn adamw_step<B: Backend>(
         shape,
         "AdamW gradient and parameter shapes differ"
     );
-    let (decay, step_size, bias2_sqrt) = step.corrections();
+    // PyTorch's scalars, written out here rather than shared with the kernel so that the parity
+    // test checks them too: `bias_correction1 = 1 - beta1 ** step`, `step_size = lr /
+    // bias_correction1`, `bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5`.
+    let t = step.step as f64;
+    let step_size = step.lr / (1.0 - step.beta1.powf(t));
+    let bias2_sqrt = (1.0 - step.beta2.powf(t)).sqrt();
     let grad = flat_f32::<B>(grad);
     let m = grad.clone().mul_scalar(1.0 - step.beta1);
     let m = match exp_avg {
@@ -45,7 +50,7 @@ pub fn adamw_step<B: Backend>(
     };
     let mut param = flat_f32::<B>(param);
     if step.weight_decay != 0.0 {
-        param = param.mul_scalar(decay);
+        param = param.mul_scalar(1.0 - step.lr * step.weight_decay);
     }
     let denom = v.clone().sqrt().div_scalar(bias2_sqrt).add_scalar(step.eps);
     let param = param - m.clone().div(denom).mul_scalar(step_size);

@@ -1,0 +1,225 @@
+//! Loss and gradients against PyTorch autograd through transformers + PEFT
+//! (`fixtures/gradients`, written by `make_gradients.py`): LoRA on the attention projections and
+//! on all seven, LeMo's token-sparse graph replaying fixed kept rows, and LongLoRA (S2 attention,
+//! trainable embeddings and norms). Each case loads the adapter PEFT saved onto the transformers
+//! fixture it was made on, and checks the plain backward pass and the recomputing one
+//! (per-layer activation checkpointing), in f32, within 1e-4 of each gradient's largest value.
+//! Every trainable tensor must have an expected gradient and every expected gradient must be
+//! found, so a parameter trained on one side only fails too.
+
+use std::collections::BTreeMap;
+
+use burn::backend::Autodiff;
+use burn::module::Param;
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use lemo_kernels::precision::Precision;
+use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
+use lemo_models::CausalLm;
+use lemo_models::token_plan::{LayerPlan, TokenPlan, TokenSparsity};
+use lemo_sparsity::KeptRows;
+use lemo_test_support::files::HostTensor;
+use lemo_test_support::{
+    assert_close_scalar, assert_close_values, gradient_fixture, hf_fixture, read_json,
+    read_safetensors,
+};
+
+/// f32 on both sides, summed in different orders.
+const TOLERANCE: f64 = 1e-4;
+/// Rows per chunk of the segment-based loss (no divisor of the cases' lengths).
+const CHUNK_ROWS: usize = 7;
+/// The prefix of PEFT's saved names.
+const PEFT: &str = "base_model.model";
+
+/// What PyTorch computed for one case.
+struct Expected {
+    tokens: HostTensor,
+    /// The kept rows of the token-sparse case.
+    plan: Option<TokenPlan>,
+    loss_sum: f64,
+    /// By PEFT name (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`).
+    gradients: BTreeMap<String, HostTensor>,
+}
+
+/// The fixture model with the case's adapter, trainable extras and attention, and what PyTorch
+/// computed.
+fn load<B: LemoBackend>(case: &str, device: &B::Device) -> (CausalLm<B>, Expected) {
+    let dir = gradient_fixture(case);
+    let description = read_json(&dir.join("case.json"));
+    let base = hf_fixture(description["base"].as_str().unwrap());
+    let (model, _) = CausalLm::<B>::from_path(&base, device, Precision::F32).unwrap();
+    let (model, mut config) = model.load_adapter(&dir).unwrap();
+    // LongLoRA's extras train from the base weights: the adapter holds only LoRA.
+    config.train_embeddings = description["train_embeddings"].as_bool().unwrap();
+    config.train_norms = description["train_norms"].as_bool().unwrap();
+    let mut model = model.set_extra_trainable(&config).unwrap();
+    model.set_shifted_group(description["s2_group"].as_u64().map(|g| g as usize));
+
+    let mut tensors = read_safetensors(&dir.join("expected.safetensors"));
+    let plan = token_plan(&tensors, model.num_layers());
+    let expected = Expected {
+        tokens: tensors.remove("input_ids").expect("input_ids"),
+        plan,
+        loss_sum: tensors["loss_sum"].values[0],
+        gradients: tensors
+            .into_iter()
+            .filter_map(|(k, v)| Some((k.strip_prefix("grad.")?.to_string(), v)))
+            .collect(),
+    };
+    (model, expected)
+}
+
+/// The fixture's kept rows (`kept.{layer}.{attention|mlp}`, `[batch, kept]`), if any: a block
+/// without them is dense.
+fn token_plan(tensors: &BTreeMap<String, HostTensor>, layers: usize) -> Option<TokenPlan> {
+    let seq = tensors["input_ids"].shape[1];
+    let kept = |layer: usize, block: &str| {
+        tensors
+            .get(&format!("kept.{layer}.{block}"))
+            .map(|t| KeptRows {
+                rows: t.to_i64().into_iter().map(|r| r as u32).collect(),
+                batch: t.shape[0],
+                kept: t.shape[1],
+                seq,
+            })
+    };
+    let layers: Vec<LayerPlan> = (0..layers)
+        .map(|l| LayerPlan {
+            attention: kept(l, "attention"),
+            mlp: kept(l, "mlp"),
+        })
+        .collect();
+    let sparse = layers
+        .iter()
+        .any(|l| l.attention.is_some() || l.mlp.is_some());
+    sparse.then(|| TokenPlan {
+        layers,
+        ..TokenPlan::default()
+    })
+}
+
+/// The gradient in `gradients` of a trainable `param`, if the backward pass reached it.
+fn gradient<B: AutodiffBackend, const D: usize>(
+    param: &Param<Tensor<B, D>>,
+    gradients: &B::Gradients,
+) -> Option<Vec<f32>> {
+    let value = param.val();
+    if !value.is_require_grad() {
+        return None;
+    }
+    let grad = value.grad(gradients)?;
+    Some(grad.into_data().convert::<f32>().into_vec().unwrap())
+}
+
+/// Adds the gradient in `gradients` of every trainable tensor of `model` to `into`, by PEFT
+/// name (a partial backward pass reaches some of them).
+fn add_gradients<B: AutodiffBackend + LemoBackend>(
+    model: &CausalLm<B>,
+    gradients: &B::Gradients,
+    into: &mut BTreeMap<String, Vec<f32>>,
+) {
+    let mut add = |name: String, grad: Option<Vec<f32>>| {
+        if let Some(grad) = grad {
+            let sum = into
+                .entry(format!("{PEFT}.{name}"))
+                .or_insert_with(|| vec![0.0; grad.len()]);
+            sum.iter_mut().zip(grad).for_each(|(s, g)| *s += g);
+        }
+    };
+    let mut model = model.clone();
+    for (name, linear) in model.projections_mut() {
+        if let Some(lora) = &linear.lora {
+            add(format!("{name}.lora_A.weight"), gradient(&lora.a, gradients));
+            add(format!("{name}.lora_B.weight"), gradient(&lora.b, gradients));
+        }
+    }
+    let CausalLm::Llama(llama) = &model else {
+        return;
+    };
+    let embedding = gradient(&llama.embed_tokens, gradients);
+    add("model.embed_tokens.weight".into(), embedding);
+    for (i, layer) in llama.layers.iter().enumerate() {
+        let input = gradient(&layer.input_layernorm.weight, gradients);
+        add(format!("model.layers.{i}.input_layernorm.weight"), input);
+        let post = gradient(&layer.post_attention_layernorm.weight, gradients);
+        add(format!("model.layers.{i}.post_attention_layernorm.weight"), post);
+    }
+    add("model.norm.weight".into(), gradient(&llama.norm.weight, gradients));
+}
+
+fn compare(pass: &str, loss_sum: f64, found: &BTreeMap<String, Vec<f32>>, expected: &Expected) {
+    assert_close_scalar(&format!("{pass}: loss sum"), loss_sum, expected.loss_sum, 1e-5);
+    let names = |m: Vec<&String>| m.into_iter().cloned().collect::<Vec<_>>();
+    assert_eq!(
+        names(found.keys().collect()),
+        names(expected.gradients.keys().collect()),
+        "{pass}: the tensors that got a gradient differ from PyTorch's trainable ones"
+    );
+    for (name, gradient) in found {
+        let reference = &expected.gradients[name];
+        assert_close_values(
+            &format!("{pass}: d {name}"),
+            gradient,
+            &reference.to_f32(),
+            TOLERANCE,
+        );
+    }
+}
+
+fn check<B: AutodiffBackend + LemoBackend>(case: &str, device: &B::Device)
+where
+    B::InnerBackend: LemoBackend,
+{
+    let (model, expected) = load::<B>(case, device);
+    let tokens = Tensor::<B, 2, Int>::from_data(
+        TensorData::new(expected.tokens.to_i64(), expected.tokens.shape.clone()),
+        device,
+    );
+    let sparsity = || match &expected.plan {
+        Some(plan) => TokenSparsity::Replay(plan),
+        None => TokenSparsity::Dense,
+    };
+
+    let (loss, _) = model.next_token_loss_sum(tokens.clone(), CHUNK_ROWS, &mut sparsity());
+    let mut found = BTreeMap::new();
+    add_gradients(&model, &loss.clone().backward(), &mut found);
+    let loss_sum: f32 = loss.into_scalar().elem();
+    compare("plain", loss_sum as f64, &found, &expected);
+
+    let mut found = BTreeMap::new();
+    let (loss, _) = model.next_token_loss_backward_recomputed(
+        tokens,
+        CHUNK_ROWS,
+        1.0,
+        &mut sparsity(),
+        &mut |gradients| add_gradients(&model, gradients, &mut found),
+    );
+    let loss_sum: f32 = loss.into_scalar().elem();
+    compare("recomputed", loss_sum as f64, &found, &expected);
+}
+
+#[test]
+fn lora_on_attention_with_grouped_query_heads_matches_pytorch() {
+    check::<Autodiff<CpuBackend>>("lora_gqa", &Default::default());
+}
+
+#[test]
+fn lora_on_every_projection_with_biases_and_f16_weights_matches_pytorch() {
+    check::<Autodiff<CpuBackend>>("lora_all_bias_f16", &Default::default());
+}
+
+#[test]
+fn token_sparse_kept_rows_graph_matches_pytorch() {
+    check::<Autodiff<CpuBackend>>("token_sparse", &Default::default());
+}
+
+#[test]
+fn longlora_s2_with_trainable_embeddings_and_norms_matches_pytorch() {
+    check::<Autodiff<CpuBackend>>("longlora_s2", &Default::default());
+}
+
+/// The kernels' path (flash attention, fused norms, gather and scatter-add) on wgpu.
+#[test]
+fn token_sparse_kept_rows_graph_matches_pytorch_on_wgpu() {
+    check::<Autodiff<WgpuBackend>>("token_sparse", &Default::default());
+}
