@@ -16,6 +16,7 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use lemo_kernels::precision::Precision;
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
 use lemo_models::CausalLm;
+use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
 use lemo_models::token_plan::{LayerPlan, TokenPlan, TokenSparsity};
 use lemo_sparsity::KeptRows;
 use lemo_test_support::files::HostTensor;
@@ -187,11 +188,14 @@ where
     compare("plain", loss_sum as f64, &found, &expected);
 
     let mut found = BTreeMap::new();
-    let (loss, _) = model.next_token_loss_backward_recomputed(
+    let recompute_every_layer =
+        ActivationPlan::uniform(LayerActivations::Recomputed, model.num_layers());
+    let (loss, _) = model.next_token_loss_backward_planned(
         tokens,
         CHUNK_ROWS,
         1.0,
         &mut sparsity(),
+        &recompute_every_layer,
         &mut |gradients| add_gradients(&model, gradients, &mut found),
     );
     let loss_sum: f32 = loss.into_scalar().elem();
