@@ -108,7 +108,11 @@ pub fn run_checks(root: &Path, bundle: &Path, out: &Path) -> Result<()> {
     let bin = |name: &str| bundle.join("bin").join(name);
     let work = tempfile_dir()?;
     let env = Environment::detect(&work)?;
-    eprintln!("gpu-test: {} GPU(s): {}", env.gpus.len(), env.gpus.join(", "));
+    eprintln!(
+        "gpu-test: {} GPU(s): {}",
+        env.gpus.len(),
+        env.gpus.join(", ")
+    );
     let mut checks = Vec::new();
     checks.extend(kernel_checks(&env, &bin("compute_bench"), &work));
     checks.extend(attention_checks(root, &env, &bin("attention_bench"), &work));
@@ -132,7 +136,10 @@ pub fn run_checks(root: &Path, bundle: &Path, out: &Path) -> Result<()> {
         std::fs::create_dir_all(parent)?;
     }
     std::fs::write(out, serde_json::to_string_pretty(&report)? + "\n")?;
-    println!("{passed} passed, {failed} failed, {skips} skipped ({})", out.display());
+    println!(
+        "{passed} passed, {failed} failed, {skips} skipped ({})",
+        out.display()
+    );
     let _ = std::fs::remove_dir_all(&work);
     if failed > 0 {
         bail!("{failed} GPU check(s) failed: see {}", out.display());
@@ -175,7 +182,12 @@ impl Environment {
             print(hits[0] if hits else '')";
         let found = Command::new("python3").args(["-c", script]).output();
         let lines: Vec<String> = found
-            .map(|o| String::from_utf8_lossy(&o.stdout).lines().map(String::from).collect())
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .map(String::from)
+                    .collect()
+            })
             .unwrap_or_default();
         let nccl_dir = work.join("nccl");
         std::fs::create_dir_all(&nccl_dir)?;
@@ -232,12 +244,22 @@ fn kernel_checks(env: &Environment, bench: &Path, work: &Path) -> Vec<Value> {
         .map(|row| {
             let error = row["relative_error"].as_f64();
             let tolerance = row["tolerance"].as_f64().unwrap_or(0.0);
-            outcome("kernels", row["check"].as_str().unwrap_or("?"), error, tolerance)
+            outcome(
+                "kernels",
+                row["check"].as_str().unwrap_or("?"),
+                error,
+                tolerance,
+            )
         })
         .collect();
     for error in report["errors"].as_array().into_iter().flatten() {
         let section = error["section"].as_str().unwrap_or("?");
-        checks.push(outcome("kernels", &format!("{section} (panicked)"), None, 0.0));
+        checks.push(outcome(
+            "kernels",
+            &format!("{section} (panicked)"),
+            None,
+            0.0,
+        ));
     }
     checks
 }
@@ -304,7 +326,12 @@ fn attention_rows(row: &Value) -> Vec<Value> {
 fn model_checks(root: &Path, env: &Environment, lemo: &Path) -> Vec<Value> {
     let fixtures = root.join("crates/lemo-models/tests/fixtures/hf");
     let mut cases: Vec<PathBuf> = std::fs::read_dir(&fixtures)
-        .map(|dir| dir.flatten().map(|e| e.path()).filter(|p| p.is_dir()).collect())
+        .map(|dir| {
+            dir.flatten()
+                .map(|e| e.path())
+                .filter(|p| p.is_dir())
+                .collect()
+        })
         .unwrap_or_default();
     cases.sort();
     let mut checks = Vec::new();
@@ -325,7 +352,12 @@ fn model_checks(root: &Path, env: &Environment, lemo: &Path) -> Vec<Value> {
                 .args(["--precision", precision]);
             let loss = json_output(command).and_then(|v| v["loss"].as_f64());
             let error = loss.zip(expected).map(|(l, e)| (l - e).abs() / e.abs());
-            checks.push(outcome("models", &format!("{name} eval {precision}"), error, tolerance));
+            checks.push(outcome(
+                "models",
+                &format!("{name} eval {precision}"),
+                error,
+                tolerance,
+            ));
         }
     }
     checks
@@ -346,7 +378,11 @@ fn json_output(mut command: Command) -> Option<Value> {
 fn nccl_check(root: &Path, env: &Environment, lemo: &Path, work: &Path) -> Value {
     const CHECK: &str = "data parallel over NCCL: 2 ranks x batch 1 vs 1 rank x batch 2";
     if env.gpus.len() < 2 {
-        return skipped("nccl", CHECK, "one GPU on this machine (run on two or more)");
+        return skipped(
+            "nccl",
+            CHECK,
+            "one GPU on this machine (run on two or more)",
+        );
     }
     let fixture = root.join("crates/lemo-models/tests/fixtures/hf/llama_gqa_tied");
     let train = |name: &str, gpus: &str, batch: &str| -> Option<Vec<f64>> {
@@ -357,8 +393,24 @@ fn nccl_check(root: &Path, env: &Environment, lemo: &Path, work: &Path) -> Value
             .arg(&fixture)
             .arg("--data")
             .arg(fixture.join("tokens.jsonl"))
-            .args(["--seq-len", "32", "--steps", "3", "--warmup-steps", "0", "--lr", "1e-2"])
-            .args(["--val-every", "0", "--checkpoint-every", "0", "--cache-dir", "none"])
+            .args([
+                "--seq-len",
+                "32",
+                "--steps",
+                "3",
+                "--warmup-steps",
+                "0",
+                "--lr",
+                "1e-2",
+            ])
+            .args([
+                "--val-every",
+                "0",
+                "--checkpoint-every",
+                "0",
+                "--cache-dir",
+                "none",
+            ])
             .args(["--device", "cuda", "--precision", "f32", "--gpus", gpus])
             .args(["--batch-size", batch, "--out"])
             .arg(&out);

@@ -112,13 +112,14 @@ fn check<const D: usize>(lhs: Tensor<B, D>, rhs: Tensor<B, D>) {
 
     let (a, b, up) = (Host::of(&lhs), Host::of(&rhs), Host::of(&upstream));
     a.times(&b).assert_matches("out", out);
-    up.times(&b.transposed())
-        .summed_to(a.batch)
-        .assert_matches("d lhs", Tensor::<B, D>::from_inner(lhs.grad(&grads).unwrap()));
-    a.transposed()
-        .times(&up)
-        .summed_to(b.batch)
-        .assert_matches("d rhs", Tensor::<B, D>::from_inner(rhs.grad(&grads).unwrap()));
+    up.times(&b.transposed()).summed_to(a.batch).assert_matches(
+        "d lhs",
+        Tensor::<B, D>::from_inner(lhs.grad(&grads).unwrap()),
+    );
+    a.transposed().times(&up).summed_to(b.batch).assert_matches(
+        "d rhs",
+        Tensor::<B, D>::from_inner(rhs.grad(&grads).unwrap()),
+    );
 }
 
 /// Holds the crate's generator, seeded with the test seed, for the test's draws.

@@ -13,8 +13,8 @@ use lemo_kernels::precision::Precision;
 use lemo_models::gguf::{GgufFile, Header};
 use lemo_models::tokenizer::Tokenizer;
 use lemo_models::{CausalLm, KvCache, ModelConfig};
-use rand::{RngExt, SeedableRng, rngs::StdRng};
 use lemo_test_support::{read_json, smollm2_gguf};
+use rand::{RngExt, SeedableRng, rngs::StdRng};
 use serde_json::Value;
 
 type B = CpuBackend;

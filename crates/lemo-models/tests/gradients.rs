@@ -130,8 +130,14 @@ fn add_gradients<B: AutodiffBackend + LemoBackend>(
     let mut model = model.clone();
     for (name, linear) in model.projections_mut() {
         if let Some(lora) = &linear.lora {
-            add(format!("{name}.lora_A.weight"), gradient(&lora.a, gradients));
-            add(format!("{name}.lora_B.weight"), gradient(&lora.b, gradients));
+            add(
+                format!("{name}.lora_A.weight"),
+                gradient(&lora.a, gradients),
+            );
+            add(
+                format!("{name}.lora_B.weight"),
+                gradient(&lora.b, gradients),
+            );
         }
     }
     let CausalLm::Llama(llama) = &model else {
@@ -143,13 +149,24 @@ fn add_gradients<B: AutodiffBackend + LemoBackend>(
         let input = gradient(&layer.input_layernorm.weight, gradients);
         add(format!("model.layers.{i}.input_layernorm.weight"), input);
         let post = gradient(&layer.post_attention_layernorm.weight, gradients);
-        add(format!("model.layers.{i}.post_attention_layernorm.weight"), post);
+        add(
+            format!("model.layers.{i}.post_attention_layernorm.weight"),
+            post,
+        );
     }
-    add("model.norm.weight".into(), gradient(&llama.norm.weight, gradients));
+    add(
+        "model.norm.weight".into(),
+        gradient(&llama.norm.weight, gradients),
+    );
 }
 
 fn compare(pass: &str, loss_sum: f64, found: &BTreeMap<String, Vec<f32>>, expected: &Expected) {
-    assert_close_scalar(&format!("{pass}: loss sum"), loss_sum, expected.loss_sum, 1e-5);
+    assert_close_scalar(
+        &format!("{pass}: loss sum"),
+        loss_sum,
+        expected.loss_sum,
+        1e-5,
+    );
     let names = |m: Vec<&String>| m.into_iter().cloned().collect::<Vec<_>>();
     assert_eq!(
         names(found.keys().collect()),

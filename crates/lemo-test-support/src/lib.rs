@@ -10,8 +10,7 @@ pub mod skip;
 
 pub use cli::{assert_clean_error, run, stdout_json};
 pub use files::{
-    gradient_fixture, hf_fixture, read_json, read_safetensors, repo_root, shared_data,
-    smollm2_gguf,
+    gradient_fixture, hf_fixture, read_json, read_safetensors, repo_root, shared_data, smollm2_gguf,
 };
 pub use skip::skip;
 
