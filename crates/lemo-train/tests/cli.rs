@@ -510,7 +510,9 @@ fn trained_predictors_drive_a_lemo_evaluation_and_bad_ones_are_refused() {
             "--thresholds",
             thresholds.to_str().unwrap(),
         ]),
-        "predicts blocks of 8 tokens, but the thresholds use blocks of 16",
+        // The thresholds' block size is checked against --block-size first (the predictors'
+        // against the thresholds' after it, in `lemo::elimination::check_coverage`).
+        "was calibrated with blocks of 16 tokens, not --block-size 8",
     );
     std::fs::write(&thresholds, "not a predictors file").unwrap();
     assert_clean_error_owned(
