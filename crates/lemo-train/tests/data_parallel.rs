@@ -4,7 +4,7 @@
 //! exactly, and resuming with another rank count is a one-line error that leaves the run intact.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 fn lemo() -> Command {
@@ -110,13 +110,19 @@ fn check_two_ranks_train_as_one(method: &str, one_rank: &[&str]) -> serde_json::
         );
     }
 
-    let metrics = std::fs::read_to_string(two.join("metrics.jsonl")).unwrap();
-    let first: serde_json::Value = serde_json::from_str(metrics.lines().next().unwrap()).unwrap();
+    let first_step = |path: PathBuf| -> serde_json::Value {
+        let metrics = std::fs::read_to_string(path).unwrap();
+        metrics
+            .lines()
+            .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap())
+            .find(|record| record["kind"] != "val")
+            .expect("a step record")
+    };
+    let first = first_step(two.join("metrics.jsonl"));
     assert_eq!(first["ranks"], 2);
     assert_eq!(first["mem_peak_gib_by_rank"].as_array().unwrap().len(), 2);
     assert!(first["allreduce_share"].as_f64().unwrap() >= 0.0);
-    let single = std::fs::read_to_string(one.join("metrics.jsonl")).unwrap();
-    let single: serde_json::Value = serde_json::from_str(single.lines().next().unwrap()).unwrap();
+    let single = first_step(one.join("metrics.jsonl"));
     for kept in ["keep_attention", "keep_mlp"] {
         let (a, b) = (first[kept].as_f64(), single[kept].as_f64());
         let same = match (a, b) {
