@@ -435,7 +435,6 @@ where
     }
     // Reaches the embedding's parameters when they are trainable, and nothing otherwise.
     on_gradients(&propagate(decoder.embed(tokens, positions), grad_h));
-    drop(rebuild);
     drop(replay);
     // The caller gets the plan of the forward pass, as from a plain forward pass.
     if let (Some(recorded), TokenSparsity::Select { plan, .. }) = (recorded, sparsity) {
