@@ -193,12 +193,15 @@ fn fitted_layers<'a>(
     Ok(layers)
 }
 
+/// Token sequences of one length.
+type Sequences = Vec<Vec<u32>>;
+
 /// The training sequences and the held-out ones (`--eval-data`, else the last of `--data`).
 fn read_train_and_held_out(
     args: &TrainPredictorsArgs,
     config: &lemo_models::ModelConfig,
     seq_len: usize,
-) -> Result<(Vec<Vec<u32>>, Vec<Vec<u32>>)> {
+) -> Result<(Sequences, Sequences)> {
     let inspect = &args.inspect;
     let (train, held_out) = match &args.eval_data {
         Some(eval_data) => (
