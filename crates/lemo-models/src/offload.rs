@@ -60,9 +60,12 @@ impl<B: Backend> HostCopy<B> {
 
     /// Starts bringing the tensor back to its device (once; later calls do nothing).
     pub fn prefetch(&mut self) {
+        if matches!(self.state, State::Device(_)) {
+            return;
+        }
         let (sender, receiver) = mpsc::channel();
         let State::Host(host) = std::mem::replace(&mut self.state, State::Device(receiver)) else {
-            return;
+            unreachable!("checked above: the tensor is still on its way to the host");
         };
         let device = self.device.clone();
         on_transfer_thread(Box::new(move || {
