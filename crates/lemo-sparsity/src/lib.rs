@@ -43,10 +43,11 @@
 //! # }
 //! ```
 
+pub mod best_blocks;
 pub mod calibration;
 pub mod informativeness;
 pub mod selection;
 pub mod thresholds;
 
 pub use selection::KeptRows;
-pub use thresholds::{LayerThresholds, Thresholds};
+pub use thresholds::{LayerThresholds, Selection, Thresholds};
