@@ -343,6 +343,15 @@ impl<'a> TokenSparsity<'a> {
                     return None;
                 }
                 let block_size = thresholds.block_size;
+                let selection = thresholds.selection(layer, block);
+                // A block that would keep every block runs dense: the same values and gradients
+                // without the sparse path's copies.
+                if let (Some(Selection::Best(fraction)), Record::Nothing) = (selection, *record)
+                    && best_block_count(fraction, block_size, seq, FUSED_ATTENTION_LENGTH_MULTIPLE)
+                        >= seq.div_ceil(block_size)
+                {
+                    return None;
+                }
                 // Only attention blocks are predicted: an MLP block's exact scores are a
                 // reduction of the activations its pass computes anyway.
                 let predicted = match (predictors, *record, block) {
@@ -351,17 +360,6 @@ impl<'a> TokenSparsity<'a> {
                     }
                     _ => None,
                 };
-                let selection = thresholds.selection(layer, block);
-                let count = |fraction| {
-                    best_block_count(fraction, block_size, seq, FUSED_ATTENTION_LENGTH_MULTIPLE)
-                };
-                // A block that would keep every block runs dense: the same values and gradients
-                // without the sparse path's copies.
-                if let (Some(Selection::Best(fraction)), Record::Nothing) = (selection, *record)
-                    && count(fraction) >= seq.div_ceil(block_size)
-                {
-                    return None;
-                }
                 let (pass, scores) = match predicted {
                     Some(scores) => (pass(None), scores),
                     None => {
@@ -377,26 +375,9 @@ impl<'a> TokenSparsity<'a> {
                 let relative = matches!(selection, Some(Selection::Relative { .. }));
                 let values = (relative || *record != Record::Nothing)
                     .then(|| host_reads::read_f32(scores.clone()));
-                let kept = selection.map(|selection| match selection {
-                    Selection::Best(fraction) => {
-                        let (rows, dropped) =
-                            best_block_rows(scores, count(fraction), block_size, seq, dropped);
-                        BlockRows::on_device(rows, dropped, seq)
-                    }
-                    Selection::Relative { threshold, floor } => {
-                        let values = values.as_deref().expect("relative scores are read");
-                        let blocks = seq.div_ceil(block_size);
-                        let per_sequence: Vec<&[f32]> = values.chunks(blocks).collect();
-                        let kept = KeptRows::from_block_scores_aligned(
-                            &per_sequence,
-                            block_size,
-                            seq,
-                            threshold,
-                            floor,
-                            FUSED_ATTENTION_LENGTH_MULTIPLE,
-                        );
-                        BlockRows::from_host::<B>(kept, dropped, &input.device())
-                    }
+                let kept = selection.map(|selection| {
+                    let host_scores = values.as_deref();
+                    select_rows(selection, scores, host_scores, block_size, seq, dropped)
                 });
                 if let Some(values) = values.filter(|_| *record != Record::Nothing) {
                     let token_rows = match (*record, block) {
@@ -409,18 +390,46 @@ impl<'a> TokenSparsity<'a> {
                         }
                         _ => None,
                     };
-                    plan.record(
-                        layer,
-                        block,
-                        BlockRecord {
-                            scores: values,
-                            token_rows,
-                        },
-                    );
+                    let scores = values;
+                    plan.record(layer, block, BlockRecord { scores, token_rows });
                 }
                 *plan.layer_mut(layer).block_mut(block) = kept.clone();
                 kept.map(|kept| (kept, pass))
             }
+        }
+    }
+}
+
+/// The rows `selection` keeps by `scores: [batch, blocks]` of a sequence of `seq` tokens, with
+/// the dropped rows when `dropped`: on the device for a count known ahead, else from the scores
+/// on the host (`host_scores`, read by the caller).
+fn select_rows<B: Backend>(
+    selection: Selection,
+    scores: Tensor<B, 2>,
+    host_scores: Option<&[f32]>,
+    block_size: usize,
+    seq: usize,
+    dropped: bool,
+) -> BlockRows {
+    match selection {
+        Selection::Best(fraction) => {
+            let count =
+                best_block_count(fraction, block_size, seq, FUSED_ATTENTION_LENGTH_MULTIPLE);
+            let (rows, dropped) = best_block_rows(scores, count, block_size, seq, dropped);
+            BlockRows::on_device(rows, dropped, seq)
+        }
+        Selection::Relative { threshold, floor } => {
+            let values = host_scores.expect("relative thresholds read the scores");
+            let per_sequence: Vec<&[f32]> = values.chunks(seq.div_ceil(block_size)).collect();
+            let kept = KeptRows::from_block_scores_aligned(
+                &per_sequence,
+                block_size,
+                seq,
+                threshold,
+                floor,
+                FUSED_ATTENTION_LENGTH_MULTIPLE,
+            );
+            BlockRows::from_host::<B>(kept, dropped, &scores.device())
         }
     }
 }

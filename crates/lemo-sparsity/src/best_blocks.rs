@@ -162,7 +162,8 @@ mod tests {
         let seed = seed();
         let device = Default::default();
         let mut case = 0;
-        for (block_size, seq) in [(4, 40), (4, 37), (8, 8), (8, 13), (2, 3), (64, 1000)] {
+        let shapes: [(usize, usize); 6] = [(4, 40), (4, 37), (8, 8), (8, 13), (2, 3), (64, 1000)];
+        for (block_size, seq) in shapes {
             for fraction in [0.0, 0.3, 0.5, 0.9, 1.0] {
                 for row_multiple in [1, 16] {
                     case += 1;
