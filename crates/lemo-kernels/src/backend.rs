@@ -133,9 +133,10 @@ where
         attention::flash::backward::<R, F, I, BT>(q, k, v, out, lse, grad_out, options)
     }
 
-    /// On tensor-core devices the GEMM strips of [`block_scores::chunked`] (cuBLASLt at a few
-    /// hundred TFLOP/s); elsewhere the tile kernel, which reads each Q/K tile once per head
-    /// without tensor cores.
+    /// On tensor-core devices the tensor-core tile kernel ([`block_scores::mma`], blocks of a
+    /// multiple of its 64-token tiles), else the GEMM strips of [`block_scores::chunked`]
+    /// (cuBLASLt, `S x strip` scores at a time); elsewhere the tile kernel, which reads each Q/K
+    /// tile once per head without tensor cores.
     fn lemo_block_scores(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -143,7 +144,17 @@ where
         scale: f32,
     ) -> FloatTensor<Self> {
         let head_dim = q.meta.shape()[3];
-        if attention::tensor_core_supported(&q.client, q.dtype, head_dim) {
+        let tensor_cores = attention::tensor_core_supported(&q.client, q.dtype, head_dim);
+        if tensor_cores && block_size.is_multiple_of(block_scores::mma::TILE) {
+            let tiles_per_block = block_size / block_scores::mma::TILE;
+            let tiles = q.meta.shape()[2].div_ceil(block_size) * tiles_per_block;
+            let tile_max = block_scores::mma::tile_maxima(q, k, scale, tiles);
+            return block_scores::kernel::pool_tile_maxima::<R, F, I, BT>(
+                tile_max,
+                tiles_per_block,
+            );
+        }
+        if tensor_cores {
             let wrap = |t| Tensor::<Self, 4>::from_primitive(TensorPrimitive::Float(t));
             return block_scores::chunked::block_scores(wrap(q), wrap(k), block_size, scale)
                 .into_primitive()

@@ -32,6 +32,7 @@ pub mod compute;
 mod cuda_interop;
 pub mod fused;
 pub mod gemm;
+pub mod host_reads;
 pub mod known_value;
 pub mod loss;
 pub mod memory;

@@ -19,14 +19,13 @@ use lemo_kernels::memory::exact_size_buffers;
 use lemo_kernels::recomputed_rows::{FrozenMlp, with_recomputed_rows};
 use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
 
-use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 
 use crate::activation_plan::{ActivationPlan, LayerActivations};
 use crate::cache::{KvCache, LayerCache};
 use crate::offload::HostCopy;
 use crate::row_chunks::slice_len;
-use crate::token_plan::{DroppedRows, TokenSparsity};
+use crate::token_plan::{BlockRows, TokenSparsity};
 
 pub trait Decoder<B: Backend> {
     /// What every layer of one pass shares (Llama: the rotary tables of the pass's positions).
@@ -117,18 +116,16 @@ pub struct SparseBlock<B: Backend> {
     pub rows: Tensor<B, 2, Int>,
     pub pass: BlockPass<B>,
     /// The dropped rows, when the block's backward pass recomputes them (MLP blocks with
-    /// [`DroppedRows::Exact`]) and there are any.
+    /// [`crate::token_plan::DroppedRows::Exact`]) and there are any.
     pub dropped: Option<Tensor<B, 2, Int>>,
 }
 
 impl<B: Backend> SparseBlock<B> {
-    /// A block of `kept` rows; with `recomputed`, its backward pass reaches its dropped rows
-    /// (see [`Self::mlp_residual`]).
-    pub fn new(kept: &KeptRows, pass: BlockPass<B>, recomputed: bool) -> Self {
-        let device = pass.output.device();
+    /// A block of `kept` rows (and the dropped rows its backward pass reaches, if any).
+    pub fn new(kept: &BlockRows, pass: BlockPass<B>) -> Self {
         Self {
-            rows: kept.to_tensor(&device),
-            dropped: (recomputed && !kept.is_all()).then(|| kept.complement().to_tensor(&device)),
+            rows: kept.rows(),
+            dropped: kept.dropped(),
             pass,
         }
     }
@@ -188,13 +185,12 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
     sparsity: &mut TokenSparsity,
     mlp_graph: MlpGraph,
 ) -> Tensor<B, 3> {
-    let recomputed = sparsity.dropped_rows() == DroppedRows::Exact;
     let input = h.clone().detach();
     let sparse = sparsity
         .block(index, Block::Attention, &input, |block_size| {
             decoder.attention_pass(index, input.clone(), shared, block_size)
         })
-        .map(|(kept, pass)| SparseBlock::new(&kept, pass, false));
+        .map(|(kept, pass)| SparseBlock::new(&kept, pass));
     drop(input);
     let a = decoder.attention_block(index, h, shared, sparse, cache);
     let input = a.clone().detach();
@@ -202,7 +198,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
         .block(index, Block::Mlp, &input, |block_size| {
             decoder.mlp_pass(index, input.clone(), block_size)
         })
-        .map(|(kept, pass)| SparseBlock::new(&kept, pass, recomputed));
+        .map(|(kept, pass)| SparseBlock::new(&kept, pass));
     drop(input);
     let frozen = match (&sparse, mlp_graph) {
         (None, MlpGraph::Recomputed) => decoder.frozen_mlp(index),

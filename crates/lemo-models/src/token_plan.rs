@@ -6,32 +6,149 @@
 //! is how the recomputing backward pass of activation checkpointing rebuilds exactly the forward
 //! pass.
 
-use burn::tensor::Tensor;
+use std::any::Any;
+use std::sync::Arc;
+
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
 use lemo_kernels::ComputeBackend;
 use lemo_kernels::attention::FUSED_ATTENTION_LENGTH_MULTIPLE;
+use lemo_kernels::host_reads;
 use lemo_predictor::Predictors;
 use lemo_predictor::scorer::block_token_rows;
+use lemo_sparsity::best_blocks::{best_block_count, best_block_rows};
 use lemo_sparsity::calibration::Block;
-use lemo_sparsity::{KeptRows, Thresholds};
+use lemo_sparsity::{KeptRows, Selection, Thresholds};
 
 use crate::decoder::BlockPass;
 
+/// A device int tensor `[batch, n]` without its backend in the type: a plan is chosen by a pass
+/// of one backend and replayed by another (the checkpointed backward pass replays under
+/// autodiff the inner backend's forward pass, and the two share their int tensors).
+#[derive(Clone)]
+struct DeviceRows(Arc<dyn Any + Send + Sync>);
+
+impl DeviceRows {
+    fn new<B: Backend>(rows: Tensor<B, 2, Int>) -> Self {
+        Self(Arc::new(rows.into_primitive()))
+    }
+
+    fn tensor<B: Backend>(&self) -> Tensor<B, 2, Int> {
+        let rows = self
+            .0
+            .downcast_ref::<B::IntTensorPrimitive>()
+            .expect("kept rows are replayed on the backend that chose them, or its autodiff");
+        Tensor::from_primitive(rows.clone())
+    }
+}
+
+/// One block's kept rows, `[batch, kept]` positions of each sequence in increasing order, on the
+/// device of the pass that chose them; with the rows it drops where its backward pass reaches
+/// them (MLP blocks with [`DroppedRows::Exact`]).
+#[derive(Clone)]
+pub struct BlockRows {
+    pub batch: usize,
+    pub kept: usize,
+    pub seq: usize,
+    /// The same rows on the host, where they were selected there (thresholds relative to the
+    /// scores: the count is known only from them).
+    pub host: Option<KeptRows>,
+    rows: DeviceRows,
+    dropped: Option<DeviceRows>,
+}
+
+impl std::fmt::Debug for BlockRows {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockRows")
+            .field("batch", &self.batch)
+            .field("kept", &self.kept)
+            .field("seq", &self.seq)
+            .field("dropped", &self.dropped.is_some())
+            .finish()
+    }
+}
+
+impl BlockRows {
+    /// Rows chosen on the device: `rows: [batch, kept]`, `dropped: [batch, seq - kept]`.
+    pub fn on_device<B: Backend>(
+        rows: Tensor<B, 2, Int>,
+        dropped: Option<Tensor<B, 2, Int>>,
+        seq: usize,
+    ) -> Self {
+        let [batch, kept] = rows.dims();
+        Self {
+            batch,
+            kept,
+            seq,
+            host: None,
+            rows: DeviceRows::new(rows),
+            dropped: dropped.map(DeviceRows::new),
+        }
+    }
+
+    /// Rows chosen on the host, uploaded to `device`, with their complement when `dropped`
+    /// (and there is one).
+    pub fn from_host<B: Backend>(kept: KeptRows, dropped: bool, device: &B::Device) -> Self {
+        let upload = |rows: &KeptRows| {
+            let values: Vec<i32> = rows.rows.iter().map(|&r| r as i32).collect();
+            Tensor::<B, 2, Int>::from_data(TensorData::new(values, [rows.batch, rows.kept]), device)
+        };
+        let dropped = (dropped && !kept.is_all()).then(|| upload(&kept.complement()));
+        Self {
+            host: Some(kept.clone()),
+            ..Self::on_device(upload(&kept), dropped, kept.seq)
+        }
+    }
+
+    /// Kept rows over all rows.
+    pub fn fraction(&self) -> f64 {
+        self.kept as f64 / self.seq.max(1) as f64
+    }
+
+    /// `[batch, kept]` kept positions.
+    pub fn rows<B: Backend>(&self) -> Tensor<B, 2, Int> {
+        self.rows.tensor()
+    }
+
+    /// `[batch, seq - kept]` dropped positions, where the block's backward pass reaches them.
+    pub fn dropped<B: Backend>(&self) -> Option<Tensor<B, 2, Int>> {
+        self.dropped.as_ref().map(DeviceRows::tensor)
+    }
+
+    /// The kept rows on the host: those selected there, or a (counted) read of the device's.
+    pub fn to_host<B: Backend>(&self) -> KeptRows {
+        if let Some(host) = &self.host {
+            return host.clone();
+        }
+        let values = host_reads::read(self.rows::<B>())
+            .convert::<i64>()
+            .into_vec::<i64>()
+            .expect("i64 rows after conversion");
+        KeptRows {
+            rows: values.into_iter().map(|r| r as u32).collect(),
+            batch: self.batch,
+            kept: self.kept,
+            seq: self.seq,
+        }
+    }
+}
+
 /// The kept rows of one layer's two blocks; `None` is a dense block.
-#[derive(Debug, Clone, Default, PartialEq)]
+#[derive(Debug, Clone, Default)]
 pub struct LayerPlan {
-    pub attention: Option<KeptRows>,
-    pub mlp: Option<KeptRows>,
+    pub attention: Option<BlockRows>,
+    pub mlp: Option<BlockRows>,
 }
 
 impl LayerPlan {
-    pub fn block(&self, block: Block) -> Option<&KeptRows> {
+    pub fn block(&self, block: Block) -> Option<&BlockRows> {
         match block {
             Block::Attention => self.attention.as_ref(),
             Block::Mlp => self.mlp.as_ref(),
         }
     }
 
-    fn block_mut(&mut self, block: Block) -> &mut Option<KeptRows> {
+    fn block_mut(&mut self, block: Block) -> &mut Option<BlockRows> {
         match block {
             Block::Attention => &mut self.attention,
             Block::Mlp => &mut self.mlp,
@@ -109,7 +226,7 @@ impl TokenPlan {
         let total: f64 = self
             .layers
             .iter()
-            .map(|l| l.block(block).map_or(1.0, KeptRows::fraction))
+            .map(|l| l.block(block).map_or(1.0, BlockRows::fraction))
             .sum();
         total / self.layers.len() as f64
     }
@@ -187,15 +304,6 @@ impl<'a> TokenSparsity<'a> {
         self
     }
 
-    /// What the MLP blocks' backward pass does on their dropped rows.
-    pub fn dropped_rows(&self) -> DroppedRows {
-        match self {
-            TokenSparsity::Select { plan, .. } => plan.dropped_rows,
-            TokenSparsity::Replay(plan) => plan.dropped_rows,
-            TokenSparsity::Dense => DroppedRows::default(),
-        }
-    }
-
     /// The recorded plan of a selecting pass.
     pub fn into_plan(self) -> Option<TokenPlan> {
         match self {
@@ -208,14 +316,15 @@ impl<'a> TokenSparsity<'a> {
     /// (outside the graph), and the block's pass over every row that they come with; `None`:
     /// the block runs dense. `pass` computes the block outside the graph, with its exact
     /// token-block scores when given a block size, and is called only when the block is sparse
-    /// or its scores are recorded.
+    /// or its scores are recorded. A block that keeps its best blocks selects on the device; one
+    /// with a threshold relative to its scores, or whose scores are recorded, reads them.
     pub(crate) fn block<B: ComputeBackend>(
         &mut self,
         layer: usize,
         block: Block,
         input: &Tensor<B, 3>,
         pass: impl FnOnce(Option<usize>) -> BlockPass<B>,
-    ) -> Option<(KeptRows, BlockPass<B>)> {
+    ) -> Option<(BlockRows, BlockPass<B>)> {
         let [_, seq, _] = input.dims();
         match self {
             TokenSparsity::Dense => None,
@@ -234,6 +343,15 @@ impl<'a> TokenSparsity<'a> {
                     return None;
                 }
                 let block_size = thresholds.block_size;
+                let selection = thresholds.selection(layer, block);
+                // A block that would keep every block runs dense: the same values and gradients
+                // without the sparse path's copies.
+                if let (Some(Selection::Best(fraction)), Record::Nothing) = (selection, *record)
+                    && best_block_count(fraction, block_size, seq, FUSED_ATTENTION_LENGTH_MULTIPLE)
+                        >= seq.div_ceil(block_size)
+                {
+                    return None;
+                }
                 // Only attention blocks are predicted: an MLP block's exact scores are a
                 // reduction of the activations its pass computes anyway.
                 let predicted = match (predictors, *record, block) {
@@ -242,7 +360,6 @@ impl<'a> TokenSparsity<'a> {
                     }
                     _ => None,
                 };
-                let selection = thresholds.selection(layer, block, predicted.is_some());
                 let (pass, scores) = match predicted {
                     Some(scores) => (pass(None), scores),
                     None => {
@@ -254,49 +371,65 @@ impl<'a> TokenSparsity<'a> {
                         (pass, scores)
                     }
                 };
-                let [batch, blocks] = scores.dims();
-                let values: Vec<f32> = scores
-                    .into_data()
-                    .convert::<f32>()
-                    .into_vec()
-                    .expect("f32 scores");
-                let kept = selection.map(|(threshold, floor)| {
-                    let per_sequence: Vec<&[f32]> =
-                        values.chunks(blocks.max(1)).take(batch).collect();
-                    KeptRows::from_block_scores_aligned(
-                        &per_sequence,
-                        block_size,
-                        seq,
-                        threshold,
-                        floor,
-                        FUSED_ATTENTION_LENGTH_MULTIPLE,
-                    )
+                let dropped = block == Block::Mlp && plan.dropped_rows == DroppedRows::Exact;
+                let relative = matches!(selection, Some(Selection::Relative { .. }));
+                let values = (relative || *record != Record::Nothing)
+                    .then(|| host_reads::read_f32(scores.clone()));
+                let kept = selection.map(|selection| {
+                    let host_scores = values.as_deref();
+                    select_rows(selection, scores, host_scores, block_size, seq, dropped)
                 });
-                if *record != Record::Nothing {
+                if let Some(values) = values.filter(|_| *record != Record::Nothing) {
                     let token_rows = match (*record, block) {
                         (Record::ScoresAndTokenRows { tokens_per_block }, Block::Attention) => {
-                            Some(
-                                block_token_rows(input.clone(), block_size, tokens_per_block)
-                                    .into_data()
-                                    .convert::<f32>()
-                                    .into_vec()
-                                    .expect("f32 token rows"),
-                            )
+                            Some(host_reads::read_f32(block_token_rows(
+                                input.clone(),
+                                block_size,
+                                tokens_per_block,
+                            )))
                         }
                         _ => None,
                     };
-                    plan.record(
-                        layer,
-                        block,
-                        BlockRecord {
-                            scores: values,
-                            token_rows,
-                        },
-                    );
+                    let scores = values;
+                    plan.record(layer, block, BlockRecord { scores, token_rows });
                 }
                 *plan.layer_mut(layer).block_mut(block) = kept.clone();
                 kept.map(|kept| (kept, pass))
             }
+        }
+    }
+}
+
+/// The rows `selection` keeps by `scores: [batch, blocks]` of a sequence of `seq` tokens, with
+/// the dropped rows when `dropped`: on the device for a count known ahead, else from the scores
+/// on the host (`host_scores`, read by the caller).
+fn select_rows<B: Backend>(
+    selection: Selection,
+    scores: Tensor<B, 2>,
+    host_scores: Option<&[f32]>,
+    block_size: usize,
+    seq: usize,
+    dropped: bool,
+) -> BlockRows {
+    match selection {
+        Selection::Best(fraction) => {
+            let count =
+                best_block_count(fraction, block_size, seq, FUSED_ATTENTION_LENGTH_MULTIPLE);
+            let (rows, dropped) = best_block_rows(scores, count, block_size, seq, dropped);
+            BlockRows::on_device(rows, dropped, seq)
+        }
+        Selection::Relative { threshold, floor } => {
+            let values = host_scores.expect("relative thresholds read the scores");
+            let per_sequence: Vec<&[f32]> = values.chunks(seq.div_ceil(block_size)).collect();
+            let kept = KeptRows::from_block_scores_aligned(
+                &per_sequence,
+                block_size,
+                seq,
+                threshold,
+                floor,
+                FUSED_ATTENTION_LENGTH_MULTIPLE,
+            );
+            BlockRows::from_host::<B>(kept, dropped, &scores.device())
         }
     }
 }

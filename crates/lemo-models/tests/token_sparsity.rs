@@ -11,7 +11,7 @@ use common::{GradientSums, assert_same_gradients, every_token_kept, half_kept, t
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
 use lemo_models::CausalLm;
 use lemo_models::lora::LLAMA_PROJECTIONS;
-use lemo_models::token_plan::{LayerPlan, TokenPlan, TokenSparsity};
+use lemo_models::token_plan::{BlockRows, LayerPlan, TokenPlan, TokenSparsity};
 use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 use lemo_test_support::random_tokens;
@@ -94,8 +94,16 @@ fn a_sparse_layer_computes_the_dense_values_and_back_propagates_through_its_kept
         seq: 40,
     };
     plan.layers.push(LayerPlan {
-        attention: Some(rows(&[0..8, 24..40])),
-        mlp: Some(rows(&[0..8, 32..40])),
+        attention: Some(BlockRows::from_host::<B>(
+            rows(&[0..8, 24..40]),
+            false,
+            &device,
+        )),
+        mlp: Some(BlockRows::from_host::<B>(
+            rows(&[0..8, 32..40]),
+            true,
+            &device,
+        )),
     });
     let CausalLm::Llama(llama) = &model else {
         unreachable!()
@@ -179,7 +187,8 @@ fn check_exact_dropped_rows<D: lemo_models::decoder::Decoder<Ad>>(decoder: &D, h
     };
     let sparse = gradient_of(&|input| {
         let pass = decoder.mlp_pass(0, input.clone(), None);
-        decoder.mlp_block(0, input, Some(SparseBlock::new(&kept, pass, true)))
+        let kept = BlockRows::from_host::<Ad>(kept.clone(), true, &device);
+        decoder.mlp_block(0, input, Some(SparseBlock::new(&kept, pass)))
     });
     let dense = gradient_of(&|input| decoder.mlp_block(0, input, None));
     let max = |t: Tensor<CpuBackend, 3>| -> f32 { t.abs().max().into_scalar().elem() };
@@ -238,16 +247,20 @@ fn each_sequence_of_a_batch_keeps_its_own_rows() {
                 .layers
                 .iter()
                 .map(|l| {
-                    let pick = |kept: &Option<KeptRows>| {
-                        kept.as_ref().map(|k| KeptRows {
-                            rows: k.rows[sequence * k.kept..(sequence + 1) * k.kept].to_vec(),
-                            batch: 1,
-                            ..k.clone()
+                    let pick = |kept: &Option<BlockRows>, dropped: bool| {
+                        kept.as_ref().map(|k| {
+                            let k = k.to_host::<B>();
+                            let own = KeptRows {
+                                rows: k.rows[sequence * k.kept..(sequence + 1) * k.kept].to_vec(),
+                                batch: 1,
+                                ..k.clone()
+                            };
+                            BlockRows::from_host::<B>(own, dropped, &device)
                         })
                     };
                     LayerPlan {
-                        attention: pick(&l.attention),
-                        mlp: pick(&l.mlp),
+                        attention: pick(&l.attention, false),
+                        mlp: pick(&l.mlp, true),
                     }
                 })
                 .collect(),
@@ -267,8 +280,8 @@ fn each_sequence_of_a_batch_keeps_its_own_rows() {
         );
     }
     // The two sequences' token blocks differ, so at least one block keeps different rows.
-    let differs = |kept: &Option<KeptRows>| {
-        let kept = kept.as_ref().unwrap();
+    let differs = |kept: &Option<BlockRows>| {
+        let kept = kept.as_ref().unwrap().to_host::<B>();
         kept.rows[..kept.kept] != kept.rows[kept.kept..]
     };
     assert!(
@@ -327,12 +340,16 @@ fn predicted_attention_scores_choose_a_fixed_fraction_and_the_pass_stays_exact()
                 .reshape([1, 12, 8, hidden]);
         let scores = predictor.as_ref().unwrap().log_scores(token_rows).exp();
         let expected = KeptRows::select(&scores, 8, 96, f32::MAX, 0.25);
-        let kept = plan.layers[layer].attention.as_ref().unwrap();
-        assert_eq!(kept, &expected, "layer {layer}");
+        let host = |kept: &Option<BlockRows>| kept.as_ref().map(BlockRows::to_host::<B>);
+        let kept = host(&plan.layers[layer].attention).unwrap();
+        assert_eq!(kept, expected, "layer {layer}");
         assert_eq!(kept.kept, 3 * 8, "layer {layer}");
-        differs_from_exact |= recorded.layers[layer].attention.as_ref() != Some(kept);
+        differs_from_exact |= host(&recorded.layers[layer].attention) != Some(kept);
         // The MLP blocks selected from their exact scores, and recorded no token rows.
-        assert_eq!(plan.layers[layer].mlp, recorded.layers[layer].mlp);
+        assert_eq!(
+            host(&plan.layers[layer].mlp),
+            host(&recorded.layers[layer].mlp)
+        );
         let mlp = recorded.scores[layer].block(Block::Mlp).unwrap();
         assert!(mlp.token_rows.is_none(), "layer {layer}");
     }

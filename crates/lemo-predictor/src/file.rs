@@ -450,6 +450,7 @@ mod tests {
             attention: Some(1.0),
             mlp: Some(0.8),
             attention_keep: Some(0.5),
+            mlp_keep: None,
         };
         PredictorsHeader::new(thresholds, 3)
     }

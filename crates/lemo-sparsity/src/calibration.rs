@@ -150,18 +150,18 @@ impl Calibrator {
             .iter()
             .enumerate()
             .map(|(layer, blocks)| {
-                let threshold = |b: usize| {
-                    blocks[b].map(|d| {
-                        quantile(
-                            &self.profiles[layer][b],
-                            drop(layer, b, d).clamp(0.0, self.max_drop),
-                        )
-                    })
-                };
+                let dropped =
+                    |b: usize| blocks[b].map(|d| drop(layer, b, d).clamp(0.0, self.max_drop));
+                let threshold =
+                    |b: usize| dropped(b).map(|d| quantile(&self.profiles[layer][b], d));
+                // Training keeps exactly the fraction the threshold keeps of the profiles: the
+                // kept count is then known before the step's scores.
+                let keep = |b: usize| dropped(b).map(|d| (1.0 - d) as f32);
                 LayerThresholds {
                     attention: threshold(0),
                     mlp: threshold(1),
-                    attention_keep: None,
+                    attention_keep: keep(0),
+                    mlp_keep: keep(1),
                 }
             })
             .collect()
@@ -172,6 +172,35 @@ impl Calibrator {
         if let Some(d) = &mut self.drop[layer][slot(block)] {
             *d = (*d - rate * gradient).clamp(0.0, self.max_drop);
         }
+    }
+
+    /// Mean kept fraction of the token-eliminating blocks of one kind, `1 - d` each (what
+    /// training keeps: each block its best `1 - d` of the token blocks); `None` without any.
+    pub fn keep(&self, block: Block) -> Option<f64> {
+        let kept: Vec<f64> = self
+            .drop
+            .iter()
+            .filter_map(|blocks| blocks[slot(block)].map(|d| 1.0 - d))
+            .collect();
+        (!kept.is_empty()).then(|| kept.iter().sum::<f64>() / kept.len() as f64)
+    }
+
+    /// Step 3 without passes over the data: the common shift of one kind's drop fractions that
+    /// puts its mean kept fraction on `target` (bisection; the kept fraction falls as the shift
+    /// grows), applied for good. Training keeps exactly each block's fraction, so the profile
+    /// alone says what a shift keeps.
+    pub fn meet_target(&mut self, block: Block, target: f64) {
+        let (mut low, mut high) = (-1.0, 1.0);
+        for _ in 0..40 {
+            let middle = 0.5 * (low + high);
+            let mut shifted = self.clone();
+            shifted.shift(block, middle);
+            match shifted.keep(block) {
+                Some(keep) if keep > target => low = middle,
+                _ => high = middle,
+            }
+        }
+        self.shift(block, 0.5 * (low + high));
     }
 
     /// Step 3: moves the drop fraction of every block of one kind by `delta` for good.
@@ -208,6 +237,9 @@ mod tests {
         assert!(!calibrator.is_sparse(1, Block::Mlp));
         let thresholds = calibrator.thresholds();
         assert_eq!(thresholds[0].attention, Some(6.5));
+        // Training keeps exactly what the threshold keeps of the profile.
+        assert_eq!(thresholds[0].attention_keep, Some(0.25));
+        assert_eq!(thresholds[0].mlp_keep, Some(0.25));
         assert_eq!(thresholds[1], LayerThresholds::default());
     }
 
@@ -224,6 +256,28 @@ mod tests {
         let moved = calibrator.perturbed(0, Block::Attention, 0.5);
         assert_eq!(moved[0].attention, Some(2.5));
         assert_eq!(moved[0].mlp, calibrator.thresholds()[0].mlp);
+    }
+
+    #[test]
+    fn the_target_is_met_by_one_shift_of_each_kind_within_bounds() {
+        let layers = vec![
+            profile(&[1.0, 2.0, 3.0, 10.0]),
+            profile(&[1.0, 1.0, 1.0, 5.0]),
+            profile(&[4.0; 4]),
+        ];
+        let mut calibrator = Calibrator::new(layers, &[2], 0.5, 0.95);
+        // Mean scores drop 3 of 4 in both sparse layers: 0.25 kept.
+        assert_eq!(calibrator.keep(Block::Attention), Some(0.25));
+        calibrator.meet_target(Block::Attention, 0.6);
+        let keep = calibrator.keep(Block::Attention).unwrap();
+        assert!((keep - 0.6).abs() < 1e-9, "{keep}");
+        assert_eq!(calibrator.keep(Block::Mlp), Some(0.25));
+        // Past what the bounds allow, every sparse block ends at the bound.
+        calibrator.meet_target(Block::Mlp, 0.0);
+        assert!((calibrator.keep(Block::Mlp).unwrap() - 0.05).abs() < 1e-9);
+        let thresholds = calibrator.thresholds();
+        assert!((thresholds[0].attention_keep.unwrap() - 0.6).abs() < 1e-6);
+        assert_eq!(thresholds[2].attention_keep, None);
     }
 
     #[test]

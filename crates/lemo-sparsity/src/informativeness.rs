@@ -3,7 +3,7 @@
 //! causal half of `Q K^T`, no softmax, no `V`) and O(S f) for the MLP.
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::block_scores::block_scores;
 
@@ -73,11 +73,17 @@ pub fn mlp<B: Backend>(activations: Tensor<B, 3>, block_size: usize) -> Tensor<B
     } else {
         per_token
     };
-    let counts: Vec<f32> = (0..blocks)
-        .map(|n| ((n + 1) * block_size).min(seq) as f32 - (n * block_size) as f32)
-        .map(|tokens| tokens * ffn as f32)
-        .collect();
-    let counts = Tensor::<B, 1>::from_data(TensorData::new(counts, [blocks]), &per_token.device())
+    // Values per block, built on the device: the last block may be short.
+    let device = per_token.device();
+    let starts =
+        Tensor::<B, 1, Int>::arange(0..blocks as i64, &device).mul_scalar(block_size as i64);
+    let counts = (starts
+        .clone()
+        .add_scalar(block_size as i64)
+        .clamp_max(seq as i64)
+        - starts)
+        .float()
+        .mul_scalar(ffn as f32)
         .reshape([1, blocks]);
     per_token
         .reshape([batch, blocks, block_size])

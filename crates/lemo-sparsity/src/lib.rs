@@ -9,12 +9,15 @@
 //! - MLP: the mean absolute activation (`silu(gate) * up`, or OPT's ReLU output) of the block's
 //!   tokens ([`informativeness::mlp`]).
 //!
-//! A block is kept when its score reaches the layer's threshold ([`Thresholds`]) times the mean
-//! score of the sequence's blocks; the first block
-//! (the attention sink) and the last block are always kept, and a floor on the kept fraction
-//! holds whatever the scores ([`selection`]). Thresholds come from calibration
-//! ([`calibration`]): each starts at the layer's mean score and is refined toward a target kept
-//! fraction at the least loss.
+//! Each block keeps a fixed fraction of its sequence's token blocks, the best-scoring ones, a
+//! count known before the scores: [`best_blocks`] selects them on the device, so a training step
+//! never waits for its scores. The first block (the attention sink) and the last block are always
+//! kept, and a floor on the kept fraction holds whatever the scores. The fractions come from
+//! calibration ([`calibration`]): each layer's threshold starts at the layer's mean score and is
+//! refined toward a target kept fraction at the least loss, and the layer keeps the fraction of
+//! the profiled blocks its threshold keeps ([`Thresholds`]). A threshold without a fraction keeps
+//! the blocks scoring at least it times the mean score of the sequence's blocks, selected on the
+//! host ([`selection`]).
 //!
 //! Two ways to use a kept set. The simplest, below, runs the block on the kept rows alone and lets
 //! the other rows pass through unchanged: right for a model trained that way, but a pretrained
@@ -43,10 +46,11 @@
 //! # }
 //! ```
 
+pub mod best_blocks;
 pub mod calibration;
 pub mod informativeness;
 pub mod selection;
 pub mod thresholds;
 
 pub use selection::KeptRows;
-pub use thresholds::{LayerThresholds, Thresholds};
+pub use thresholds::{LayerThresholds, Selection, Thresholds};

@@ -41,12 +41,7 @@ impl KeptRows {
         min_keep: f32,
     ) -> Self {
         let [batch, blocks] = scores.dims();
-        let values: Vec<f32> = scores
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .into_vec()
-            .expect("f32 scores");
+        let values = lemo_kernels::host_reads::read_f32(scores.clone());
         let per_sequence: Vec<&[f32]> = values.chunks(blocks.max(1)).take(batch).collect();
         Self::from_block_scores(&per_sequence, block_size, seq, threshold, min_keep)
     }
@@ -171,7 +166,12 @@ fn top_up(kept: &mut Vec<usize>, scores: &[f32], count: usize) {
 
 /// The least block count from `count` whose rows are a multiple of `row_multiple` (the last
 /// block, always kept, may be short), or `count` when none is.
-fn aligned_block_count(count: usize, block_size: usize, seq: usize, row_multiple: usize) -> usize {
+pub(crate) fn aligned_block_count(
+    count: usize,
+    block_size: usize,
+    seq: usize,
+    row_multiple: usize,
+) -> usize {
     let blocks = seq.div_ceil(block_size);
     if row_multiple <= 1 || count == 0 {
         return count;

@@ -30,12 +30,15 @@ pub enum ThresholdsError {
 pub struct LayerThresholds {
     pub attention: Option<f32>,
     pub mlp: Option<f32>,
-    /// The fraction of each sequence's token blocks the attention block keeps, its best ones,
-    /// when its scores are predicted: predictors select a fixed fraction, the one exact scores
-    /// keep at `attention`, raised where the predictions need more blocks to find enough of the
-    /// exactly kept ones (written by `train-predictors`).
+    /// The fraction of each sequence's token blocks the attention block keeps, its best ones:
+    /// calibration writes the fraction its threshold keeps on the calibration sequences, and
+    /// `train-predictors` raises it where predictions need more blocks to find enough of the
+    /// exactly kept ones. A count known ahead: the rows are selected on the device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub attention_keep: Option<f32>,
+    /// The same for the MLP block.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp_keep: Option<f32>,
 }
 
 impl LayerThresholds {
@@ -43,6 +46,14 @@ impl LayerThresholds {
         match block {
             Block::Attention => self.attention,
             Block::Mlp => self.mlp,
+        }
+    }
+
+    /// The kept fraction of `block`'s best token blocks, where one is set.
+    pub fn keep(&self, block: Block) -> Option<f32> {
+        match block {
+            Block::Attention => self.attention_keep,
+            Block::Mlp => self.mlp_keep,
         }
     }
 
@@ -65,6 +76,17 @@ pub struct Measured {
     pub keep_mlp: f64,
     pub sequences: usize,
     pub seq_len: usize,
+}
+
+/// How one block picks its kept token blocks (see [`crate::selection::KeptRows::select`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Selection {
+    /// Its best blocks, this fraction of them (rounded up, the first and the last included): a
+    /// count known before the scores ([`crate::best_blocks`]).
+    Best(f32),
+    /// The blocks scoring at least `threshold` times the sequence's mean block score, and at
+    /// least `floor` of them: a count known only from the scores.
+    Relative { threshold: f32, floor: f32 },
 }
 
 /// The thresholds of every layer of one model, with what they were calibrated for.
@@ -116,15 +138,18 @@ impl Thresholds {
         }
     }
 
-    /// How `block` of `layer` selects, `(threshold, floor)` (see
-    /// [`crate::selection::KeptRows::select`]); `None`: it stays dense. From `predicted`
-    /// attention scores with the layer's `attention_keep`, a floor alone: its best blocks.
-    pub fn selection(&self, layer: usize, block: Block, predicted: bool) -> Option<(f32, f32)> {
+    /// How `block` of `layer` selects; `None`: it stays dense. The layer's kept fraction of
+    /// the block (at least the floor), or a threshold no score reaches (`f32::MAX`, as
+    /// `--keep-exactly` writes) with the floor alone, keeps the best blocks: a count known
+    /// ahead. Otherwise the threshold is relative to the scores.
+    pub fn selection(&self, layer: usize, block: Block) -> Option<Selection> {
         let thresholds = &self.layers[layer];
         let threshold = thresholds.block(block)?;
-        Some(match (block, predicted, thresholds.attention_keep) {
-            (Block::Attention, true, Some(keep)) => (f32::MAX, keep),
-            _ => (threshold, self.min_keep_of(block)),
+        let floor = self.min_keep_of(block);
+        Some(match thresholds.keep(block) {
+            Some(keep) => Selection::Best(keep.max(floor)),
+            None if threshold == f32::MAX => Selection::Best(floor),
+            None => Selection::Relative { threshold, floor },
         })
     }
 

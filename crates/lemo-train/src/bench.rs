@@ -11,7 +11,7 @@ use anyhow::Result;
 use burn::backend::Autodiff;
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, Distribution, Tensor};
-use lemo_kernels::LemoBackend;
+use lemo_kernels::{LemoBackend, host_reads};
 use lemo_models::activation_plan::ActivationPlan;
 use lemo_models::activation_plan::planner::Budget;
 use lemo_models::weights::WeightSource;
@@ -119,6 +119,10 @@ pub struct BenchResult {
     /// ([`predictor_seconds`]), and their parameters.
     pub predictor_s: Option<f64>,
     pub predictor_params: Option<usize>,
+    /// Reads of device values by the host per timed step (each waits for the device to drain;
+    /// see `lemo_kernels::host_reads`): the loss, and with token elimination by thresholds
+    /// relative to the scores, one per token-eliminating block.
+    pub host_syncs_per_step: Option<f64>,
 }
 
 pub struct BenchJob {
@@ -156,9 +160,9 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
-/// Step times, peak and after-forward bytes, the model after the steps and the last step's
-/// token plan.
-type Measured<B> = (Vec<f64>, u64, u64, CausalLm<B>, Option<TokenPlan>);
+/// Step times, peak and after-forward bytes, the model after the steps, the last step's token
+/// plan and the host reads of the timed steps.
+type Measured<B> = (Vec<f64>, u64, u64, CausalLm<B>, Option<TokenPlan>, usize);
 
 /// What the memory plan needs of a bench run: batch 1, the bench's 1024-token loss segment.
 fn plan_input(
@@ -285,6 +289,7 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
             plan: planned.as_ref().ok().map(Planned::line),
             predictor_s: None,
             predictor_params: None,
+            host_syncs_per_step: None,
         };
         let activations = match planned {
             Ok(planned) => planned.activations,
@@ -326,7 +331,11 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
             let mut optimizer = AdamW::<B>::new(AdamWSettings::default());
             let (mut times, mut peak, mut after_forward) = (Vec::new(), 0u64, 0u64);
             let mut plan = None;
+            let mut reads_before_timing = host_reads::count();
             for step in 0..job.warmup + job.steps {
+                if step == job.warmup {
+                    reads_before_timing = host_reads::count();
+                }
                 let t0 = Instant::now();
                 let mut grads = NamedTensors::<B>::new();
                 let batch = int_tokens::<AB<B>>(std::slice::from_ref(&tokens), &device);
@@ -359,10 +368,12 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                         .max(memory::sample().os_peak);
                 }
             }
-            Ok((times, peak, after_forward, model, plan))
+            let reads = host_reads::count() - reads_before_timing;
+            Ok((times, peak, after_forward, model, plan, reads))
         }));
         match outcome {
-            Ok(Ok((times, peak, after_forward, _, plan))) => {
+            Ok(Ok((times, peak, after_forward, _, plan, reads))) => {
+                result.host_syncs_per_step = Some(reads as f64 / times.len().max(1) as f64);
                 if let Some(plan) = plan {
                     result.keep_attention = Some(sparse_keep(&plan, Block::Attention));
                     result.keep_mlp = Some(sparse_keep(&plan, Block::Mlp));

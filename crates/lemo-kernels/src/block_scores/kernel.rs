@@ -155,8 +155,28 @@ where
         dtype.into(),
     );
 
+    pool_tile_maxima::<R, F, I, BT>(tile_max, tiles_per_block)
+}
+
+/// Block scores `[batch, blocks, blocks]` from tile maxima `[batch, tiles, tiles]`: the max over
+/// each block's `tiles_per_block` tiles per side.
+pub(crate) fn pool_tile_maxima<R, F, I, BT>(
+    tile_max: FloatTensor<CubeBackend<R, F, I, BT>>,
+    tiles_per_block: usize,
+) -> FloatTensor<CubeBackend<R, F, I, BT>>
+where
+    R: CubeRuntime,
+    F: FloatElement,
+    I: IntElement,
+    BT: BoolElement,
+{
     let tile_max: BurnTensor<CubeBackend<R, F, I, BT>, 3> =
         BurnTensor::from_primitive(TensorPrimitive::Float(tile_max));
+    if tiles_per_block == 1 {
+        return tile_max.into_primitive().tensor();
+    }
+    let [batch, tiles, _] = tile_max.dims();
+    let blocks = tiles / tiles_per_block;
     tile_max
         .reshape([batch, blocks, tiles_per_block, blocks, tiles_per_block])
         .max_dim(4)

@@ -7,6 +7,7 @@
 
 pub mod chunked;
 pub(crate) mod kernel;
+pub(crate) mod mma;
 pub mod reference;
 
 use burn::tensor::{Tensor, TensorPrimitive};

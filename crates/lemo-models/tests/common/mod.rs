@@ -143,6 +143,7 @@ pub fn half_kept<B: LemoBackend>(model: &CausalLm<B>, block_size: usize) -> Thre
         attention: Some(f32::MAX),
         mlp: Some(f32::MAX),
         attention_keep: None,
+        mlp_keep: None,
     };
     Thresholds {
         block_size,
@@ -158,6 +159,7 @@ pub fn every_token_kept<B: LemoBackend>(model: &CausalLm<B>, block_size: usize) 
         attention: Some(f32::MIN),
         mlp: Some(f32::MIN),
         attention_keep: None,
+        mlp_keep: None,
     };
     Thresholds {
         block_size,

@@ -199,6 +199,7 @@ pub fn keep_exactly(config: &ModelConfig, settings: &LemoSettings) -> Thresholds
                 attention: sparse,
                 mlp: sparse,
                 attention_keep: None,
+                mlp_keep: None,
             }
         })
         .collect();

@@ -7,6 +7,7 @@ use anyhow::{Context, Result, bail};
 use lemo_kernels::LemoBackend;
 use lemo_models::token_plan::{TokenPlan, TokenSparsity};
 use lemo_models::{CausalLm, ModelConfig};
+use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::{Block, Calibrator};
 use plotters::prelude::*;
 use serde_json::json;
@@ -196,7 +197,7 @@ fn write_profile<B: LemoBackend>(
     let map = out.join("kept.svg");
     heat_map(
         &map,
-        &plan,
+        &kept_rows::<B>(&plan),
         config.num_layers(),
         sequences[0].len(),
         settings.block_size,
@@ -209,11 +210,19 @@ fn write_profile<B: LemoBackend>(
     Ok(())
 }
 
+/// Each layer's kept rows of its attention and its MLP block on the host (`None`: dense).
+fn kept_rows<B: LemoBackend>(plan: &TokenPlan) -> Vec<[Option<KeptRows>; 2]> {
+    plan.layers
+        .iter()
+        .map(|l| [Block::Attention, Block::Mlp].map(|b| l.block(b).map(|k| k.to_host::<B>())))
+        .collect()
+}
+
 /// Kept token blocks of the first sequence: one row per layer, the attention block's half above
 /// the MLP block's; kept blocks dark, dropped ones light, dense layers grey.
 fn heat_map(
     path: &Path,
-    plan: &TokenPlan,
+    kept_rows: &[[Option<KeptRows>; 2]],
     layers: usize,
     seq_len: usize,
     block_size: usize,
@@ -238,8 +247,8 @@ fn heat_map(
             .y_desc("layer")
             .draw()?;
         for layer in 0..layers {
-            for (half, block) in [(0.5, Block::Attention), (0.0, Block::Mlp)] {
-                let kept = plan.layers.get(layer).and_then(|l| l.block(block));
+            for (half, block) in [(0.5, 0), (0.0, 1)] {
+                let kept = kept_rows.get(layer).and_then(|l| l[block].as_ref());
                 for n in 0..blocks {
                     let color = match kept {
                         None => RGBColor(200, 200, 200),

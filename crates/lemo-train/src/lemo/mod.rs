@@ -394,11 +394,14 @@ pub fn calibrate<B: LemoBackend>(
             settings.dense_layers
         );
     }
-    let dense = evaluate(model, sequences, None);
+    // The refinement's baseline; without rounds the measured pass below gives the dense loss
+    // (the forward pass of a token-sparse model is exact).
+    let dense = (settings.calibration_rounds > 0).then(|| evaluate(model, sequences, None));
+    let dense_loss = || dense.as_ref().expect("evaluated when refining").loss;
     let cost = |calibrator_thresholds: Vec<LayerThresholds>| {
         let thresholds = thresholds_for_model(config, model_name, settings, calibrator_thresholds);
         let e = evaluate(model, sequences, Some(&thresholds));
-        objective(e.loss, dense.loss, e.keep(), settings.mean_keep())
+        objective(e.loss, dense_loss(), e.keep(), settings.mean_keep())
     };
     let mut bar = progress(
         (settings.calibration_rounds * sparse.len() * 2) as u64,
@@ -424,35 +427,17 @@ pub fn calibrate<B: LemoBackend>(
         }
     }
     bar.finish();
-    // Step 3: for each kind of block, bisection on a common shift of the drop fractions until
-    // its kept fraction is on the target (it falls as the shift grows).
-    let mut bar = progress(24, "calibrate: meeting the target");
+    // Step 3: training keeps exactly each block's fraction, so the profile alone says where a
+    // common shift of each kind's drop fractions puts its kept fraction: no pass over the data.
     for block in [Block::Attention, Block::Mlp] {
-        let (mut low, mut high) = (-1.0, 1.0);
-        for _ in 0..12 {
-            let middle = 0.5 * (low + high);
-            let shifted = calibrator.shifted(block, middle);
-            let thresholds = thresholds_for_model(config, model_name, settings, shifted);
-            let e = evaluate(model, sequences, Some(&thresholds));
-            let keep = match block {
-                Block::Attention => e.keep_attention,
-                Block::Mlp => e.keep_mlp,
-            };
-            if keep > settings.block_keep(block) {
-                low = middle;
-            } else {
-                high = middle;
-            }
-            bar.inc("");
-        }
-        calibrator.shift(block, 0.5 * (low + high));
+        calibrator.meet_target(block, settings.block_keep(block));
     }
-    bar.finish();
     let mut thresholds =
         thresholds_for_model(config, model_name, settings, calibrator.thresholds());
     let measured = evaluate(model, sequences, Some(&thresholds));
+    let dense_loss = dense.map_or(measured.loss, |dense| dense.loss);
     thresholds.measured = Some(Measured {
-        dense_loss: dense.loss,
+        dense_loss,
         loss: measured.loss,
         keep_attention: measured.keep_attention,
         keep_mlp: measured.keep_mlp,
@@ -466,8 +451,8 @@ pub fn calibrate<B: LemoBackend>(
             measured.keep_attention,
             measured.keep_mlp,
             measured.loss,
-            dense.loss,
-            100.0 * (measured.loss - dense.loss) / dense.loss,
+            dense_loss,
+            100.0 * (measured.loss - dense_loss) / dense_loss,
             started.elapsed().as_secs_f64()
         );
     }

@@ -2,7 +2,7 @@
 
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Int, Tensor};
-use lemo_kernels::LemoBackend;
+use lemo_kernels::{LemoBackend, host_reads};
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::ActivationPlan;
 use lemo_models::token_plan::TokenSparsity;
@@ -57,11 +57,9 @@ where
         optim::accumulate_grads(model, &model_grads, grads);
         (loss_sum, predictions, after_forward)
     };
-    (
-        loss_sum.into_scalar().elem::<f64>(),
-        predictions,
-        after_forward,
-    )
+    // The step's one host read.
+    let loss_sum = host_reads::read_f32(loss_sum)[0] as f64;
+    (loss_sum, predictions, after_forward)
 }
 
 /// Summed next-token loss of `sequences` and the number of predictions (evaluation mode: dense

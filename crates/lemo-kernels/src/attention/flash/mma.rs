@@ -22,20 +22,20 @@ use cubecl::prelude::*;
 use super::{HIDDEN, MaskParams, first_visible_key, group_shift, is_visible, last_visible_query};
 use crate::attention::AttentionOptions;
 
-const WARP: usize = 32;
+pub(crate) const WARP: usize = 32;
 /// Warps per cube, each owning a 16-row strip.
-const WARPS: usize = 4;
+pub(crate) const WARPS: usize = 4;
 /// Rows of one warp's strip (the mma M dimension).
-const STRIP: usize = 16;
+pub(crate) const STRIP: usize = 16;
 /// Rows of the cube's own tile.
-const BLOCK: usize = WARPS * STRIP;
+pub(crate) const BLOCK: usize = WARPS * STRIP;
 /// Rows of the tiles streamed past the strips (keys in the forward and dQ, queries in dK/dV).
-const STREAM: usize = 64;
+pub(crate) const STREAM: usize = 64;
 /// 16-bit elements per 16-byte vector: the unit of global loads and of `ldmatrix` rows.
-const CHUNK: usize = 8;
+pub(crate) const CHUNK: usize = 8;
 
 /// Two 16-bit inputs or two f32 accumulators: one register of an mma fragment.
-type Pair<E> = Vector<E, Const<2>>;
+pub(crate) type Pair<E> = Vector<E, Const<2>>;
 
 /// Whether the tensor-core kernels can run inputs of `dtype` and `head_dim` on this device.
 pub fn supports<R: CubeRuntime>(client: &ComputeClient<R>, dtype: DType, head_dim: usize) -> bool {
@@ -75,7 +75,7 @@ fn swizzle(row: usize, chunk: usize, #[comptime] chunks: usize) -> usize {
 /// elements). Read from the tensor's metadata once per kernel: that metadata lives in global
 /// memory, and the compiler reloads it after every asynchronous copy.
 #[derive(CubeType, Clone, Copy)]
-struct Rows {
+pub(crate) struct Rows {
     start: usize,
     head_stride: usize,
     row_stride: usize,
@@ -84,7 +84,7 @@ struct Rows {
 
 /// The [`Rows`] of batch entry `batch` of `tensor`.
 #[cube]
-fn rows_of<E: CubePrimitive>(tensor: &Tensor<E>, batch: usize) -> Rows {
+pub(crate) fn rows_of<E: CubePrimitive>(tensor: &Tensor<E>, batch: usize) -> Rows {
     Rows {
         start: batch * tensor.stride(0),
         head_stride: tensor.stride(1),
@@ -129,7 +129,7 @@ fn load_tile<F: Float, N: Size>(
 /// tile at vector `base` of `tiles`. A barrier's `commit_copy_async` then tracks them.
 #[cube]
 #[allow(clippy::too_many_arguments)]
-fn prefetch_tile<F: Float, N: Size>(
+pub(crate) fn prefetch_tile<F: Float, N: Size>(
     source: &Tensor<Vector<F, N>>,
     layout: &Rows,
     head: usize,
@@ -238,7 +238,7 @@ fn advance_key_stream<F: Float, N: Size>(
 
 /// Makes the barrier of `stage` track this thread's pending `cp.async` copies.
 #[cube]
-fn commit_stage(stage: usize, ready_0: &Shared<Barrier>, ready_1: &Shared<Barrier>) {
+pub(crate) fn commit_stage(stage: usize, ready_0: &Shared<Barrier>, ready_1: &Shared<Barrier>) {
     if stage == 0 {
         ready_0.commit_copy_async();
     } else {
@@ -248,7 +248,7 @@ fn commit_stage(stage: usize, ready_0: &Shared<Barrier>, ready_1: &Shared<Barrie
 
 /// Waits until the copies of `stage` have landed and every thread has arrived.
 #[cube]
-fn wait_stage(stage: usize, ready_0: &Shared<Barrier>, ready_1: &Shared<Barrier>) {
+pub(crate) fn wait_stage(stage: usize, ready_0: &Shared<Barrier>, ready_1: &Shared<Barrier>) {
     if stage == 0 {
         ready_0.arrive_and_wait();
     } else {
@@ -453,7 +453,7 @@ fn mma_step<F: Float>(
 
 /// Zeroed accumulator fragments of a `16 x cols` result.
 #[cube]
-fn zeros(#[comptime] cols: usize) -> Array<Pair<f32>> {
+pub(crate) fn zeros(#[comptime] cols: usize) -> Array<Pair<f32>> {
     let mut acc = Array::<Pair<f32>>::new(comptime!(cols / 4));
     #[unroll]
     for i in 0..comptime!(cols / 4) {
@@ -468,7 +468,7 @@ fn zeros(#[comptime] cols: usize) -> Array<Pair<f32>> {
 /// only one A fragment live. Accumulator `2n + h` holds row `h * 8 + lane / 4`, columns
 /// `8n + 2 (lane % 4) + {0, 1}`.
 #[cube]
-fn strip_times_tile_t<F: Float, N: Size>(
+pub(crate) fn strip_times_tile_t<F: Float, N: Size>(
     strips: &SharedMemory<Vector<F, N>>,
     strip_start: usize,
     tile: &SharedMemory<Vector<F, N>>,
@@ -1354,13 +1354,13 @@ fn flash_backward_q_mma_kernel<F: Float, N: Size>(
     );
 }
 
-fn cube_dim() -> CubeDim {
+pub(crate) fn cube_dim() -> CubeDim {
     CubeDim::new_2d(WARP as u32, WARPS as u32)
 }
 
 /// The kernels read 16-byte vectors along the head dim: make every input dense there, with
 /// row and head strides that keep the vectors aligned.
-fn vector_ready<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
+pub(crate) fn vector_ready<R: CubeRuntime>(tensor: CubeTensor<R>) -> CubeTensor<R> {
     let strides = tensor.meta.strides();
     let aligned = strides[3] == 1 && strides[..3].iter().all(|s| s % CHUNK == 0);
     if aligned {

@@ -7,7 +7,7 @@
 
 mod backward;
 mod forward;
-mod mma;
+pub(crate) mod mma;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
