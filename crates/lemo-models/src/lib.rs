@@ -3,6 +3,7 @@
 
 pub mod adapter;
 pub mod cache;
+pub mod chat;
 pub mod config;
 pub mod decoder;
 pub mod embedding;

@@ -30,22 +30,10 @@ fn read_json(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-/// SmolLM2-135M from the cache that `cargo xtask fetch-model smollm2-135m` fills
-/// (`$LEMO_MODEL_CACHE`, else `~/.cache/lemo/models`), or `None` with the reason printed.
+/// SmolLM2-135M from the cache that `cargo xtask fetch-model smollm2-135m` fills, or `None`
+/// with the reason printed.
 fn smollm2() -> Option<PathBuf> {
-    let cache = std::env::var_os("LEMO_MODEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/lemo/models")));
-    let path = cache.map(|c| c.join(SMOLLM2_FILE));
-    match path {
-        Some(path) if path.exists() => Some(path),
-        _ => {
-            println!(
-                "skipping: {SMOLLM2_FILE} is not in the model cache (run `cargo xtask fetch-model smollm2-135m`)"
-            );
-            None
-        }
-    }
+    lemo_test_support::cached_model(SMOLLM2_FILE)
 }
 
 #[test]

@@ -153,6 +153,26 @@ pub fn shared_data() -> Option<PathBuf> {
     }
 }
 
+/// `file` from the model cache that `cargo xtask fetch-model` fills (`$LEMO_MODEL_CACHE`, else
+/// `~/.cache/lemo/models`); `None`, with a note that the test skips, when it is not there.
+pub fn cached_model(file: &str) -> Option<PathBuf> {
+    let cache = std::env::var_os("LEMO_MODEL_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/lemo/models"))
+        })?;
+    let path = cache.join(file);
+    if path.is_file() {
+        Some(path)
+    } else {
+        println!(
+            "skipping: {file} is not in the model cache {} (run `cargo xtask fetch-model`)",
+            cache.display()
+        );
+        None
+    }
+}
+
 /// A tiny random-init Hugging Face model saved by transformers, with its losses
 /// (`crates/lemo-models/tests/fixtures/hf/{case}`).
 pub fn hf_fixture(case: &str) -> PathBuf {
