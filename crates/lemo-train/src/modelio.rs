@@ -288,7 +288,9 @@ impl ModelSetup {
     /// `train` does (positions past the trained context without interpolation are ones the
     /// model never saw).
     pub fn check_seq_len(&self, config: &ModelConfig, seq_len: usize) -> Result<()> {
-        let factor = self.rope(config)?.map_or(1.0, |(rope, _)| rope.scaling.factor());
+        let factor = self
+            .rope(config)?
+            .map_or(1.0, |(rope, _)| rope.scaling.factor());
         let extended =
             (factor > 1.0).then(|| (config.max_position_embeddings() as f64 * factor) as usize);
         check_seq_len(config, seq_len, self.target_context.or(extended))

@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use burn_dataset::Dataset;
-use lemo_models::model::ModelFormat;
 use lemo_models::config::RopeConfig;
+use lemo_models::model::ModelFormat;
 use lemo_models::{LoraConfig, ModelConfig};
 
 use super::checkpoint::{self, CheckpointFiles};
