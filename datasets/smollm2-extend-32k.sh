@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
-# Extends SmolLM2-135M (GGUF, trained context 8192) to 32768 tokens with LoRA and linear RoPE
-# position interpolation (factor 4) on four shared books, then measures on a fifth book it did
-# not see: perplexity at 8K, 16K and 32K (non-overlapping windows) and passkey retrieval at the
-# same lengths, for the base model without and with interpolation and for the fine-tuned one.
-# Each measurement is one JSON line in $RESULTS, with the command that made it.
+# Extends SmolLM2-135M (GGUF, trained context 8192) to 32768 tokens with LoRA and RoPE scaling
+# by 4 (linear position interpolation, or YaRN with ROPE=yarn) on four shared books, then
+# measures on a fifth book it did not see: perplexity at 8K, 16K and 32K (non-overlapping
+# windows) and passkey retrieval at the same lengths, for the fine-tuned model, and for the base
+# model without and with linear interpolation. Each measurement is one JSON line in $RESULTS,
+# with the command that made it.
 #
 #   M=$(cargo xtask fetch-model smollm2-135m)
 #   MODEL=$M BOOKS=../shared/data/corpora/gutenberg datasets/smollm2-extend-32k.sh
+#   MODEL=$M BOOKS=../shared/data/corpora/gutenberg ROPE=yarn RUN=runs/smollm2-32k-yarn \
+#     BASE=0 datasets/smollm2-extend-32k.sh      # the same data and steps with YaRN
 #
 # env: LEMO (binary, default target/release/lemo-train), MODEL, BOOKS, RUN (run folder, default
 #      runs/smollm2-32k), RESULTS (default $RUN/results.jsonl), STEPS (default 150), LR (default
 #      5e-4), TRIALS (passkey prompts per length, default 10), DEVICE (default cuda), TARGET (the
-#      context to extend to, default 32768) and LENGTHS (evaluated lengths, default
-#      "8192 16384 32768"): small values make a quick check of the recipe on a CPU.
+#      context to extend to, default 32768), ROPE (--rope-scaling: linear, yarn, dynamic or
+#      llama3; default linear), BASE (0: skip the base model's measurements) and LENGTHS
+#      (evaluated lengths, default "8192 16384 32768"): small values make a quick check of the
+#      recipe on a CPU.
 set -euo pipefail
 LEMO=${LEMO:-target/release/lemo-train}
 MODEL=${MODEL:?set MODEL to SmolLM2-135M-Instruct.Q4_1.gguf (cargo xtask fetch-model smollm2-135m)}
@@ -24,6 +29,8 @@ LR=${LR:-5e-4}
 TRIALS=${TRIALS:-10}
 DEVICE=${DEVICE:-cuda}
 TARGET=${TARGET:-32768}
+ROPE=${ROPE:-linear}
+BASE=${BASE:-1}
 read -r -a LENGTHS <<<"${LENGTHS:-8192 16384 32768}"
 TRAIN_BOOKS=(pg2701 pg4300 pg1342 pg345) # Moby Dick, Ulysses, Pride and Prejudice, Dracula
 HELD_OUT=pg98                            # A Tale of Two Cities
@@ -56,13 +63,15 @@ evaluate() {
 echo "+ train" >&2
 started=$SECONDS
 train=("$LEMO" train --model "$MODEL" --data "$RUN/train-data" --seq-len "$TARGET"
-  --target-context "$TARGET" --steps "$STEPS" --lr "$LR" --warmup-steps 5 --val-every 0
+  --target-context "$TARGET" --rope-scaling "$ROPE" --steps "$STEPS" --lr "$LR" --warmup-steps 5 --val-every 0
   --device "$DEVICE" --out "$RUN/train")
 "${train[@]}"
 printf '{"case": "train", "command": "%s", "seconds": %d, "result": %s}\n' \
   "${train[*]}" $((SECONDS - started)) "$(tr -d '\n' <"$RUN/train/summary.json")" >>"$RESULTS"
 # The fine-tuned model first: the measurement that matters most when time is short.
-evaluate "fine-tuned" --adapter "$RUN/train/adapter"
-evaluate base
-evaluate "base, interpolation to $TARGET" --target-context "$TARGET"
+evaluate "fine-tuned ($ROPE)" --adapter "$RUN/train/adapter"
+if [ "$BASE" != 0 ]; then
+  evaluate base
+  evaluate "base, interpolation to $TARGET" --target-context "$TARGET"
+fi
 echo "results: $RESULTS" >&2

@@ -6,6 +6,7 @@ use std::path::Path;
 use serde::Deserialize;
 use serde_json::Value;
 
+pub use crate::rope::{RopeConfig, RopeScaling, YarnScaling};
 use crate::{Error, Result};
 
 /// One of the supported architectures, with its configuration.
@@ -126,69 +127,6 @@ impl ModelConfig {
             ModelConfig::Llama(c) => c.eos_token_id.clone(),
             ModelConfig::Opt(c) => c.eos_token_id.into_iter().collect(),
         }
-    }
-}
-
-/// How rotary position frequencies are computed (transformers' `rope_type`).
-#[derive(Debug, Clone, PartialEq)]
-pub enum RopeScaling {
-    Default,
-    /// Position interpolation: every frequency divided by `factor`.
-    Linear {
-        factor: f64,
-    },
-    /// Llama 3.1's frequency-dependent interpolation.
-    Llama3 {
-        factor: f64,
-        low_freq_factor: f64,
-        high_freq_factor: f64,
-        original_max_position_embeddings: usize,
-    },
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct RopeConfig {
-    pub theta: f64,
-    pub scaling: RopeScaling,
-}
-
-impl RopeConfig {
-    /// Reads a transformers 5 `rope_parameters` object, or an older `rope_scaling` one
-    /// (with `rope_theta` given separately).
-    fn from_json(
-        params: Option<&Value>,
-        theta: Option<f64>,
-        max_position_embeddings: usize,
-    ) -> Result<Self> {
-        let field = |name: &str| params.and_then(|p| p.get(name)).and_then(Value::as_f64);
-        let theta = field("rope_theta").or(theta).unwrap_or(10000.0);
-        let rope_type = params
-            .and_then(|p| p.get("rope_type").or_else(|| p.get("type")))
-            .and_then(Value::as_str)
-            .unwrap_or("default");
-        let required = |name: &str| {
-            field(name)
-                .ok_or_else(|| Error::Config(format!("rope type {rope_type:?} needs {name:?}")))
-        };
-        let scaling = match rope_type {
-            "default" => RopeScaling::Default,
-            "linear" => RopeScaling::Linear {
-                factor: required("factor")?,
-            },
-            "llama3" => RopeScaling::Llama3 {
-                factor: required("factor")?,
-                low_freq_factor: required("low_freq_factor")?,
-                high_freq_factor: required("high_freq_factor")?,
-                original_max_position_embeddings: field("original_max_position_embeddings")
-                    .map_or(max_position_embeddings, |v| v as usize),
-            },
-            other => {
-                return Err(Error::Config(format!(
-                    "unsupported rope type {other:?}: lemo supports default, linear and llama3"
-                )));
-            }
-        };
-        Ok(Self { theta, scaling })
     }
 }
 

@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Int, Tensor};
+use burn::tensor::{ElementConversion, Int, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::known_value::with_value;
 use lemo_kernels::loss::segment_cross_entropy;
@@ -272,18 +272,40 @@ pub fn hidden_states<B: LemoBackend, D: Decoder<B>>(
 /// the final hidden states, and the number of terms, by the segment-based loss: the vocabulary
 /// projection and the cross-entropy run `chunk_rows` positions at a time, so the full
 /// `[len, vocab]` logits never exist at once (under autodiff, neither do their gradients).
+///
+/// With `labels` (`[batch, len]`, Hugging Face's convention: the token, or
+/// [`lemo_kernels::loss::IGNORE_INDEX`] where no loss is taken, as for a prompt's tokens or the first token of a
+/// packed document) the terms are those of the labels that are not ignored; ignored ones add
+/// neither loss nor gradient.
 pub fn next_token_loss<B: LemoBackend>(
     hidden: Tensor<B, 3>,
     lm_head_weight: Tensor<B, 2>,
     tokens: Tensor<B, 2, Int>,
+    labels: Option<Tensor<B, 2, Int>>,
     chunk_rows: usize,
 ) -> (Tensor<B, 1>, usize) {
     let [batch, len, dim] = hidden.dims();
     let rows = batch * (len - 1);
     let inputs = hidden.slice([0..batch, 0..len - 1]).reshape([rows, dim]);
-    let targets = tokens.slice([0..batch, 1..len]).reshape([rows]);
+    let masked = labels.is_some();
+    let targets = labels
+        .unwrap_or(tokens)
+        .slice([0..batch, 1..len])
+        .reshape([rows]);
+    let scored = if masked {
+        let count: i64 = targets
+            .clone()
+            .greater_equal_elem(0)
+            .int()
+            .sum()
+            .into_scalar()
+            .elem();
+        count as usize
+    } else {
+        rows
+    };
     let loss = segment_cross_entropy(inputs, lm_head_weight, targets, chunk_rows);
-    (loss, rows)
+    (loss, scored)
 }
 
 /// What a layer holds between its forward and its backward pass (see [`ActivationPlan`]).
@@ -314,6 +336,7 @@ enum Stored<B: AutodiffBackend> {
 pub fn planned_loss_backward<B, D>(
     decoder: &D,
     tokens: Tensor<B, 2, Int>,
+    labels: Option<Tensor<B, 2, Int>>,
     chunk_rows: usize,
     scale: f64,
     sparsity: &mut TokenSparsity,
@@ -378,6 +401,7 @@ where
         decoder.output_norm(last.clone()),
         decoder.lm_head_weight(),
         tokens.clone(),
+        labels,
         chunk_rows,
     );
     let loss_sum = loss.clone().inner();

@@ -11,7 +11,7 @@ use safetensors::Dtype;
 use serde_json::{Map, Value, json};
 
 use crate::adapter::write_atomically_with;
-use crate::config::{LlamaConfig, RopeScaling};
+use crate::config::{LlamaConfig, RopeConfig};
 use crate::weights::StoredTensor;
 use crate::{Error, Result};
 
@@ -169,31 +169,39 @@ pub fn torch_dtype(tensors: &[StoredTensor]) -> &'static str {
     name
 }
 
-/// transformers' `rope_scaling` for `scaling`, or `None` for the default frequencies.
-pub fn rope_scaling_json(scaling: &RopeScaling) -> Option<Value> {
-    match *scaling {
-        RopeScaling::Default => None,
-        RopeScaling::Linear { factor } => {
-            Some(json!({"rope_type": "linear", "type": "linear", "factor": factor}))
-        }
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } => Some(json!({
-            "rope_type": "llama3",
-            "factor": factor,
-            "low_freq_factor": low_freq_factor,
-            "high_freq_factor": high_freq_factor,
-            "original_max_position_embeddings": original_max_position_embeddings,
-        })),
+/// Sets `config` (a transformers `config.json`) to run with `rope` over
+/// `max_position_embeddings` positions, in the spelling the file already uses: transformers 5's
+/// `rope_parameters` (theta and scaling together) where it has that key, else `rope_theta` and
+/// `rope_scaling`, which every transformers version reads.
+pub fn set_rope(
+    config: &mut Value,
+    rope: &RopeConfig,
+    max_position_embeddings: usize,
+) -> Result<()> {
+    let Some(object) = config.as_object_mut() else {
+        return Err(Error::Config("config.json is not a JSON object".into()));
+    };
+    object.insert(
+        "max_position_embeddings".into(),
+        json!(max_position_embeddings),
+    );
+    if object.contains_key("rope_parameters") {
+        object.insert("rope_parameters".into(), rope.parameters_json()?);
+        object.remove("rope_scaling");
+        object.remove("rope_theta");
+    } else {
+        object.insert("rope_theta".into(), json!(rope.theta));
+        object.insert(
+            "rope_scaling".into(),
+            rope.scaling_json()?.unwrap_or(Value::Null),
+        );
     }
+    Ok(())
 }
 
 /// A transformers `config.json` (`LlamaForCausalLM`) for `config`, weights stored as
 /// `torch_dtype`.
-pub fn llama_config_json(config: &LlamaConfig, torch_dtype: &str) -> Value {
+pub fn llama_config_json(config: &LlamaConfig, torch_dtype: &str) -> Result<Value> {
     let mut json = json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -208,7 +216,7 @@ pub fn llama_config_json(config: &LlamaConfig, torch_dtype: &str) -> Value {
         "rms_norm_eps": config.rms_norm_eps,
         "max_position_embeddings": config.max_position_embeddings,
         "rope_theta": config.rope.theta,
-        "rope_scaling": rope_scaling_json(&config.rope.scaling),
+        "rope_scaling": config.rope.scaling_json()?,
         "tie_word_embeddings": config.tie_word_embeddings,
         "attention_bias": config.attention_bias,
         "mlp_bias": config.mlp_bias,
@@ -220,5 +228,5 @@ pub fn llama_config_json(config: &LlamaConfig, torch_dtype: &str) -> Value {
         [one] => json!(one),
         many => json!(many),
     };
-    json
+    Ok(json)
 }

@@ -4,6 +4,7 @@
 pub mod activation_plan;
 pub mod adapter;
 pub mod cache;
+pub mod chat;
 pub mod config;
 pub mod decoder;
 pub mod embedding;

@@ -324,7 +324,7 @@ impl<B: LemoBackend> Llama<B> {
                 head_dim,
                 config.max_position_embeddings,
                 &loader.device,
-            ),
+            )?,
             trained_context: config.max_position_embeddings,
             activations,
         })

@@ -12,7 +12,7 @@ use lemo_kernels::precision::Precision;
 
 use crate::activation_plan::ActivationPlan;
 use crate::cache::KvCache;
-use crate::config::{ModelConfig, RopeConfig, RopeScaling};
+use crate::config::{ModelConfig, RopeConfig};
 use crate::decoder::{self, Decoder};
 use crate::gguf::{GgufFile, GgufWeights};
 use crate::llama::Llama;
@@ -197,16 +197,17 @@ impl<B: LemoBackend> CausalLm<B> {
     }
 
     /// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])` (f32, `[1]`),
-    /// and the number of terms (see [`decoder::next_token_loss`]), with each block on the rows
-    /// `sparsity` gives it.
+    /// and the number of terms, over the positions `labels` does not mask when given (see
+    /// [`decoder::next_token_loss`]), with each block on the rows `sparsity` gives it.
     pub fn next_token_loss_sum(
         &self,
         tokens: Tensor<B, 2, Int>,
+        labels: Option<Tensor<B, 2, Int>>,
         chunk_rows: usize,
         sparsity: &mut TokenSparsity,
     ) -> (Tensor<B, 1>, usize) {
         let hidden = self.hidden_states(tokens.clone(), None, sparsity);
-        decoder::next_token_loss(hidden, self.lm_head_weight(), tokens, chunk_rows)
+        decoder::next_token_loss(hidden, self.lm_head_weight(), tokens, labels, chunk_rows)
     }
 
     /// Every linear projection with its Hugging Face module path (`model.layers.3.self_attn.q_proj`).
@@ -290,6 +291,7 @@ where
     pub fn next_token_loss_backward_planned(
         &self,
         tokens: Tensor<B, 2, Int>,
+        labels: Option<Tensor<B, 2, Int>>,
         chunk_rows: usize,
         scale: f64,
         sparsity: &mut TokenSparsity,
@@ -300,6 +302,7 @@ where
             CausalLm::Llama(m) => decoder::planned_loss_backward(
                 m,
                 tokens,
+                labels,
                 chunk_rows,
                 scale,
                 sparsity,
@@ -309,6 +312,7 @@ where
             CausalLm::Opt(m) => decoder::planned_loss_backward(
                 m,
                 tokens,
+                labels,
                 chunk_rows,
                 scale,
                 sparsity,
@@ -320,20 +324,16 @@ where
 }
 
 impl<B: LemoBackend> CausalLm<B> {
-    /// Replaces the rotary position frequencies (position interpolation: a `Linear` scaling set
-    /// from the context one trains for). OPT has learned positions and no rotary embedding.
+    /// Replaces the rotary position frequencies (a context extension: the scaling chosen for
+    /// the context one trains for, or a new base). OPT has learned positions and no rotary
+    /// embedding.
     pub fn with_rope(mut self, rope: &RopeConfig) -> Result<Self> {
         match &mut self {
             CausalLm::Llama(m) => {
                 let head_dim = m.layers.first().map_or(0, |l| l.self_attn.head_dim);
                 let device = m.rotary.cos.device();
-                let context = match rope.scaling {
-                    RopeScaling::Linear { factor } => {
-                        (m.trained_context as f64 * factor).ceil() as usize
-                    }
-                    _ => m.trained_context,
-                };
-                m.rotary = RotaryEmbedding::new(rope, head_dim, context, &device);
+                let context = (m.trained_context as f64 * rope.scaling.factor().max(1.0)).ceil();
+                m.rotary = RotaryEmbedding::new(rope, head_dim, context as usize, &device)?;
             }
             CausalLm::Opt(_) => {
                 return Err(Error::Config(

@@ -54,6 +54,30 @@ impl Tokenizer {
         }
     }
 
+    /// Token ids of `text` with the byte range each covers, adding no special tokens (a chat
+    /// template writes its own): how transformers tokenizes a rendered conversation.
+    pub fn encode_with_offsets(&self, text: &str) -> Result<Vec<(u32, std::ops::Range<usize>)>> {
+        match self {
+            Self::HuggingFace(tokenizer) => tokenizer.encode_with_offsets(text),
+            Self::Llama2c(_) => Err(Error::Config(
+                "llama2.c tokenizers come with no chat template: chat data needs a Hugging Face or GGUF model".into(),
+            )),
+        }
+    }
+
+    /// The vocabulary's spelling of token `id` (`<s>`, `<|im_end|>`), as a chat template is
+    /// given the special tokens.
+    pub fn token_text(&self, id: u32) -> String {
+        match self {
+            Self::HuggingFace(tokenizer) => tokenizer.inner.id_to_token(id).unwrap_or_default(),
+            Self::Llama2c(tokenizer) => tokenizer
+                .pieces
+                .get(id as usize)
+                .map(|piece| String::from_utf8_lossy(piece).into_owned())
+                .unwrap_or_default(),
+        }
+    }
+
     /// The text of `ids`, leaving out BOS and EOS (all special tokens for Hugging Face); bytes
     /// that are not valid UTF-8 become U+FFFD.
     pub fn decode(&self, ids: &[u32]) -> String {
@@ -183,6 +207,19 @@ impl HuggingFaceTokenizer {
             .encode(text, true)
             .map_err(|e| Error::format(&self.path, format!("cannot encode text: {e}")))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    fn encode_with_offsets(&self, text: &str) -> Result<Vec<(u32, std::ops::Range<usize>)>> {
+        let encoding = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| Error::format(&self.path, format!("cannot encode text: {e}")))?;
+        Ok(encoding
+            .get_ids()
+            .iter()
+            .zip(encoding.get_offsets())
+            .map(|(&id, &(start, end))| (id, start..end))
+            .collect())
     }
 
     fn decode(&self, ids: &[u32]) -> String {

@@ -2,10 +2,13 @@
 //! the same configuration and the same tensors (F32 vectors exactly, F16 matrices to f16 rounding,
 //! Q8_0 matrices within half a quantization step).
 
+mod common;
+
 use std::collections::HashMap;
 
 use half::f16;
 use lemo_models::ModelConfig;
+use lemo_models::config::LlamaConfig;
 use lemo_models::config::RopeScaling;
 use lemo_models::gguf::{GgmlType, GgufFile, GgufPrecision, GgufWeights, Value, write_llama};
 use lemo_models::weights::{Checkpoint, SafetensorsWeights, StoredTensor, WeightSource};
@@ -109,4 +112,85 @@ fn q8_0_export_reads_back_within_half_a_step() {
         }
     });
     assert!(quantized > 0, "some matrices are Q8_0");
+}
+
+/// `fixture` written as an F32 GGUF with its own configuration, and the path.
+fn export_fixture(fixture: &str, dir: &std::path::Path) -> (std::path::PathBuf, LlamaConfig) {
+    let fixture = lemo_test_support::hf_fixture(fixture);
+    let ModelConfig::Llama(config) = ModelConfig::from_file(&fixture).unwrap() else {
+        panic!("a Llama fixture");
+    };
+    let mut weights = SafetensorsWeights::open(&fixture).unwrap();
+    let tensors = weights.tensors();
+    let path = dir.join("model.gguf");
+    let tokenizer = HashMap::from([(
+        "tokenizer.ggml.model".to_string(),
+        Value::String("none".into()),
+    )]);
+    write_llama(
+        &path,
+        "fixture",
+        &config,
+        &tokenizer,
+        &tensors,
+        GgufPrecision::F32,
+        |t| Ok(weights.fetch(&t.name, &t.shape)?.unwrap()),
+    )
+    .unwrap();
+    (path, config)
+}
+
+/// Llama 3.1 scaling goes to GGUF as llama.cpp's converter writes it, one divisor per frequency
+/// pair in `rope_freqs.weight` (for this fixture `[1, 2.4423, 8, ...]`, see the fixture README),
+/// and a model read from that file scores like transformers with the `llama3` config.
+#[test]
+fn llama3_scaling_travels_as_rope_freqs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, _) = export_fixture("llama_rope_llama3_old_config", dir.path());
+    let file = GgufFile::open(&path).unwrap();
+    let RopeScaling::FrequencyFactors(factors) = file.llama_config().unwrap().rope.scaling else {
+        panic!("rope_freqs.weight read as per-pair factors");
+    };
+    let expected = [1.0, 2.4423, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0];
+    for (i, (ours, want)) in factors.iter().zip(expected).enumerate() {
+        assert!((ours - want).abs() < 1e-4, "factor {i}: {ours} vs {want}");
+    }
+    common::transformers::assert_nll_matches_transformers(&path, "llama_rope_llama3_old_config");
+}
+
+#[test]
+fn yarn_scaling_travels_as_llama_cpp_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let (path, config) = export_fixture("llama_rope_yarn", dir.path());
+    let file = GgufFile::open(&path).unwrap();
+    let key = |name: &str| {
+        file.metadata(&format!("llama.rope.scaling.{name}"))
+            .cloned()
+    };
+    assert_eq!(key("type"), Some(Value::String("yarn".into())));
+    assert_eq!(key("original_context_length"), Some(Value::U32(2048)));
+    assert_eq!(file.llama_config().unwrap().rope, config.rope);
+    common::transformers::assert_nll_matches_transformers(&path, "llama_rope_yarn");
+}
+
+#[test]
+fn dynamic_ntk_has_no_gguf_form() {
+    let fixture = lemo_test_support::hf_fixture("llama_rope_dynamic_old_config");
+    let ModelConfig::Llama(config) = ModelConfig::from_file(&fixture).unwrap() else {
+        panic!("a Llama fixture");
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let error = write_llama(
+        &dir.path().join("model.gguf"),
+        "fixture",
+        &config,
+        &HashMap::new(),
+        &[],
+        GgufPrecision::F32,
+        |_| unreachable!(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(error.contains("dynamic NTK"), "{error}");
+    assert!(!error.contains('\n'));
 }

@@ -4,8 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use burn::module::Param;
-use burn::tensor::activation::log_softmax;
-use burn::tensor::{Distribution, Int, Tensor, TensorData};
+use burn::tensor::{Distribution, Tensor};
 use lemo_kernels::CpuBackend;
 use lemo_kernels::precision::Precision;
 use lemo_models::lora::LLAMA_PROJECTIONS;
@@ -13,70 +12,48 @@ use lemo_models::{CausalLm, KvCache, LoraConfig};
 use lemo_test_support::{hf_fixture, read_json};
 use serde_json::Value;
 
+mod common;
+
+use common::transformers::{fixture, read_json, sequences, tokens};
+
 type B = CpuBackend;
 
-fn sequences(case: &str) -> Vec<Vec<i32>> {
-    std::fs::read_to_string(hf_fixture(case).join("tokens.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|line| serde_json::from_value(read_json_str(line)["input_ids"].clone()).unwrap())
-        .collect()
-}
-
-fn read_json_str(text: &str) -> Value {
-    serde_json::from_str(text).unwrap()
-}
-
-fn tokens(ids: &[i32]) -> Tensor<B, 2, Int> {
-    Tensor::from_data(
-        TensorData::new(ids.to_vec(), [1, ids.len()]),
-        &Default::default(),
-    )
-}
-
-/// `-log p(ids[t+1] | ids[..=t])` for every t.
-fn per_token_nll(model: &CausalLm<B>, ids: &[i32]) -> Vec<f32> {
-    let logits = model.forward(tokens(ids), None);
-    let [_, len, vocab] = logits.dims();
-    let log_probs = log_softmax(logits.reshape([len, vocab]), 1).slice(0..len - 1);
-    let targets = tokens(&ids[1..]).reshape([len - 1, 1]);
-    log_probs
-        .gather(1, targets)
-        .neg()
-        .into_data()
-        .to_vec()
-        .unwrap()
-}
-
-/// Every next-token log-loss of every sequence within 1e-3 of transformers' (a much finer
-/// check than the mean loss, in which per-token errors partly cancel).
 fn check_against_transformers(case: &str) {
-    let (model, _) =
-        CausalLm::<B>::from_path(&hf_fixture(case), &Default::default(), Precision::F32).unwrap();
-    let expected = read_json(&hf_fixture(case).join("expected.json"));
-    let expected_nll: Vec<Vec<f64>> =
-        serde_json::from_value(expected["per_token_nll"].clone()).unwrap();
-    let sequences = sequences(case);
-    assert_eq!(sequences.len(), expected_nll.len());
-    let (mut total, mut count) = (0.0f64, 0usize);
-    for (ids, reference) in sequences.iter().zip(&expected_nll) {
-        let ours = per_token_nll(&model, ids);
-        assert_eq!(ours.len(), reference.len());
-        for (t, (a, b)) in ours.iter().zip(reference).enumerate() {
+    common::transformers::assert_nll_matches_transformers(&fixture(case), case);
+}
+
+/// The inverse frequencies and cos/sin multiplier each scaling kind gives at load time equal
+/// the ones transformers' rotary embedding held (`expected.json`'s `reference`).
+#[test]
+fn rope_frequencies_match_transformers() {
+    for case in [
+        "llama_rope_linear",
+        "llama_rope_llama3_bf16",
+        "llama_rope_llama3_old_config",
+        "llama_rope_yarn",
+        "llama_rope_dynamic_old_config",
+    ] {
+        let lemo_models::ModelConfig::Llama(config) =
+            lemo_models::ModelConfig::from_file(&fixture(case)).unwrap()
+        else {
+            panic!("{case}: a Llama fixture");
+        };
+        let reference = &read_json(&fixture(case).join("expected.json"))["reference"];
+        let expected: Vec<f32> = serde_json::from_value(reference["inv_freq"].clone()).unwrap();
+        let ours = config.rope.inverse_frequencies(config.head_dim, 0).unwrap();
+        assert_eq!(ours.len(), expected.len(), "{case}");
+        for (i, (a, b)) in ours.iter().zip(&expected).enumerate() {
             assert!(
-                (*a as f64 - b).abs() < 1e-3,
-                "{case}: token {t}: ours {a}, transformers {b}"
+                (a - b).abs() <= 1e-6 * b.abs(),
+                "{case}: pair {i}: {a} vs {b}"
             );
         }
-        total += ours.iter().map(|&v| v as f64).sum::<f64>();
-        count += ours.len();
+        let scaling = reference["attention_scaling"].as_f64().unwrap_or(1.0) as f32;
+        assert!(
+            (config.rope.attention_scaling() - scaling).abs() < 1e-6,
+            "{case}"
+        );
     }
-    let loss = expected["loss"].as_f64().unwrap();
-    assert!(
-        ((total / count as f64) - loss).abs() / loss < 1e-4,
-        "{case}: mean loss {} vs {loss}",
-        total / count as f64
-    );
 }
 
 #[test]
@@ -87,6 +64,23 @@ fn llama_gqa_tied_matches_transformers() {
 #[test]
 fn llama3_rope_scaling_bf16_sharded_matches_transformers() {
     check_against_transformers("llama_rope_llama3_bf16");
+}
+
+#[test]
+fn llama3_rope_scaling_in_the_older_spelling_matches_transformers() {
+    check_against_transformers("llama_rope_llama3_old_config");
+}
+
+#[test]
+fn yarn_rope_scaling_matches_transformers() {
+    check_against_transformers("llama_rope_yarn");
+}
+
+/// Two of the three sequences are longer than the model's 32 positions, so dynamic NTK grows
+/// the base for each by its own length.
+#[test]
+fn dynamic_ntk_rope_scaling_matches_transformers() {
+    check_against_transformers("llama_rope_dynamic_old_config");
 }
 
 #[test]

@@ -43,7 +43,7 @@ fn assert_recomputation_matches(model: &CausalLm<B>, len: usize, thresholds: Opt
     let (chunk_rows, scale) = (7, 0.25);
 
     let (loss, predictions) =
-        model.next_token_loss_sum(tokens.clone(), chunk_rows, &mut sparsity());
+        model.next_token_loss_sum(tokens.clone(), None, chunk_rows, &mut sparsity());
     let mut plain = GradientSums::default();
     plain.add(model, &loss.clone().mul_scalar(scale).backward());
     let plain_loss: f32 = loss.into_scalar();

@@ -22,7 +22,7 @@ fn loss_and_gradients<B: burn::tensor::backend::AutodiffBackend + LemoBackend>(
     tokens: Tensor<B, 2, Int>,
     sparsity: &mut TokenSparsity,
 ) -> (f32, GradientSums<B>) {
-    let (loss, _) = model.next_token_loss_sum(tokens, 5, sparsity);
+    let (loss, _) = model.next_token_loss_sum(tokens, None, 5, sparsity);
     let mut sums = GradientSums::default();
     sums.add(model, &loss.clone().backward());
     (loss.into_scalar().elem(), sums)

@@ -139,7 +139,8 @@ impl BackendJob for EvalJob {
             let input =
                 Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, end - start]), &device);
             let mut sparsity = crate::lemo::token_sparsity(elimination.as_ref());
-            let (sum, count) = model.next_token_loss_sum(input, LOSS_CHUNK_ROWS, &mut sparsity);
+            let (sum, count) =
+                model.next_token_loss_sum(input, None, LOSS_CHUNK_ROWS, &mut sparsity);
             if let Some(plan) = sparsity.into_plan() {
                 keep_attention += sparse_keep(&plan, Block::Attention) / plan_len;
                 keep_mlp += sparse_keep(&plan, Block::Mlp) / plan_len;

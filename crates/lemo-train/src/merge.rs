@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use clap::{Args, ValueEnum};
 use lemo_models::adapter::write_atomically;
-use lemo_models::config::{LlamaConfig, RopeScaling};
+use lemo_models::config::{LlamaConfig, RopeConfig};
 use lemo_models::export::{self, INDEX_FILE, SINGLE_FILE};
 use lemo_models::gguf::tokenizer::{Metadata, llama2c_metadata, tokenizer_json};
 use lemo_models::gguf::{self, GgufFile, GgufPrecision, Value};
@@ -20,7 +20,8 @@ use lemo_models::{Error, ModelConfig};
 use serde_json::{Value as Json, json};
 
 use crate::data::find_tokenizer;
-use crate::modelio::{TrainingInfo, interpolated_rope};
+use crate::device::PrecisionKind;
+use crate::modelio::ModelSetup;
 
 /// Tokenizer files of a Hugging Face folder, copied as they are.
 const TOKENIZER_FILES: [&str; 8] = [
@@ -86,9 +87,9 @@ pub fn run(args: MergeArgs) -> Result<PathBuf> {
     let adapter = AdapterWeights::read(&args.adapter)
         .with_context(|| format!("adapter {}", args.adapter.display()))?;
     adapter.check_against(&tensors)?;
-    let factor = rope_factor(&args, &config)?;
+    let rope = trained_rope(&args, &config)?;
     let llama = match (&config, args.gguf) {
-        (ModelConfig::Llama(c), _) => Some(with_linear_scaling(c, factor)),
+        (ModelConfig::Llama(c), _) => Some(with_rope(c, rope.as_ref())),
         (ModelConfig::Opt(_), Some(_)) => bail!("--gguf: GGUF export covers Llama models, not OPT"),
         (ModelConfig::Opt(_), None) => None,
     };
@@ -106,7 +107,12 @@ pub fn run(args: MergeArgs) -> Result<PathBuf> {
         } else {
             ""
         },
-        factor.map_or(String::new(), |f| format!(", RoPE linear x{f}"))
+        rope.as_ref().map_or(String::new(), |r| format!(
+            ", RoPE {} x{} theta {}",
+            r.scaling.name(),
+            r.scaling.factor(),
+            r.theta
+        ))
     );
 
     let mut merged = |tensor: &StoredTensor| -> lemo_models::Result<Vec<f32>> {
@@ -121,8 +127,8 @@ pub fn run(args: MergeArgs) -> Result<PathBuf> {
 
     let tokenizer = write_tokenizer(&args.model, &format, &args.out)?;
     let config_json = match (&format, &llama) {
-        (ModelFormat::HuggingFace, _) => patched_config(&args.model, factor)?,
-        (_, Some(llama)) => export::llama_config_json(llama, export::torch_dtype(&tensors)),
+        (ModelFormat::HuggingFace, _) => patched_config(&args.model, &config, rope.as_ref())?,
+        (_, Some(llama)) => export::llama_config_json(llama, export::torch_dtype(&tensors))?,
         (_, None) => unreachable!("llama2.c and GGUF bases are Llama models"),
     };
     let path = args.out.join("config.json");
@@ -170,19 +176,23 @@ fn report(path: &Path) {
     );
 }
 
-/// The linear RoPE factor the merged model runs with: `--target-context`'s, else the one
+/// The RoPE frequencies the merged model runs with: `--target-context`'s, else the ones
 /// recorded with the adapter, as `eval --adapter` applies them.
-fn rope_factor(args: &MergeArgs, config: &ModelConfig) -> Result<Option<f64>> {
-    match args.target_context {
-        Some(target) => Ok(interpolated_rope(config, target)?.map(|(_, factor)| factor)),
-        None => Ok(TrainingInfo::read(&args.adapter)?.and_then(|info| info.linear_factor())),
-    }
+fn trained_rope(args: &MergeArgs, config: &ModelConfig) -> Result<Option<RopeConfig>> {
+    let setup = ModelSetup {
+        adapter: Some(args.adapter.clone()),
+        target_context: args.target_context,
+        precision: PrecisionKind::F32,
+    };
+    Ok(setup.rope(config)?.map(|(rope, _)| rope))
 }
 
-fn with_linear_scaling(config: &LlamaConfig, factor: Option<f64>) -> LlamaConfig {
+/// `config` running at `rope`, with the context it addresses then.
+fn with_rope(config: &LlamaConfig, rope: Option<&RopeConfig>) -> LlamaConfig {
     let mut config = config.clone();
-    if let Some(factor) = factor {
-        config.rope.scaling = RopeScaling::Linear { factor };
+    if let Some(rope) = rope {
+        config.max_position_embeddings = rope.config_context(config.max_position_embeddings);
+        config.rope = rope.clone();
     }
     config
 }
@@ -218,25 +228,16 @@ fn prepare_out(out: &Path, overwrite: bool) -> Result<()> {
     Ok(())
 }
 
-/// The base's own `config.json` with the RoPE scaling the adapter was trained with.
-fn patched_config(model: &Path, factor: Option<f64>) -> Result<Json> {
+/// The base's own `config.json` with the RoPE frequencies the adapter was trained with and the
+/// context they address, in the spelling the file uses.
+fn patched_config(model: &Path, config: &ModelConfig, rope: Option<&RopeConfig>) -> Result<Json> {
     let path = model.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(|e| Error::io(&path, e))?;
     let mut json: Json = serde_json::from_str(&text)
         .map_err(|e| Error::format(&path, format!("invalid JSON: {e}")))?;
-    if let Some(factor) = factor {
-        let scaling = export::rope_scaling_json(&RopeScaling::Linear { factor });
-        match json
-            .get_mut("rope_parameters")
-            .and_then(Json::as_object_mut)
-        {
-            // transformers 5 keeps theta and scaling together.
-            Some(parameters) => {
-                parameters.insert("rope_type".into(), json!("linear"));
-                parameters.insert("factor".into(), json!(factor));
-            }
-            None => json["rope_scaling"] = scaling.expect("linear scaling has a JSON form"),
-        }
+    if let Some(rope) = rope {
+        let context = rope.config_context(config.max_position_embeddings());
+        export::set_rope(&mut json, rope, context)?;
     }
     Ok(json)
 }

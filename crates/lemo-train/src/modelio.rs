@@ -118,7 +118,8 @@ pub struct TrainingInfo {
     pub trained_context: usize,
     /// `--target-context` of the run, if any.
     pub target_context: Option<usize>,
-    /// Linear RoPE factor applied during training (transformers' `rope_scaling`), if any.
+    /// The RoPE frequencies the adapter was trained with where they differ from the model's
+    /// (transformers' `rope_parameters`: `rope_type`, `rope_theta` and the kind's fields).
     pub rope_scaling: Option<serde_json::Value>,
     pub seq_len: usize,
     pub steps: usize,
@@ -143,43 +144,68 @@ impl TrainingInfo {
         ))
     }
 
-    pub fn linear_factor(&self) -> Option<f64> {
-        self.rope_scaling
-            .as_ref()
-            .and_then(|s| s.get("factor"))
-            .and_then(|f| f.as_f64())
+    /// The recorded frequencies (an older record without `rope_theta` has the model's).
+    pub fn rope(&self, config: &ModelConfig) -> Result<Option<RopeConfig>> {
+        let (Some(recorded), ModelConfig::Llama(c)) = (&self.rope_scaling, config) else {
+            return Ok(None);
+        };
+        let rope = RopeConfig::from_json(Some(recorded), Some(c.rope.theta), self.trained_context)
+            .with_context(|| format!("{TRAINING_INFO_FILE}: rope_scaling"))?;
+        Ok(Some(rope))
     }
 }
 
-/// The RoPE configuration for running `config` at `target_context` tokens: linear position
-/// interpolation by `target / trained` when that is above 1, else `None` (no change).
-pub fn interpolated_rope(
+/// How a context is extended: the RoPE scaling kind (`--rope-scaling`) and a new base
+/// (`--rope-theta`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Extension {
+    pub kind: String,
+    pub theta: Option<f64>,
+}
+
+impl Default for Extension {
+    fn default() -> Self {
+        Self {
+            kind: "linear".into(),
+            theta: None,
+        }
+    }
+}
+
+/// The RoPE configuration for running `config` at `target_context` tokens: `extension`'s
+/// kind by the factor `target / trained` when that is above 1, and its new base if any;
+/// `None` when nothing changes.
+pub fn extended_rope(
     config: &ModelConfig,
     target_context: usize,
-) -> Result<Option<(RopeConfig, f64)>> {
+    extension: &Extension,
+) -> Result<Option<RopeConfig>> {
     let trained = config.max_position_embeddings();
-    if target_context <= trained {
-        return Ok(None);
-    }
     let ModelConfig::Llama(c) = config else {
-        bail!(
-            "--target-context: OPT has learned positions up to {trained} and cannot be extended by RoPE scaling"
-        );
+        if target_context > trained || extension.theta.is_some() {
+            bail!(
+                "--target-context / --rope-theta: OPT has learned positions up to {trained} and cannot be extended by RoPE scaling"
+            );
+        }
+        return Ok(None);
     };
+    let theta = extension.theta.unwrap_or(c.rope.theta);
+    if target_context <= trained {
+        return Ok(extension.theta.map(|theta| RopeConfig {
+            theta,
+            scaling: c.rope.scaling.clone(),
+        }));
+    }
     if c.rope.scaling != RopeScaling::Default {
         bail!(
-            "--target-context: the model already has RoPE scaling {:?}; position interpolation on top of it is not supported",
-            c.rope.scaling
+            "--target-context: the model already has RoPE scaling {}; scaling on top of it is not supported",
+            c.rope.scaling.name()
         );
     }
-    let factor = target_context as f64 / trained as f64;
-    Ok(Some((
-        RopeConfig {
-            theta: c.rope.theta,
-            scaling: RopeScaling::Linear { factor },
-        },
-        factor,
-    )))
+    Ok(Some(RopeConfig {
+        theta,
+        scaling: RopeScaling::extension(&extension.kind, trained, target_context)?,
+    }))
 }
 
 /// A model's configuration alone, without loading its weights.
@@ -228,21 +254,6 @@ pub fn check_seq_len(
     Ok(())
 }
 
-/// Applies a linear RoPE factor to a Llama-family model.
-pub fn with_linear_factor<B: LemoBackend>(
-    model: CausalLm<B>,
-    config: &ModelConfig,
-    factor: f64,
-) -> Result<CausalLm<B>> {
-    let ModelConfig::Llama(c) = config else {
-        bail!("RoPE scaling needs a Llama-family model")
-    };
-    Ok(model.with_rope(&RopeConfig {
-        theta: c.rope.theta,
-        scaling: RopeScaling::Linear { factor },
-    })?)
-}
-
 /// How `eval` (and friends) should set the model up.
 #[derive(Debug, Clone)]
 pub struct ModelSetup {
@@ -253,36 +264,40 @@ pub struct ModelSetup {
 }
 
 impl ModelSetup {
-    /// The linear RoPE interpolation factor this setup runs `config` at, and where it comes
-    /// from: `--target-context`, else the scaling recorded with the adapter; `None`: the model's
-    /// own positions.
-    pub fn position_interpolation(&self, config: &ModelConfig) -> Result<Option<(f64, String)>> {
+    /// The RoPE frequencies this setup runs `config` at, and where they come from:
+    /// `--target-context` (linear position interpolation), else the ones recorded with the
+    /// adapter; `None`: the model's own.
+    pub fn rope(&self, config: &ModelConfig) -> Result<Option<(RopeConfig, String)>> {
         if let Some(target) = self.target_context {
-            return Ok(interpolated_rope(config, target)?
-                .map(|(_, factor)| (factor, format!("--target-context {target}"))));
+            return Ok(extended_rope(config, target, &Extension::default())?
+                .map(|rope| (rope, format!("--target-context {target}"))));
         }
         let info = match &self.adapter {
             Some(dir) => TrainingInfo::read(dir)?,
             None => None,
         };
-        Ok(info
-            .as_ref()
-            .and_then(TrainingInfo::linear_factor)
-            .map(|factor| (factor, "recorded with the adapter".to_string())))
+        Ok(match info {
+            Some(info) => info
+                .rope(config)?
+                .map(|rope| (rope, "recorded with the adapter".to_string())),
+            None => None,
+        })
     }
 
-    /// [`Self::position_interpolation`]'s factor alone, 1 for the model's own positions.
+    /// How far [`Self::rope`] stretches the model's positions (1 for its own).
     pub fn interpolation_factor(&self, config: &ModelConfig) -> Result<f64> {
         Ok(self
-            .position_interpolation(config)?
-            .map_or(1.0, |(factor, _)| factor))
+            .rope(config)?
+            .map_or(1.0, |(rope, _)| rope.scaling.factor()))
     }
 
     /// Refuses `seq_len` past the longest sequence the model addresses under this setup, as
     /// `train` does (positions past the trained context without interpolation are ones the
     /// model never saw).
     pub fn check_seq_len(&self, config: &ModelConfig, seq_len: usize) -> Result<()> {
-        let factor = self.interpolation_factor(config)?;
+        let factor = self
+            .rope(config)?
+            .map_or(1.0, |(rope, _)| rope.scaling.factor());
         let extended =
             (factor > 1.0).then(|| (config.max_position_embeddings() as f64 * factor) as usize);
         check_seq_len(config, seq_len, self.target_context.or(extended))
@@ -296,9 +311,14 @@ pub fn load<B: LemoBackend>(
     device: &B::Device,
 ) -> Result<(CausalLm<B>, ModelConfig)> {
     let (mut model, config) = CausalLm::<B>::from_path(path, device, setup.precision.policy())?;
-    if let Some((factor, source)) = setup.position_interpolation(&config)? {
-        model = with_linear_factor(model, &config, factor)?;
-        eprintln!("rope: linear position interpolation, factor {factor} ({source})");
+    if let Some((rope, source)) = setup.rope(&config)? {
+        model = model.with_rope(&rope)?;
+        eprintln!(
+            "rope: {} scaling, factor {}, theta {} ({source})",
+            rope.scaling.name(),
+            rope.scaling.factor(),
+            rope.theta
+        );
     }
     if let Some(dir) = &setup.adapter {
         let (with_adapter, lora) = model

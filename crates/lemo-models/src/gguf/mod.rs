@@ -21,7 +21,7 @@ pub use quant::GgmlType;
 pub use reader::{Header, TensorInfo, Value};
 pub use writer::{GgufPrecision, write_llama};
 
-use crate::config::{LlamaConfig, RopeConfig, RopeScaling};
+use crate::config::{LlamaConfig, RopeConfig, RopeScaling, YarnScaling};
 use crate::llama2c::interleaved_to_rotate_half;
 use crate::weights::{Checkpoint, StoredTensor, WeightSource, sort_tensors};
 use crate::{Error, Result};
@@ -122,11 +122,6 @@ impl GgufFile {
                 .last()
                 .expect("tensors have at least one dimension"),
         };
-        if self.header.tensors.contains_key("rope_freqs.weight") {
-            return Err(self.error(
-                "per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) are not supported",
-            ));
-        }
         Ok(LlamaConfig {
             vocab_size,
             hidden_size,
@@ -139,7 +134,7 @@ impl GgufFile {
             max_position_embeddings,
             rope: RopeConfig {
                 theta: float("rope.freq_base").unwrap_or(10000.0),
-                scaling: self.rope_scaling(arch)?,
+                scaling: self.rope_scaling(arch, head_dim)?,
             },
             tie_word_embeddings: !self.header.tensors.contains_key("output.weight"),
             attention_bias: self.header.tensors.contains_key("blk.0.attn_q.bias"),
@@ -153,19 +148,69 @@ impl GgufFile {
         })
     }
 
-    fn rope_scaling(&self, arch: &str) -> Result<RopeScaling> {
+    /// The scaling llama.cpp applies: per-pair divisors from `rope_freqs.weight` (how
+    /// Llama 3.1's scaling is stored), else `rope.scaling.type` with its keys.
+    fn rope_scaling(&self, arch: &str, head_dim: usize) -> Result<RopeScaling> {
+        let key = |name: &str| format!("{arch}.rope.scaling.{name}");
         let scaling_type = self
-            .metadata(&format!("{arch}.rope.scaling.type"))
+            .metadata(&key("type"))
             .and_then(Value::as_str)
             .unwrap_or("none");
-        let factor = self
-            .metadata(&format!("{arch}.rope.scaling.factor"))
-            .and_then(Value::as_f64);
-        match (scaling_type, factor) {
-            ("none", _) => Ok(RopeScaling::Default),
-            ("linear", Some(factor)) if factor > 0.0 => Ok(RopeScaling::Linear { factor }),
-            (other, _) => Err(self.error(format!(
-                "RoPE scaling {other:?} (factor {factor:?}) is not supported: lemo reads none and linear"
+        let factor = self.metadata(&key("factor")).and_then(Value::as_f64);
+        if let Some(info) = self.header.tensors.get("rope_freqs.weight") {
+            if scaling_type != "none" {
+                return Err(self.error(format!(
+                    "both rope_freqs.weight and rope.scaling.type {scaling_type:?}: lemo applies one RoPE scaling"
+                )));
+            }
+            if info.shape() != [head_dim / 2] {
+                return Err(self.error(format!(
+                    "rope_freqs.weight has shape {:?}, expected [{}] (one factor per frequency pair)",
+                    info.shape(),
+                    head_dim / 2
+                )));
+            }
+            let factors = self.dequantize(info);
+            if factors.iter().any(|f| !(f.is_finite() && *f > 0.0)) {
+                return Err(
+                    self.error("rope_freqs.weight holds a factor that is not a positive number")
+                );
+            }
+            return Ok(RopeScaling::FrequencyFactors(factors));
+        }
+        let Some(factor) = factor.filter(|f| f.is_finite() && *f > 0.0) else {
+            return match scaling_type {
+                "none" => Ok(RopeScaling::Default),
+                other => Err(self.error(format!(
+                    "RoPE scaling {other:?} without a positive {}",
+                    key("factor")
+                ))),
+            };
+        };
+        match scaling_type {
+            "none" => Ok(RopeScaling::Default),
+            "linear" => Ok(RopeScaling::Linear { factor }),
+            "yarn" => {
+                let original = self
+                    .metadata(&key("original_context_length"))
+                    .and_then(Value::as_u64)
+                    .filter(|&n| n > 0)
+                    .ok_or_else(|| {
+                        self.error(format!(
+                            "YaRN scaling without {} (the context the model was pretrained with)",
+                            key("original_context_length")
+                        ))
+                    })?;
+                let mut yarn = YarnScaling::new(factor, original as usize);
+                // llama.cpp multiplies its own 0.1 ln(factor) + 1 by attn_factor.
+                let multiplier = self.metadata(&key("attn_factor")).and_then(Value::as_f64);
+                if let Some(multiplier) = multiplier.filter(|&m| m != 1.0) {
+                    yarn.attention_factor = Some(multiplier * yarn.attention_factor());
+                }
+                Ok(RopeScaling::Yarn(yarn))
+            }
+            other => Err(self.error(format!(
+                "RoPE scaling {other:?} is not supported: lemo reads none, linear, yarn and rope_freqs.weight"
             ))),
         }
     }

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use super::{GgmlType, Value, gguf_name};
 use crate::adapter::write_atomically_with;
-use crate::config::{LlamaConfig, RopeScaling};
+use crate::config::{LlamaConfig, RopeScaling, YarnScaling};
 use crate::llama2c::rotate_half_to_interleaved;
 use crate::weights::StoredTensor;
 use crate::{Error, Result};
@@ -22,6 +22,8 @@ const ALIGNMENT: usize = 32;
 /// keeps them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum GgufPrecision {
+    /// Every tensor F32: the exact weights, twice F16's size.
+    F32,
     F16,
     /// Q8_0 where a row is a whole number of 32-value blocks, F16 elsewhere.
     Q8_0,
@@ -31,6 +33,7 @@ impl GgufPrecision {
     /// llama.cpp's `general.file_type` (`LLAMA_FTYPE_MOSTLY_*`).
     fn file_type(self) -> u32 {
         match self {
+            Self::F32 => 0,
             Self::F16 => 1,
             Self::Q8_0 => 7,
         }
@@ -38,7 +41,7 @@ impl GgufPrecision {
 
     fn tensor_type(self, shape: &[usize]) -> GgmlType {
         match (shape, self) {
-            ([_], _) => GgmlType::F32,
+            ([_], _) | (_, Self::F32) => GgmlType::F32,
             ([.., cols], Self::Q8_0) if cols.is_multiple_of(32) => GgmlType::Q8_0,
             _ => GgmlType::F16,
         }
@@ -52,7 +55,13 @@ struct Planned<'a> {
     dims: Vec<usize>,
     ggml_type: GgmlType,
     interleaved_heads: bool,
-    source: &'a StoredTensor,
+    source: Source<'a>,
+}
+
+enum Source<'a> {
+    Model(&'a StoredTensor),
+    /// Values the configuration gives (`rope_freqs.weight`).
+    Fixed(Vec<f32>),
 }
 
 /// Writes a Llama model as GGUF: `config`'s hyperparameters, `tokenizer` (`tokenizer.*` keys),
@@ -66,7 +75,7 @@ pub fn write_llama(
     precision: GgufPrecision,
     mut values: impl FnMut(&StoredTensor) -> Result<Vec<f32>>,
 ) -> Result<()> {
-    let plan = tensors
+    let mut plan = tensors
         .iter()
         .map(|tensor| {
             let mapped = gguf_name(&tensor.name).ok_or_else(|| {
@@ -80,10 +89,20 @@ pub fn write_llama(
                 dims: tensor.shape.iter().rev().copied().collect(),
                 ggml_type: precision.tensor_type(&tensor.shape),
                 interleaved_heads: mapped.interleaved_heads,
-                source: tensor,
+                source: Source::Model(tensor),
             })
         })
         .collect::<Result<Vec<_>>>()?;
+    // llama.cpp keeps Llama 3.1 style scaling as one divisor per frequency pair.
+    if let Some(factors) = config.rope.frequency_factors(config.head_dim)? {
+        plan.push(Planned {
+            name: "rope_freqs.weight".into(),
+            dims: vec![factors.len()],
+            ggml_type: GgmlType::F32,
+            interleaved_heads: false,
+            source: Source::Fixed(factors),
+        });
+    }
 
     let mut header = b"GGUF".to_vec();
     header.extend(VERSION.to_le_bytes());
@@ -119,12 +138,15 @@ pub fn write_llama(
         let io = |e| Error::write(path, e);
         out.write_all(&header).map_err(io)?;
         for tensor in &plan {
-            let mut data = values(tensor.source)?;
-            if tensor.interleaved_heads {
-                let rows = tensor.source.shape[0];
-                let cols = tensor.source.shape.get(1).copied().unwrap_or(1);
-                data = rotate_half_to_interleaved(&data, rows, cols, config.head_dim);
-            }
+            let data = match &tensor.source {
+                Source::Fixed(data) => data.clone(),
+                Source::Model(source) if tensor.interleaved_heads => {
+                    let rows = source.shape[0];
+                    let cols = source.shape.get(1).copied().unwrap_or(1);
+                    rotate_half_to_interleaved(&values(source)?, rows, cols, config.head_dim)
+                }
+                Source::Model(source) => values(source)?,
+            };
             let mut bytes = tensor
                 .ggml_type
                 .quantize(&data)
@@ -143,7 +165,7 @@ fn llama_metadata(
     precision: GgufPrecision,
 ) -> Result<Vec<(String, Value)>> {
     let count = |v: usize| Value::U32(v as u32);
-    let mut keys = vec![
+    let mut keys: Vec<(String, Value)> = [
         ("general.architecture", Value::String("llama".into())),
         ("general.name", Value::String(name.into())),
         ("general.file_type", Value::U32(precision.file_type())),
@@ -172,16 +194,41 @@ fn llama_metadata(
             "llama.attention.layer_norm_rms_epsilon",
             Value::F32(config.rms_norm_eps as f32),
         ),
-    ];
-    match config.rope.scaling {
-        RopeScaling::Default => {}
-        RopeScaling::Linear { factor } => keys.extend([
-            ("llama.rope.scaling.type", Value::String("linear".into())),
-            ("llama.rope.scaling.factor", Value::F32(factor as f32)),
-        ]),
-        RopeScaling::Llama3 { .. } => {
+    ]
+    .into_iter()
+    .map(|(key, value)| (key.to_string(), value))
+    .collect();
+    let scaling = |name: &str| format!("llama.rope.scaling.{name}");
+    match &config.rope.scaling {
+        // Carried by the rope_freqs.weight tensor.
+        RopeScaling::Default | RopeScaling::Llama3 { .. } | RopeScaling::FrequencyFactors(_) => {}
+        RopeScaling::Linear { factor } => {
+            keys.push((scaling("type"), Value::String("linear".into())));
+            keys.push((scaling("factor"), Value::F32(*factor as f32)));
+        }
+        RopeScaling::Yarn(yarn) => {
+            if yarn.beta_fast.is_some_and(|b| b != 32.0) || yarn.beta_slow.is_some_and(|b| b != 1.0)
+            {
+                return Err(Error::Config(
+                    "GGUF export of YaRN with beta_fast / beta_slow other than 32 / 1 is not supported (llama.cpp's defaults)".into(),
+                ));
+            }
+            let plain = YarnScaling::new(yarn.factor, yarn.original_max_position_embeddings);
+            keys.push((scaling("type"), Value::String("yarn".into())));
+            keys.push((scaling("factor"), Value::F32(yarn.factor as f32)));
+            keys.push((
+                scaling("original_context_length"),
+                Value::U32(yarn.original_max_position_embeddings as u32),
+            ));
+            // llama.cpp multiplies its own 0.1 ln(factor) + 1 by attn_factor.
+            let multiplier = yarn.attention_factor() / plain.attention_factor();
+            if multiplier != 1.0 {
+                keys.push((scaling("attn_factor"), Value::F32(multiplier as f32)));
+            }
+        }
+        RopeScaling::Dynamic { .. } => {
             return Err(Error::Config(
-                "GGUF export of Llama 3.1 RoPE scaling (rope_freqs) is not supported".into(),
+                "GGUF export of dynamic NTK RoPE scaling is not supported: llama.cpp has no such scaling (train with --rope-scaling yarn for a GGUF)".into(),
             ));
         }
     }
@@ -190,10 +237,7 @@ fn llama_metadata(
             "GGUF export of a sliding-window (Mistral) model is not supported".into(),
         ));
     }
-    Ok(keys
-        .into_iter()
-        .map(|(key, value)| (key.to_string(), value))
-        .collect())
+    Ok(keys)
 }
 
 fn put_string(out: &mut Vec<u8>, text: &str) {

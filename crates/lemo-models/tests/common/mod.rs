@@ -2,6 +2,8 @@
 // Each test binary uses a subset of these helpers.
 #![allow(dead_code)]
 
+pub mod transformers;
+
 use std::path::Path;
 
 use burn::module::{Module, ModuleVisitor, Param};

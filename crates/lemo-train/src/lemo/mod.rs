@@ -276,7 +276,7 @@ pub fn evaluate<B: LemoBackend>(
     for sequence in sequences {
         let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
         let mut sparsity = thresholds.map_or(TokenSparsity::Dense, TokenSparsity::select);
-        let (sum, n) = model.next_token_loss_sum(tokens, LOSS_SEGMENT, &mut sparsity);
+        let (sum, n) = model.next_token_loss_sum(tokens, None, LOSS_SEGMENT, &mut sparsity);
         loss += sum.into_scalar().elem::<f64>();
         count += n;
         let plan = sparsity.into_plan().unwrap_or_default();

@@ -52,10 +52,18 @@ pub struct TrainConfig {
     /// Training sequence length in tokens [default: the target context, else the model's].
     #[arg(long)]
     pub seq_len: Option<usize>,
-    /// Context to extend to: sets linear RoPE position interpolation with factor
-    /// target / trained context (none when not larger).
+    /// Context to extend to: RoPE scaling (--rope-scaling) by the factor target / trained
+    /// context (none when not larger).
     #[arg(long)]
     pub target_context: Option<usize>,
+    /// How --target-context extends the RoPE frequencies: linear (position interpolation),
+    /// dynamic (NTK-aware, by sequence length), yarn (NTK-by-parts with an attention
+    /// temperature: keeps the high frequencies copying needs) or llama3 (Llama 3.1's).
+    #[arg(long, default_value = "linear")]
+    pub rope_scaling: String,
+    /// Train with this RoPE base instead of the model's (adjusted base frequency, "ABF").
+    #[arg(long)]
+    pub rope_theta: Option<f64>,
     /// Optimizer steps.
     #[arg(long, default_value_t = 1000)]
     pub steps: usize,
@@ -338,6 +346,16 @@ impl TrainConfig {
         if self.preset.is_none() && self.data.is_none() {
             bail!("no training data: pass --data FILE_OR_DIR");
         }
+        if !lemo_models::rope::EXTENSION_KINDS.contains(&self.rope_scaling.as_str()) {
+            bail!(
+                "--rope-scaling {:?}: unknown kind, choose one of {}",
+                self.rope_scaling,
+                lemo_models::rope::EXTENSION_KINDS.join(", ")
+            );
+        }
+        if let Some(theta) = self.rope_theta.filter(|t| !(t.is_finite() && *t > 1.0)) {
+            bail!("--rope-theta {theta}: the RoPE base must be a finite number above 1");
+        }
         if self.method == Method::Lemo {
             self.lemo.validate()?;
         }
@@ -400,6 +418,8 @@ const FIXED_ON_RESUME: &[&str] = &[
     "train_embeddings",
     "train_norms",
     "target_context",
+    "rope_scaling",
+    "rope_theta",
     "block_size",
 ];
 

@@ -22,7 +22,7 @@ use crate::data::int_tokens;
 use crate::lemo::{self, Elimination, THRESHOLDS_FILE, sparse_keep};
 use crate::memory::PeakTracker;
 use crate::method::Method;
-use crate::modelio::{TRAINING_INFO_FILE, interpolated_rope};
+use crate::modelio::TRAINING_INFO_FILE;
 
 type AB<B> = Autodiff<B>;
 
@@ -54,10 +54,8 @@ impl<B: LemoBackend> Replica<B> {
         AB::<B>::seed(&device, config.seed);
         let (mut model, _) =
             CausalLm::<AB<B>>::from_path(&setup.model_path, &device, setup.precision.policy())?;
-        if let Some(target) = config.target_context
-            && let Some((rope, _)) = interpolated_rope(&setup.model_config, target)?
-        {
-            model = model.with_rope(&rope)?;
+        if let Some(rope) = &setup.rope {
+            model = model.with_rope(rope)?;
         }
         model = model
             .with_new_lora(&setup.lora, config.seed)?
@@ -209,7 +207,7 @@ fn elimination<B: LemoBackend>(
         );
     }
     let saved = config.out.join(THRESHOLDS_FILE);
-    let interpolation = Some(setup.info.linear_factor().unwrap_or(1.0));
+    let interpolation = Some(setup.rope.as_ref().map_or(1.0, |r| r.scaling.factor()));
     let elimination = lemo::elimination(&settings, &setup.model_config, interpolation, || {
         if setup.resumed.is_some() && saved.exists() {
             return lemo::read_thresholds(&saved, &setup.model_config);

@@ -8,9 +8,9 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use burn_dataset::Dataset;
 use lemo_models::activation_plan::ActivationPlan;
+use lemo_models::config::RopeConfig;
 use lemo_models::model::ModelFormat;
 use lemo_models::{LoraConfig, ModelConfig};
-use serde_json::json;
 
 use super::checkpoint::{self, CheckpointFiles};
 use super::config::TrainConfig;
@@ -21,7 +21,7 @@ use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer, special_ids};
 use crate::device::PrecisionKind;
 use crate::memory_plan;
 use crate::method::Method;
-use crate::modelio::{TrainingInfo, interpolated_rope};
+use crate::modelio::{Extension, TrainingInfo, extended_rope};
 
 /// The run as every rank sees it.
 pub struct Setup {
@@ -30,6 +30,8 @@ pub struct Setup {
     pub model_path: PathBuf,
     pub model_config: ModelConfig,
     pub seq_len: usize,
+    /// The RoPE frequencies training runs at where they differ from the model's.
+    pub rope: Option<RopeConfig>,
     pub lora: LoraConfig,
     pub corpus: Corpus,
     pub val_sequences: Vec<Vec<u32>>,
@@ -106,15 +108,25 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
     if let Some(limit) = model_config.max_sequence_length().filter(|&l| seq_len > l) {
         bail!("--seq-len {seq_len} is longer than this model supports ({limit} positions)");
     }
-    let mut rope_scaling = None;
-    if let Some(target) = config.target_context
-        && let Some((_, factor)) = interpolated_rope(&model_config, target)?
-    {
-        rope_scaling = Some(json!({"rope_type": "linear", "factor": factor}));
+    let extension = Extension {
+        kind: config.rope_scaling.clone(),
+        theta: config.rope_theta,
+    };
+    let rope = extended_rope(
+        &model_config,
+        config.target_context.unwrap_or(trained_context),
+        &extension,
+    )?;
+    if let Some(rope) = &rope {
         eprintln!(
-            "rope: linear position interpolation {trained_context} -> {target} tokens (factor {factor})"
+            "rope: {} scaling {trained_context} -> {} tokens (factor {}), theta {}",
+            rope.scaling.name(),
+            config.target_context.unwrap_or(trained_context),
+            rope.scaling.factor(),
+            rope.theta
         );
     }
+    let rope_scaling = rope.as_ref().map(RopeConfig::parameters_json).transpose()?;
     let lora = LoraConfig {
         rank: config.lora_rank,
         alpha: config.lora_alpha,
@@ -177,6 +189,7 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         model_path,
         model_config,
         seq_len,
+        rope,
         lora,
         corpus,
         val_sequences,

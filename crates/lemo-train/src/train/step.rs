@@ -39,6 +39,7 @@ where
         let mut after_forward = None;
         let (loss_sum, predictions) = model.next_token_loss_backward_planned(
             tokens,
+            None,
             segment,
             scale,
             sparsity,
@@ -50,7 +51,7 @@ where
         );
         (loss_sum, predictions, after_forward.unwrap_or_default())
     } else {
-        let (loss, predictions) = model.next_token_loss_sum(tokens, segment, sparsity);
+        let (loss, predictions) = model.next_token_loss_sum(tokens, None, segment, sparsity);
         let after_forward = memory::sample().in_use;
         let loss_sum = loss.clone().inner();
         let model_grads = loss.mul_scalar(scale).backward();
@@ -73,7 +74,7 @@ pub fn validation_sums<B: LemoBackend>(
     let (mut sum, mut count) = (0.0, 0usize);
     for sequence in sequences {
         let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
-        let (loss, n) = model.next_token_loss_sum(tokens, segment, &mut TokenSparsity::Dense);
+        let (loss, n) = model.next_token_loss_sum(tokens, None, segment, &mut TokenSparsity::Dense);
         sum += loss.into_scalar().elem::<f64>();
         count += n;
     }

@@ -259,7 +259,7 @@ fn fused_parity() -> Vec<Value> {
     let inv_freq: Vec<f32> = (0..head_dim / 2)
         .map(|i| 500000f32.powf(-2.0 * i as f32 / head_dim as f32))
         .collect();
-    let (cos, sin) = fused::rope_tables::<B>(&inv_freq, 40000, &device());
+    let (cos, sin) = fused::rope_tables::<B>(&inv_freq, 1.0, 40000, &device());
     let positions: Vec<i32> = (0..batch * seq)
         .map(|i| ((i % seq) * 37 + i / seq) as i32)
         .collect();
@@ -451,7 +451,7 @@ fn fused_timings(args: &Args, client: &Client) -> Vec<Value> {
     let inv_freq: Vec<f32> = (0..head_dim / 2)
         .map(|i| 10000f32.powf(-2.0 * i as f32 / head_dim as f32))
         .collect();
-    let (cos, sin) = fused::rope_tables::<B>(&inv_freq, rows, &device());
+    let (cos, sin) = fused::rope_tables::<B>(&inv_freq, 1.0, rows, &device());
     let positions = Tensor::<B, 1, Int>::arange(0..rows as i64, &device()).reshape([1, rows]);
     let q = random([1, rows, heads, head_dim], DType::BF16).swap_dims(1, 2);
     let t = time_calls(client, args.repeats, 20, || {

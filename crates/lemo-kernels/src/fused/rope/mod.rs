@@ -29,11 +29,14 @@ pub fn rope<B: ComputeBackend>(
     )))
 }
 
-/// f32 `cos` and `sin` of `position * inv_freq[i]`, `[max_position, inv_freq.len()]` each;
-/// `inv_freq` carries the model's rope scaling (linear interpolation, Llama-3 style).
-/// Angles are computed in f64 on the host, so long positions lose no precision.
+/// f32 `scale * cos` and `scale * sin` of `position * inv_freq[i]`, `[max_position,
+/// inv_freq.len()]` each: per-pair frequencies carry the model's rope scaling (linear, NTK,
+/// YaRN, Llama-3 style, GGUF factors) and `scale` YaRN's attention temperature, which
+/// transformers applies to cos and sin alike (1 for the other kinds). Angles are computed in
+/// f64 on the host, so long positions lose no precision.
 pub fn rope_tables<B: ComputeBackend>(
     inv_freq: &[f32],
+    scale: f32,
     max_position: usize,
     device: &B::Device,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
@@ -43,8 +46,8 @@ pub fn rope_tables<B: ComputeBackend>(
     for position in 0..max_position {
         for &freq in inv_freq {
             let angle = position as f64 * freq as f64;
-            cos.push(angle.cos() as f32);
-            sin.push(angle.sin() as f32);
+            cos.push(angle.cos() as f32 * scale);
+            sin.push(angle.sin() as f32 * scale);
         }
     }
     let table = |values: Vec<f32>| {

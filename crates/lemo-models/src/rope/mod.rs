@@ -8,54 +8,17 @@ use burn::tensor::{Int, Tensor, backend::Backend};
 use lemo_kernels::ComputeBackend;
 use lemo_kernels::fused::{rope, rope_tables};
 
-use crate::config::{RopeConfig, RopeScaling};
+pub mod scaling;
 
-/// The per-pair rotation frequencies `theta^(-2i/d)`, adjusted by the scaling rule, computed as
-/// transformers does (f32 arithmetic on the exponents, then scaling).
-pub fn inverse_frequencies(config: &RopeConfig, head_dim: usize) -> Vec<f32> {
-    let base: Vec<f32> = (0..head_dim / 2)
-        .map(|i| 1.0 / (config.theta as f32).powf((2 * i) as f32 / head_dim as f32))
-        .collect();
-    match config.scaling {
-        RopeScaling::Default => base,
-        RopeScaling::Linear { factor } => base.iter().map(|f| f / factor as f32).collect(),
-        RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position_embeddings,
-        } => {
-            let old_context = original_max_position_embeddings as f32;
-            let (factor, low, high) = (
-                factor as f32,
-                low_freq_factor as f32,
-                high_freq_factor as f32,
-            );
-            let low_freq_wavelen = old_context / low;
-            let high_freq_wavelen = old_context / high;
-            base.iter()
-                .map(|&freq| {
-                    let wavelen = 2.0 * std::f32::consts::PI / freq;
-                    if wavelen < high_freq_wavelen {
-                        freq
-                    } else if wavelen > low_freq_wavelen {
-                        freq / factor
-                    } else {
-                        let smooth = (old_context / wavelen - low) / (high - low);
-                        (1.0 - smooth) * freq / factor + smooth * freq
-                    }
-                })
-                .collect()
-        }
-    }
-}
+pub use scaling::{EXTENSION_KINDS, RopeConfig, RopeScaling, YarnScaling};
 
 /// The model's rotation frequencies and their f32 `cos`/`sin` tables for positions
-/// `0..positions` (`[positions, head_dim / 2]` each, see [`lemo_kernels::fused::rope_tables`]),
-/// built once for the context the model runs at.
+/// `0..positions` (`[positions, head_dim / 2]` each, scaled by the attention factor, see
+/// [`lemo_kernels::fused::rope_tables`]), built once for the context the model runs at.
 #[derive(burn::module::Module, Debug)]
 pub struct RotaryEmbedding<B: Backend> {
-    pub inverse_frequencies: Vec<f32>,
+    pub config: RopeConfig,
+    pub head_dim: usize,
     pub cos: Tensor<B, 2>,
     pub sin: Tensor<B, 2>,
 }
@@ -71,27 +34,58 @@ pub struct Rotation<B: Backend> {
 }
 
 impl<B: ComputeBackend> RotaryEmbedding<B> {
-    pub fn new(config: &RopeConfig, head_dim: usize, positions: usize, device: &B::Device) -> Self {
-        let inverse_frequencies = inverse_frequencies(config, head_dim);
+    pub fn new(
+        config: &RopeConfig,
+        head_dim: usize,
+        positions: usize,
+        device: &B::Device,
+    ) -> crate::Result<Self> {
         // Longer sequences get tables per call (see `rotation`): a config claiming millions of
-        // positions does not cost gigabytes up front.
-        let positions = positions.min(EAGER_POSITIONS);
-        let (cos, sin) = rope_tables::<B>(&inverse_frequencies, positions, device);
-        Self {
-            inverse_frequencies,
+        // positions does not cost gigabytes up front. Dynamic NTK's frequencies change past
+        // its threshold, so only the positions below it share one table.
+        let mut positions = positions.min(EAGER_POSITIONS);
+        if let RopeScaling::Dynamic {
+            original_max_position_embeddings,
+            ..
+        } = config.scaling
+        {
+            positions = positions.min(original_max_position_embeddings);
+        }
+        let (cos, sin) = Self::tables(config, head_dim, positions, device)?;
+        Ok(Self {
+            config: config.clone(),
+            head_dim,
             cos,
             sin,
-        }
+        })
+    }
+
+    fn tables(
+        config: &RopeConfig,
+        head_dim: usize,
+        positions: usize,
+        device: &B::Device,
+    ) -> crate::Result<(Tensor<B, 2>, Tensor<B, 2>)> {
+        let frequencies = config.inverse_frequencies(head_dim, positions)?;
+        Ok(rope_tables::<B>(
+            &frequencies,
+            config.attention_scaling(),
+            positions,
+            device,
+        ))
     }
 
     /// The rotation of `batch` sequences at `positions`; past the tables' end (a sequence longer
-    /// than the context they were built for) tables are made for this call.
+    /// than the context they were built for, or past dynamic NTK's threshold, where the
+    /// frequencies follow the sequence's length as transformers' do) tables are made for this
+    /// call.
     pub fn rotation(&self, positions: Range<usize>, batch: usize) -> Rotation<B> {
         let device = self.cos.device();
         let (cos, sin) = if positions.end <= self.cos.dims()[0] {
             (self.cos.clone(), self.sin.clone())
         } else {
-            rope_tables::<B>(&self.inverse_frequencies, positions.end, &device)
+            Self::tables(&self.config, self.head_dim, positions.end, &device)
+                .expect("the frequencies were computed once when the model was built")
         };
         let len = positions.len();
         let positions =
