@@ -17,7 +17,7 @@ use lemo_kernels::precision::Precision;
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
-use lemo_models::token_plan::{LayerPlan, TokenPlan, TokenSparsity};
+use lemo_models::token_plan::{BlockRows, LayerPlan, TokenPlan, TokenSparsity};
 use lemo_sparsity::KeptRows;
 use lemo_test_support::files::HostTensor;
 use lemo_test_support::{
@@ -57,7 +57,7 @@ fn load<B: LemoBackend>(case: &str, device: &B::Device) -> (CausalLm<B>, Expecte
     model.set_shifted_group(description["s2_group"].as_u64().map(|g| g as usize));
 
     let mut tensors = read_safetensors(&dir.join("expected.safetensors"));
-    let plan = token_plan(&tensors, model.num_layers());
+    let plan = token_plan::<B>(&tensors, model.num_layers(), device);
     let expected = Expected {
         tokens: tensors.remove("input_ids").expect("input_ids"),
         plan,
@@ -71,18 +71,24 @@ fn load<B: LemoBackend>(case: &str, device: &B::Device) -> (CausalLm<B>, Expecte
 }
 
 /// The fixture's kept rows (`kept.{layer}.{attention|mlp}`, `[batch, kept]`), if any: a block
-/// without them is dense.
-fn token_plan(tensors: &BTreeMap<String, HostTensor>, layers: usize) -> Option<TokenPlan> {
+/// without them is dense. An MLP block's dropped rows pass back their exact input gradient, as
+/// in the fixture.
+fn token_plan<B: LemoBackend>(
+    tensors: &BTreeMap<String, HostTensor>,
+    layers: usize,
+    device: &B::Device,
+) -> Option<TokenPlan> {
     let seq = tensors["input_ids"].shape[1];
     let kept = |layer: usize, block: &str| {
-        tensors
-            .get(&format!("kept.{layer}.{block}"))
-            .map(|t| KeptRows {
+        tensors.get(&format!("kept.{layer}.{block}")).map(|t| {
+            let rows = KeptRows {
                 rows: t.to_i64().into_iter().map(|r| r as u32).collect(),
                 batch: t.shape[0],
                 kept: t.shape[1],
                 seq,
-            })
+            };
+            BlockRows::from_host::<B>(rows, block == "mlp", device)
+        })
     };
     let layers: Vec<LayerPlan> = (0..layers)
         .map(|l| LayerPlan {
@@ -198,7 +204,7 @@ where
         None => TokenSparsity::Dense,
     };
 
-    let (loss, _) = model.next_token_loss_sum(tokens.clone(), CHUNK_ROWS, &mut sparsity());
+    let (loss, _) = model.next_token_loss_sum(tokens.clone(), None, CHUNK_ROWS, &mut sparsity());
     let mut found = BTreeMap::new();
     add_gradients(&model, &loss.clone().backward(), &mut found);
     let loss_sum: f32 = loss.into_scalar().elem();
@@ -209,6 +215,7 @@ where
         ActivationPlan::uniform(LayerActivations::Recomputed, model.num_layers());
     let (loss, _) = model.next_token_loss_backward_planned(
         tokens,
+        None,
         CHUNK_ROWS,
         1.0,
         &mut sparsity(),

@@ -11,6 +11,7 @@ use burn::tensor::{Distribution, Int, Tensor};
 use common::{half_kept, trainable_model};
 use lemo_kernels::{CpuBackend, host_reads};
 use lemo_models::CausalLm;
+use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
 use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::token_plan::TokenSparsity;
 use lemo_sparsity::Thresholds;
@@ -29,9 +30,18 @@ fn reads_of_a_step(
     let before = host_reads::count();
     let mut sparsity = TokenSparsity::select(thresholds);
     if recomputed {
-        model.next_token_loss_backward_recomputed(tokens, 5, 1.0, &mut sparsity, &mut |_| {});
+        let plan = ActivationPlan::uniform(LayerActivations::Recomputed, model.num_layers());
+        model.next_token_loss_backward_planned(
+            tokens,
+            None,
+            5,
+            1.0,
+            &mut sparsity,
+            &plan,
+            &mut |_| {},
+        );
     } else {
-        let (loss, _) = model.next_token_loss_sum(tokens, 5, &mut sparsity);
+        let (loss, _) = model.next_token_loss_sum(tokens, None, 5, &mut sparsity);
         drop(loss.backward());
     }
     let plan = sparsity.into_plan().expect("a selecting pass has a plan");

@@ -12,6 +12,7 @@ use common::{GradientSums, assert_same_gradients, half_kept, trainable_model};
 use lemo_kernels::CpuBackend;
 use lemo_kernels::loss::IGNORE_INDEX;
 use lemo_models::CausalLm;
+use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
 use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::token_plan::TokenSparsity;
 
@@ -133,12 +134,13 @@ fn recomputing_and_token_eliminating_passes_honour_the_mask() {
     let dense_gradients = gradients(&model, dense);
 
     let mut recomputed = GradientSums::default();
-    let (loss, scored) = model.next_token_loss_backward_recomputed(
+    let (loss, scored) = model.next_token_loss_backward_planned(
         tokens.clone(),
         Some(label_tensor(&labels)),
         7,
         1.0,
         &mut TokenSparsity::Dense,
+        &ActivationPlan::uniform(LayerActivations::Recomputed, model.num_layers()),
         &mut |g| recomputed.add(&model, g),
     );
     assert_eq!(scored, count);

@@ -9,17 +9,17 @@ use lemo_kernels::CpuBackend;
 use lemo_kernels::precision::Precision;
 use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::{CausalLm, KvCache, LoraConfig};
-use lemo_test_support::{hf_fixture, read_json};
 use serde_json::Value;
 
 mod common;
 
-use common::transformers::{fixture, read_json, sequences, tokens};
+use common::transformers::{sequences, tokens};
+use lemo_test_support::{hf_fixture, read_json};
 
 type B = CpuBackend;
 
 fn check_against_transformers(case: &str) {
-    common::transformers::assert_nll_matches_transformers(&fixture(case), case);
+    common::transformers::assert_nll_matches_transformers(&hf_fixture(case), case);
 }
 
 /// The inverse frequencies and cos/sin multiplier each scaling kind gives at load time equal
@@ -34,11 +34,11 @@ fn rope_frequencies_match_transformers() {
         "llama_rope_dynamic_old_config",
     ] {
         let lemo_models::ModelConfig::Llama(config) =
-            lemo_models::ModelConfig::from_file(&fixture(case)).unwrap()
+            lemo_models::ModelConfig::from_file(&hf_fixture(case)).unwrap()
         else {
             panic!("{case}: a Llama fixture");
         };
-        let reference = &read_json(&fixture(case).join("expected.json"))["reference"];
+        let reference = &read_json(&hf_fixture(case).join("expected.json"))["reference"];
         let expected: Vec<f32> = serde_json::from_value(reference["inv_freq"].clone()).unwrap();
         let ours = config.rope.inverse_frequencies(config.head_dim, 0).unwrap();
         assert_eq!(ours.len(), expected.len(), "{case}");

@@ -52,6 +52,7 @@ fn assert_recomputation_matches(model: &CausalLm<B>, len: usize, thresholds: Opt
         let mut planned = GradientSums::default();
         let (loss, planned_predictions) = model.next_token_loss_backward_planned(
             tokens.clone(),
+            None,
             chunk_rows,
             scale,
             &mut sparsity(),

@@ -14,8 +14,8 @@ use cubecl::prelude::*;
 
 use crate::attention::flash::empty_like;
 use crate::attention::flash::mma::{
-    BLOCK, CHUNK, STREAM, STRIP, WARP, WARPS, commit_stage, cube_dim, prefetch_tile,
-    rows_of, strip_times_tile_t, vector_ready, wait_stage, zeros,
+    BLOCK, CHUNK, STREAM, STRIP, WARP, WARPS, commit_stage, cube_dim, prefetch_tile, rows_of,
+    strip_times_tile_t, vector_ready, wait_stage, zeros,
 };
 
 /// Query and key rows of a cube's tile pair (the forward's query tile and key stream are both
@@ -73,7 +73,16 @@ fn block_scores_mma_kernel<F: Float, N: Size>(
         if head + 1 < q_heads {
             let base = (1 - stage) * comptime!(TILE * chunks);
             let next = head + 1;
-            prefetch_tile::<F, N>(q, &q_rows, next, q_start, &mut q_tiles, base, thread, head_dim);
+            prefetch_tile::<F, N>(
+                q,
+                &q_rows,
+                next,
+                q_start,
+                &mut q_tiles,
+                base,
+                thread,
+                head_dim,
+            );
             let kv_head = next / heads_per_kv;
             prefetch_tile::<F, N>(
                 k,
@@ -151,7 +160,10 @@ pub(crate) fn tile_maxima<R: CubeRuntime>(
     tiles: usize,
 ) -> CubeTensor<R> {
     let [batch, _, seq, head_dim] = q.meta.shape().dims();
-    assert!(tiles * TILE >= seq, "{tiles} tiles of {TILE} rows hold {seq} rows");
+    assert!(
+        tiles * TILE >= seq,
+        "{tiles} tiles of {TILE} rows hold {seq} rows"
+    );
     let tile_max = empty_like(&q, [batch, tiles, tiles], DType::F32);
     let client = q.client.clone();
     let dtype = q.dtype;

@@ -11,10 +11,10 @@ use serde_json::Value;
 
 type B = CpuBackend;
 
-pub use lemo_test_support::{hf_fixture as fixture, read_json};
+use lemo_test_support::{hf_fixture, read_json};
 
 pub fn sequences(case: &str) -> Vec<Vec<i32>> {
-    std::fs::read_to_string(fixture(case).join("tokens.jsonl"))
+    std::fs::read_to_string(hf_fixture(case).join("tokens.jsonl"))
         .unwrap()
         .lines()
         .map(|line| serde_json::from_value(read_json_str(line)["input_ids"].clone()).unwrap())
@@ -51,7 +51,7 @@ pub fn per_token_nll(model: &CausalLm<B>, ids: &[i32]) -> Vec<f32> {
 /// check than the mean loss, in which per-token errors partly cancel).
 pub fn assert_nll_matches_transformers(model: &Path, case: &str) {
     let (model, _) = CausalLm::<B>::from_path(model, &Default::default(), Precision::F32).unwrap();
-    let expected = read_json(&fixture(case).join("expected.json"));
+    let expected = read_json(&hf_fixture(case).join("expected.json"));
     let expected_nll: Vec<Vec<f64>> =
         serde_json::from_value(expected["per_token_nll"].clone()).unwrap();
     let sequences = sequences(case);
