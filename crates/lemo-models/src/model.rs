@@ -58,6 +58,11 @@ impl ModelFormat {
                     "expected a Hugging Face model folder, a llama2.c .bin checkpoint or a .gguf file",
                 )),
             }
+        } else if path.exists() {
+            Err(Error::format(
+                path,
+                "not a regular file or folder (a pipe or device cannot be read as a model)",
+            ))
         } else {
             Err(Error::io(
                 path,

@@ -31,6 +31,12 @@ impl Tokenizer {
     /// Loads `*.json` as a Hugging Face tokenizer, `*.bin` as a llama2.c tokenizer and `*.gguf`
     /// as the tokenizer in a GGUF model's metadata.
     pub fn from_file(path: &Path) -> Result<Self> {
+        if path.exists() && !path.is_file() && !path.is_dir() {
+            return Err(Error::format(
+                path,
+                "not a regular file (a pipe or device cannot be read as a tokenizer)",
+            ));
+        }
         match path.extension().and_then(|extension| extension.to_str()) {
             Some("json") => Ok(Self::HuggingFace(Box::new(
                 HuggingFaceTokenizer::from_file(path)?,

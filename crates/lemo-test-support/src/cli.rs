@@ -36,3 +36,63 @@ pub fn assert_clean_error(output: &Output, needle: &str) {
     );
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
+
+/// Runs `binary` with `args` as [`run`] does, but kills it and fails the test when it has not
+/// ended within `limit`: a command that must refuse a request up front, not start on it.
+pub fn run_within(binary: &str, args: &[&str], limit: std::time::Duration) -> Output {
+    use std::process::Stdio;
+    let started = std::time::Instant::now();
+    let mut child = Command::new(binary)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot run {binary}: {e}"));
+    // Pipes are drained on threads: a child blocked on a full pipe would never end.
+    let drain = |pipe: Option<Box<dyn std::io::Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut pipe) = pipe {
+                std::io::Read::read_to_end(&mut pipe, &mut bytes).ok();
+            }
+            bytes
+        })
+    };
+    let stdout = drain(child.stdout.take().map(|p| Box::new(p) as _));
+    let stderr = drain(child.stderr.take().map(|p| Box::new(p) as _));
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("the child's status") {
+            break status;
+        }
+        if started.elapsed() > limit {
+            child.kill().ok();
+            child.wait().ok();
+            panic!("{args:?} still ran after {limit:?}: it must be refused up front");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    Output {
+        status,
+        stdout: stdout.join().expect("stdout"),
+        stderr: stderr.join().expect("stderr"),
+    }
+}
+
+/// Asserts that a run failed with one stderr line `error: ...` containing `needle`, as its
+/// last line, and no panic; progress lines before it are allowed (`train` reports its plan and
+/// data before a later check fails).
+pub fn assert_error_line(output: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "should fail: {stderr}");
+    let errors: Vec<&str> = stderr.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "expected one error line, got {stderr:?}");
+    assert!(
+        stderr.trim_end().ends_with(errors[0]) && errors[0].contains(needle),
+        "expected a last line `error: ...{needle}...`, got {stderr:?}"
+    );
+    assert!(
+        !stderr.contains("panicked") && !stderr.contains("stack backtrace"),
+        "{stderr}"
+    );
+}

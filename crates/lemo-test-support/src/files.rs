@@ -121,3 +121,30 @@ pub fn read_safetensors(path: &Path) -> BTreeMap<String, HostTensor> {
 fn words<const N: usize>(data: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ {
     data.chunks_exact(N).map(|c| c.try_into().unwrap())
 }
+
+/// Every file under `dir` (recursively) with its bytes, by path relative to `dir`: compare two
+/// snapshots to show that a command changed nothing there.
+pub fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut files = BTreeMap::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(folder) = pending.pop() {
+        let entries = std::fs::read_dir(&folder)
+            .unwrap_or_else(|e| panic!("cannot list {}: {e}", folder.display()));
+        for entry in entries {
+            let path = entry.expect("a folder entry").path();
+            let kind = std::fs::symlink_metadata(&path)
+                .expect("metadata")
+                .file_type();
+            if kind.is_dir() {
+                pending.push(path);
+            } else if kind.is_file() {
+                let bytes = std::fs::read(&path).expect("a readable file");
+                files.insert(path.strip_prefix(dir).unwrap().to_path_buf(), bytes);
+            } else {
+                // FIFOs and other special files: present, no content to compare.
+                files.insert(path.strip_prefix(dir).unwrap().to_path_buf(), Vec::new());
+            }
+        }
+    }
+    files
+}

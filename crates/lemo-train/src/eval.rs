@@ -13,8 +13,12 @@ use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use lemo_kernels::LemoBackend;
 use lemo_sparsity::calibration::Block;
 
-use crate::device::BackendJob;
+use lemo_models::ModelConfig;
+
+use crate::device::{BackendJob, DeviceKind};
 use crate::lemo::{LemoSettings, THRESHOLDS_FILE, read_thresholds, sparse_keep};
+use crate::memory::gib;
+use crate::memory_plan::host_available_memory;
 use crate::task_progress::TaskProgress;
 
 /// Rows of the vocabulary projection computed at once.
@@ -67,6 +71,41 @@ pub fn windows(len: usize, seq_len: usize, stride: usize) -> Vec<(usize, usize)>
         .step_by(stride.max(1))
         .map(|start| (start, start + seq_len))
         .collect()
+}
+
+impl EvalJob {
+    /// Refuses, before the model is loaded, windows past the positions the model addresses
+    /// under this setup, and on the CPU windows whose attention scores alone (which the CPU
+    /// backend materializes, `heads x len x len` floats) exceed the host's available memory.
+    pub fn check_request(&self, device: DeviceKind) -> Result<()> {
+        let config = crate::modelio::read_config(&self.model)?;
+        if let Some(seq_len) = self.seq_len {
+            self.setup.check_seq_len(&config, seq_len)?;
+        }
+        let seq_len = self.seq_len.unwrap_or(config.max_position_embeddings());
+        let window = self
+            .documents
+            .iter()
+            .map(Vec::len)
+            .max()
+            .unwrap_or(0)
+            .min(seq_len);
+        let heads = match &config {
+            ModelConfig::Llama(c) => c.num_attention_heads,
+            ModelConfig::Opt(c) => c.num_attention_heads,
+        };
+        let scores = (heads * window) as f64 * window as f64 * 4.0;
+        if let (DeviceKind::Cpu, Some(available)) = (device, host_available_memory())
+            && scores > available as f64
+        {
+            bail!(
+                "--seq-len {seq_len}: windows of {window} tokens need at least {:.1} GiB of memory for the attention scores on the CPU, more than the {:.1} GiB available: use a shorter --seq-len",
+                scores / (1u64 << 30) as f64,
+                gib(available)
+            );
+        }
+        Ok(())
+    }
 }
 
 impl BackendJob for EvalJob {

@@ -72,6 +72,7 @@ pub struct MergeArgs {
 /// Merges as `args` say; returns the output folder.
 pub fn run(args: MergeArgs) -> Result<PathBuf> {
     crate::modelio::require_model(&args.model)?;
+    crate::modelio::check_target_context(args.target_context)?;
     if !args.adapter.is_dir() {
         bail!(
             "--adapter {}: no such adapter folder",

@@ -45,6 +45,7 @@ impl ModelArgs {
     /// The device to run on and how to load the model there; the model must exist.
     pub fn resolve(&self) -> Result<(DeviceKind, ModelSetup)> {
         require_model(&self.model)?;
+        check_target_context(self.target_context)?;
         let (device, precision) = self.runtime.resolve()?;
         let setup = ModelSetup {
             adapter: self.adapter.clone(),
@@ -180,6 +181,7 @@ pub fn extended_rope(
     target_context: usize,
     extension: &Extension,
 ) -> Result<Option<RopeConfig>> {
+    check_target_context(Some(target_context))?;
     let trained = config.max_position_embeddings();
     let ModelConfig::Llama(c) = config else {
         if target_context > trained || extension.theta.is_some() {
@@ -206,6 +208,14 @@ pub fn extended_rope(
         theta,
         scaling: RopeScaling::extension(&extension.kind, trained, target_context)?,
     }))
+}
+
+/// Refuses a `--target-context` too short to hold a prediction (0 would scale positions by 0).
+pub fn check_target_context(target_context: Option<usize>) -> Result<()> {
+    if let Some(target) = target_context.filter(|&t| t < 2) {
+        bail!("--target-context {target}: a context is at least 2 tokens");
+    }
+    Ok(())
 }
 
 /// A model's configuration alone, without loading its weights.

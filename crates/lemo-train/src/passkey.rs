@@ -89,6 +89,9 @@ pub fn make_prompts(
     trials: usize,
     seed: u64,
 ) -> Result<Vec<(usize, PasskeyPrompt)>> {
+    if trials == 0 {
+        bail!("--trials must be at least 1");
+    }
     if let Some(length) = lengths.iter().find(|&&l| l > MAX_PROMPT_TOKENS) {
         bail!("--lengths {length}: passkey prompts are at most {MAX_PROMPT_TOKENS} tokens");
     }

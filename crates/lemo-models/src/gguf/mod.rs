@@ -110,6 +110,27 @@ impl GgufFile {
         }
         let float = |name: &str| self.metadata(&key(name)).and_then(Value::as_f64);
         let max_position_embeddings = required("context_length")?;
+        if max_position_embeddings < 2 {
+            return Err(self.error(format!(
+                "{} is {max_position_embeddings}: a model addresses at least 2 positions",
+                key("context_length")
+            )));
+        }
+        let layers = required("block_count")?;
+        if layers > self.header.tensors.len() {
+            return Err(self.error(format!(
+                "{} is {layers} but the file holds {} tensors (corrupt metadata?)",
+                key("block_count"),
+                self.header.tensors.len()
+            )));
+        }
+        let rms_norm_eps = float("attention.layer_norm_rms_epsilon").unwrap_or(1e-5);
+        if !(rms_norm_eps.is_finite() && rms_norm_eps > 0.0) {
+            return Err(self.error(format!(
+                "{} is {rms_norm_eps}: it must be a positive number",
+                key("attention.layer_norm_rms_epsilon")
+            )));
+        }
         let embed = self
             .header
             .tensors
@@ -126,11 +147,11 @@ impl GgufFile {
             vocab_size,
             hidden_size,
             intermediate_size: required("feed_forward_length")?,
-            num_hidden_layers: required("block_count")?,
+            num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: kv_heads,
             head_dim,
-            rms_norm_eps: float("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+            rms_norm_eps,
             max_position_embeddings,
             rope: RopeConfig {
                 theta: float("rope.freq_base").unwrap_or(10000.0),

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use clap::Args;
 use lemo_train::bench::BenchJob;
 use lemo_train::device::{DeviceKind, Runtime};
@@ -54,6 +54,15 @@ pub struct BenchArgs {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
+    if args.steps == 0 || args.lora_rank == 0 {
+        bail!("--steps and --lora-rank must be at least 1");
+    }
+    if let Some(len) = args.seq_lens.iter().find(|&&l| l < 2) {
+        bail!("--seq-lens {len}: a sequence is at least 2 tokens");
+    }
+    if let Some(out) = &args.out {
+        lemo_train::modelio::check_output("--out", out, &[&args.model])?;
+    }
     let (device, precision) = args.runtime.resolve()?;
     let job = BenchJob {
         sparsity: args.lemo,
@@ -62,7 +71,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         seq_lens: args.seq_lens,
         checkpointing: args.checkpointing,
         budget: args.budget.resolve(device)?,
-        steps: args.steps.max(1),
+        steps: args.steps,
         warmup: args.warmup,
         lora_rank: args.lora_rank,
         seed: args.seed,

@@ -89,14 +89,16 @@ pub fn run(args: EvalArgs) -> Result<()> {
     if let Some(settings) = &sparsity {
         settings.validate()?;
     }
-    let report = device.run(EvalJob {
+    let job = EvalJob {
         model: args.model.model,
         documents,
         seq_len: args.seq_len,
         stride: args.stride,
         setup,
         sparsity,
-    })?;
+    };
+    job.check_request(device)?;
+    let report = device.run(job)?;
     print(&report, args.json)
 }
 

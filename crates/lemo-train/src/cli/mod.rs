@@ -56,9 +56,11 @@ enum Command {
 
 /// Parses the command line and runs the subcommand.
 pub fn run() -> Result<()> {
-    let matches = <Cli as clap::CommandFactory>::command().get_matches();
+    let matches = command()
+        .try_get_matches()
+        .unwrap_or_else(|error| exit_on(error));
     let cli = <Cli as clap::FromArgMatches>::from_arg_matches(&matches)
-        .unwrap_or_else(|error| error.exit());
+        .unwrap_or_else(|error| exit_on(error));
     let subcommand = |name| -> &ArgMatches {
         matches
             .subcommand_matches(name)
@@ -76,4 +78,35 @@ pub fn run() -> Result<()> {
         Command::Merge(args) => merge::run(*args),
         Command::Tokenize(args) => tokenize::run(args),
     }
+}
+
+/// The command line's grammar. Values may be negative numbers (`--temperature -1`), so that a
+/// range check names the flag instead of clap reading the value as an unknown flag.
+fn command() -> clap::Command {
+    let mut command = <Cli as clap::CommandFactory>::command();
+    let names: Vec<String> = command
+        .get_subcommands()
+        .map(|s| s.get_name().to_string())
+        .collect();
+    for name in names {
+        command = command.mut_subcommand(name, |s| s.mut_args(|a| a.allow_negative_numbers(true)));
+    }
+    command
+}
+
+/// Help and version go to stdout as clap writes them; a parse error becomes one line, its
+/// tips kept and the usage dropped, like every other error of the command.
+fn exit_on(error: clap::Error) -> ! {
+    if !error.use_stderr() {
+        error.exit();
+    }
+    let text = error.render().to_string();
+    let line: Vec<&str> = text
+        .lines()
+        .map(str::trim)
+        .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+        .filter(|l| !l.is_empty())
+        .collect();
+    eprintln!("{}", line.join(" "));
+    std::process::exit(error.exit_code());
 }

@@ -365,6 +365,7 @@ impl TrainConfig {
         if self.seq_len.is_some_and(|s| s < 2) {
             bail!("--seq-len must be at least 2");
         }
+        crate::modelio::check_target_context(self.target_context)?;
         if self.lora_rank == 0 {
             bail!("--lora-rank must be positive");
         }

@@ -147,6 +147,9 @@ impl TrainJob {
     /// Prepares the run folder (when this process owns it) and trains; `None` in the processes
     /// of a launch other than rank 0's, which reports the run.
     pub fn train(self) -> Result<Option<TrainSummary>> {
+        self.config.validate()?;
+        let out = self.config.out.clone();
+        let created = self.owns_out() && !out.exists();
         let _lock = match self.owns_out() {
             true => {
                 let lock = run_dir::RunLock::acquire(&self.config.out)?;
@@ -155,7 +158,12 @@ impl TrainJob {
             }
             false => None,
         };
-        self.device.run(self)
+        let result = self.device.run(self);
+        // A failed fresh run leaves nothing to resume: its folder would only block a rerun.
+        if result.is_err() && created && checkpoint::list(&out, None).is_empty() {
+            let _ = std::fs::remove_dir_all(&out);
+        }
+        result
     }
 
     /// Whether this process writes the run folder (rank 0 of a launch, or the only process).
