@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use lemo_train::data::chat::LazyChatTemplate;
 use lemo_train::data::corpus::{default_cache_dir, read_documents_cached};
 use lemo_train::data::{LazyTokenizer, TokenWidth};
 use lemo_train::eval::EvalJob;
@@ -18,8 +19,9 @@ use lemo_train::passkey::{PasskeyJob, PasskeyReport};
 pub struct EvalArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Plain text, JSONL (`text` or `input_ids` per line), a raw token .bin, or a folder of
-    /// these (perplexity); with --longbench, a LongBench-v2 JSONL file.
+    /// Plain text, JSONL (`text`, `input_ids` or a chat record per line; a chat record's whole
+    /// rendered conversation is scored), a raw token .bin, or a folder of these (perplexity);
+    /// with --longbench, a LongBench-v2 JSONL file.
     #[arg(long, required_unless_present = "passkey")]
     data: Option<PathBuf>,
     /// Passkey retrieval accuracy per length instead of perplexity.
@@ -83,8 +85,11 @@ pub fn run(args: EvalArgs) -> Result<()> {
         TokenWidth::from_bytes(args.token_width)?,
         &mut tokenizer,
         tokenizer_path.as_deref(),
+        &mut LazyChatTemplate::new(Some(&args.model.model)),
         default_cache_dir().as_deref(),
     )?;
+    // Perplexity is over every token: of a chat record, its whole rendered conversation.
+    let documents = documents.into_iter().map(|d| d.tokens).collect();
     let sparsity = (args.method == Method::Lemo).then_some(args.lemo);
     if let Some(settings) = &sparsity {
         settings.validate()?;

@@ -16,8 +16,9 @@ use super::checkpoint::{self, CheckpointFiles};
 use super::config::TrainConfig;
 use super::run_dir;
 use super::{TrainJob, plan_input};
+use crate::data::chat::{LazyChatTemplate, LossOn};
 use crate::data::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
-use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer, special_ids};
+use crate::data::{Document, LazyTokenizer, Sequence, TokenWidth, find_tokenizer, special_ids};
 use crate::device::PrecisionKind;
 use crate::memory_plan;
 use crate::method::Method;
@@ -34,7 +35,7 @@ pub struct Setup {
     pub rope: Option<RopeConfig>,
     pub lora: LoraConfig,
     pub corpus: Corpus,
-    pub val_sequences: Vec<Vec<u32>>,
+    pub val_sequences: Vec<Sequence>,
     pub run_id: Option<String>,
     /// The checkpoint the run continues from.
     pub resumed: Option<CheckpointFiles>,
@@ -229,12 +230,18 @@ fn read_corpus(
         TokenWidth::from_bytes(config.token_width)?,
         &mut tokenizer,
         tokenizer_path.as_deref(),
+        &mut LazyChatTemplate::new(Some(model_path)),
         cache_dir.as_deref(),
     )?;
     let vocab = model_config.vocab_size();
-    if let Some(bad) = documents.iter().flatten().find(|&&id| id as usize >= vocab) {
+    if let Some(bad) = documents
+        .iter()
+        .flat_map(|d| &d.tokens)
+        .find(|&&id| id as usize >= vocab)
+    {
         bail!("token id {bad} is outside the model's vocabulary of {vocab} (wrong tokenizer?)");
     }
+    let chats = check_loss_on(config, &documents, data_path, seq_len)?;
     let is_llama2c = matches!(ModelFormat::detect(model_path)?, ModelFormat::Llama2c);
     let (bos, eos) = special_ids(model_config, &mut tokenizer);
     let append_eos = config.append_eos.unwrap_or(!is_llama2c);
@@ -244,10 +251,22 @@ fn read_corpus(
         eos: eos.filter(|_| append_eos),
         val_fraction: config.val_fraction,
         seed: config.seed,
+        loss_on: config.loss_on(),
     };
     let corpus = Corpus::new(&documents, &pack)?;
+    let chat_note = match chats {
+        0 => String::new(),
+        n => format!(
+            "; {n} chat records, loss on {} tokens{}",
+            config.loss_on().name(),
+            match corpus.unscored {
+                0 => String::new(),
+                u => format!(", {u} sequences without one left out"),
+            }
+        ),
+    };
     eprintln!(
-        "data: {} documents, {} sequences of {seq_len} tokens ({} tokens; {} training, {} validation) in {:.1}s",
+        "data: {} documents, {} sequences of {seq_len} tokens ({} tokens; {} training, {} validation){chat_note} in {:.1}s",
         corpus.documents,
         corpus.train_len() + corpus.val.len(),
         corpus.tokens,
@@ -256,6 +275,33 @@ fn read_corpus(
         started_reading.elapsed().as_secs_f64()
     );
     Ok(corpus)
+}
+
+/// The number of chat records in `documents`, after checking `--loss-on` against them:
+/// `assistant` given for data without chat records is refused (plain text has no assistant),
+/// and chat records longer than a sequence are warned about (their answers get split from the
+/// start of their context).
+fn check_loss_on(
+    config: &TrainConfig,
+    documents: &[Document],
+    data_path: &std::path::Path,
+    seq_len: usize,
+) -> Result<usize> {
+    let chats: Vec<&Document> = documents.iter().filter(|d| d.assistant.is_some()).collect();
+    if chats.is_empty() && config.loss_on == Some(LossOn::Assistant) {
+        bail!(
+            "--loss-on assistant: {} has no chat records (\"messages\", or \"prompt\" and \"completion\"), and plain text is trained on every token: leave --loss-on out",
+            data_path.display()
+        );
+    }
+    let split = chats.iter().filter(|d| d.tokens.len() > seq_len).count();
+    if split > 0 {
+        eprintln!(
+            "warning: {split} of {} chat records are longer than --seq-len {seq_len}: they are split across sequences, and a later part is trained without the start of its conversation",
+            chats.len()
+        );
+    }
+    Ok(chats.len())
 }
 
 /// The checkpoint in `dir`, written with as many ranks as this run has.
