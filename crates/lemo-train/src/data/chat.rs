@@ -69,11 +69,12 @@ impl LazyChatTemplate {
             let model = self.model.as_deref().ok_or_else(|| {
                 anyhow!("chat records are rendered with the model's chat template: pass --model")
             })?;
-            let template = ChatTemplate::for_model(model, tokenizer).map_err(|e| {
+            ChatTemplate::source_for_model(model).map_err(|e| {
                 anyhow!(
                     "{e}: chat records are rendered with it; add one (a chat_template.jinja file beside the model, or \"chat_template\" in its tokenizer_config.json), or give the data as plain \"text\" records"
                 )
             })?;
+            let template = ChatTemplate::for_model(model, tokenizer).map_err(|e| anyhow!("{e}"))?;
             self.loaded = Some(template);
         }
         Ok(self.loaded.as_ref().expect("loaded above"))

@@ -323,6 +323,17 @@ impl Corpus {
         self.train.len()
     }
 
+    /// The first `count` validation sequences (all of them when `count` is 0).
+    pub fn val_sequences(&self, count: usize) -> Vec<Sequence> {
+        let n = match count {
+            0 => self.val.len(),
+            n => n.min(self.val.len()),
+        };
+        (0..n)
+            .map(|i| self.val.get(i).expect("in range"))
+            .collect()
+    }
+
     /// The `index`-th training sequence served (counting across epochs).
     pub fn train_sequence(&self, index: usize) -> Sequence {
         let n = self.train.len();

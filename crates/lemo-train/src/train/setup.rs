@@ -102,6 +102,12 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         .or(config.target_context)
         .unwrap_or(trained_context);
     crate::modelio::check_seq_len(&model_config, seq_len, config.target_context)?;
+    // The data first: its errors are the likeliest, and come before any plan is printed.
+    let corpus = read_corpus(&config, &model_path, &model_config, seq_len)?;
+    if corpus.train.get(0).is_some_and(|s| s.scored.is_some()) {
+        // Recorded as trained (a resume keeps it), not left to the default.
+        config.loss_on = Some(config.loss_on());
+    }
     let planned = memory_plan::plan(
         &plan_input(&config, model_config.clone(), seq_len, precision),
         job.budget.filter(|_| !job.skip_memory_plan),
@@ -142,17 +148,7 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
             s2_group(&config, seq_len)
         );
     }
-    let corpus = read_corpus(&config, &model_path, &model_config, seq_len)?;
-    let val_sequences = {
-        let n = if config.val_sequences == 0 {
-            corpus.val.len()
-        } else {
-            config.val_sequences.min(corpus.val.len())
-        };
-        (0..n)
-            .map(|i| corpus.val.get(i).expect("in range"))
-            .collect()
-    };
+    let val_sequences = corpus.val_sequences(config.val_sequences);
 
     let run_id = match owner || job.start == run_dir::Start::Resume {
         true => run_dir::identity(&out, job.start)?.map(|r| r.id),
