@@ -88,7 +88,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
         TokenWidth::from_bytes(args.token_width)?,
         &mut tokenizer,
         tokenizer_path.as_deref(),
-        &mut LazyChatTemplate::new(Some(&args.model.model)),
+        &mut LazyChatTemplate::new(&args.model.model),
         default_cache_dir().as_deref(),
     )?;
     let sparsity = (args.method == Method::Lemo).then_some(args.lemo);

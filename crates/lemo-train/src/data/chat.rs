@@ -42,15 +42,15 @@ pub fn is_chat_record(record: &serde_json::Value) -> bool {
 /// The model's chat template, read and compiled on first use: data without chat records needs
 /// none, and a model without one is an error only when such a record is met.
 pub struct LazyChatTemplate {
-    model: Option<PathBuf>,
+    model: PathBuf,
     loaded: Option<ChatTemplate>,
 }
 
 impl LazyChatTemplate {
-    /// The template of the model at `model` (none: chat records are refused).
-    pub fn new(model: Option<&Path>) -> Self {
+    /// The template of the model at `model`.
+    pub fn new(model: &Path) -> Self {
         Self {
-            model: model.map(Path::to_path_buf),
+            model: model.to_path_buf(),
             loaded: None,
         }
     }
@@ -58,17 +58,12 @@ impl LazyChatTemplate {
     /// What tokenized chat records depend on besides the tokenizer, for the token cache: the
     /// template's source (empty when the model has none).
     pub fn identity(&self) -> String {
-        self.model
-            .as_deref()
-            .and_then(|m| ChatTemplate::source_for_model(m).ok())
-            .unwrap_or_default()
+        ChatTemplate::source_for_model(&self.model).unwrap_or_default()
     }
 
     pub fn get(&mut self, tokenizer: &Tokenizer) -> Result<&ChatTemplate> {
         if self.loaded.is_none() {
-            let model = self.model.as_deref().ok_or_else(|| {
-                anyhow!("chat records are rendered with the model's chat template: pass --model")
-            })?;
+            let model = self.model.as_path();
             ChatTemplate::source_for_model(model).map_err(|e| {
                 anyhow!(
                     "{e}: chat records are rendered with it; add one (a chat_template.jinja file beside the model, or \"chat_template\" in its tokenizer_config.json), or give the data as plain \"text\" records"

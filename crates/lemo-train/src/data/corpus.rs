@@ -329,9 +329,7 @@ impl Corpus {
             0 => self.val.len(),
             n => n.min(self.val.len()),
         };
-        (0..n)
-            .map(|i| self.val.get(i).expect("in range"))
-            .collect()
+        (0..n).map(|i| self.val.get(i).expect("in range")).collect()
     }
 
     /// The `index`-th training sequence served (counting across epochs).

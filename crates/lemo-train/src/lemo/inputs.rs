@@ -51,7 +51,7 @@ pub fn read_sequences(
         TokenWidth::from_bytes(args.token_width)?,
         &mut tokenizer,
         tokenizer_path.as_deref(),
-        &mut LazyChatTemplate::new(Some(&args.model.model)),
+        &mut LazyChatTemplate::new(&args.model.model),
         default_cache_dir().as_deref(),
     )?;
     let vocab = config.vocab_size();

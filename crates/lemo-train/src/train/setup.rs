@@ -226,7 +226,7 @@ fn read_corpus(
         TokenWidth::from_bytes(config.token_width)?,
         &mut tokenizer,
         tokenizer_path.as_deref(),
-        &mut LazyChatTemplate::new(Some(model_path)),
+        &mut LazyChatTemplate::new(model_path),
         cache_dir.as_deref(),
     )?;
     let vocab = model_config.vocab_size();
