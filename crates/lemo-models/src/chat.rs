@@ -125,13 +125,18 @@ impl ChatTemplate {
         })
     }
 
-    /// The template a model comes with: a GGUF's `tokenizer.chat_template`, or in a Hugging
-    /// Face folder `chat_template.jinja` or `tokenizer_config.json`'s `chat_template` (a text,
-    /// or a list of named templates of which `default` is taken). BOS and EOS are the
+    /// The template a model comes with ([`Self::source_for_model`]), BOS and EOS being the
     /// tokenizer's.
     pub fn for_model(model: &Path, tokenizer: &Tokenizer) -> Result<Self> {
         let token = |id: Option<u32>| id.map(|id| tokenizer.token_text(id)).unwrap_or_default();
         let (bos, eos) = (token(tokenizer.bos_id()), token(tokenizer.eos_id()));
+        Self::new(&Self::source_for_model(model)?, &bos, &eos)
+    }
+
+    /// The Jinja source of a model's template: a GGUF's `tokenizer.chat_template`, or in a
+    /// Hugging Face folder `chat_template.jinja` or `tokenizer_config.json`'s `chat_template` (a
+    /// text, or a list of named templates of which `default` is taken).
+    pub fn source_for_model(model: &Path) -> Result<String> {
         let missing = || {
             Error::format(
                 model,
@@ -140,11 +145,11 @@ impl ChatTemplate {
         };
         if model.extension().is_some_and(|e| e == "gguf") {
             let file = crate::gguf::GgufFile::open(model)?;
-            let source = file
+            return file
                 .metadata("tokenizer.chat_template")
                 .and_then(crate::gguf::Value::as_str)
-                .ok_or_else(missing)?;
-            return Self::new(source, &bos, &eos);
+                .map(str::to_string)
+                .ok_or_else(missing);
         }
         let folder = if model.is_dir() {
             model
@@ -153,24 +158,22 @@ impl ChatTemplate {
         };
         let jinja = folder.join("chat_template.jinja");
         if jinja.is_file() {
-            let source = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
-            return Self::new(&source, &bos, &eos);
+            return std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e));
         }
         let config_path = folder.join("tokenizer_config.json");
         let text = std::fs::read_to_string(&config_path).map_err(|_| missing())?;
         let config: Value = serde_json::from_str(&text)
             .map_err(|e| Error::format(&config_path, format!("invalid JSON: {e}")))?;
-        let source = match config.get("chat_template") {
-            Some(Value::String(source)) => source.clone(),
+        match config.get("chat_template") {
+            Some(Value::String(source)) => Ok(source.clone()),
             Some(Value::Array(named)) => named
                 .iter()
                 .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
                 .and_then(|t| t.get("template").and_then(Value::as_str))
-                .ok_or_else(missing)?
-                .to_string(),
-            _ => return Err(missing()),
-        };
-        Self::new(&source, &bos, &eos)
+                .map(str::to_string)
+                .ok_or_else(missing),
+            _ => Err(missing()),
+        }
     }
 
     /// The template's text for `messages`, with the assistant's opening when

@@ -19,7 +19,7 @@ use lemo_models::{CausalLm, LoraConfig, ModelConfig};
 use lemo_predictor::Predictors;
 use serde::Serialize;
 
-use crate::data::int_tokens;
+use crate::data::{Sequence, int_tokens};
 use crate::device::{BackendJob, PrecisionKind};
 use crate::lemo::{self, LemoSettings, sparse_keep};
 use crate::memory::{self, DeviceWatch, gib};
@@ -309,9 +309,12 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
             continue;
         }
         model.set_shifted_group((job.method == Method::Longlora).then_some((seq_len / 4).max(2)));
-        let tokens: Vec<u32> = (0..seq_len)
-            .map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32)
-            .collect();
+        let sequence = Sequence {
+            tokens: (0..seq_len)
+                .map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32)
+                .collect(),
+            scored: None,
+        };
         let elimination = if job.method == Method::Lemo {
             job.sparsity.check_sequence(&model, seq_len)?;
             Some(lemo::bench_elimination::<B>(
@@ -338,12 +341,13 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                 }
                 let t0 = Instant::now();
                 let mut grads = NamedTensors::<B>::new();
-                let batch = int_tokens::<AB<B>>(std::slice::from_ref(&tokens), &device);
+                let batch = int_tokens::<AB<B>>(std::slice::from_ref(&sequence), &device);
                 let scale = 1.0 / (seq_len - 1) as f64;
                 let mut token_sparsity = lemo::token_sparsity(elimination.as_ref());
                 let (_, _, mem) = forward_backward(
                     &model,
                     batch,
+                    None,
                     LOSS_SEGMENT,
                     scale,
                     &activations,

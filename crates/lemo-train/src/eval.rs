@@ -3,7 +3,8 @@
 //! A document no longer than `seq_len` is scored in one window. Longer ones are scored in
 //! windows of `seq_len` tokens starting every `stride` tokens (by default `seq_len`: each token
 //! once; LongLoRA's protocol uses 256), each scored on all its next-token predictions; the loss
-//! is the mean over all scored predictions.
+//! is the mean over all scored predictions. Of a chat record, the predictions scored are those
+//! of its assistant tokens under [`LossOn::Assistant`], as `train` takes its loss.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -11,10 +12,13 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
 use lemo_kernels::LemoBackend;
+use lemo_kernels::loss::IGNORE_INDEX;
 use lemo_sparsity::calibration::Block;
 
 use lemo_models::ModelConfig;
 
+use crate::data::Document;
+use crate::data::chat::LossOn;
 use crate::device::{BackendJob, DeviceKind};
 use crate::lemo::{LemoSettings, THRESHOLDS_FILE, read_thresholds, sparse_keep};
 use crate::memory::gib;
@@ -53,7 +57,9 @@ impl std::fmt::Display for EvalReport {
 
 pub struct EvalJob {
     pub model: PathBuf,
-    pub documents: Vec<Vec<u32>>,
+    pub documents: Vec<Document>,
+    /// Which predictions of chat records are scored.
+    pub loss_on: LossOn,
     pub seq_len: Option<usize>,
     /// Window starts' distance on long documents; unset: `seq_len` (each token scored once).
     pub stride: Option<usize>,
@@ -148,21 +154,21 @@ impl BackendJob for EvalJob {
         };
         let vocab = config.vocab_size();
         for (index, document) in self.documents.iter().enumerate() {
-            if let Some(bad) = document.iter().find(|&&id| id as usize >= vocab) {
+            if let Some(bad) = document.tokens.iter().find(|&&id| id as usize >= vocab) {
                 bail!(
                     "document {}: token id {bad} is outside the model's vocabulary of {vocab}",
                     index + 1
                 );
             }
         }
-        let plan: Vec<(&[u32], usize, usize)> = self
+        let plan: Vec<(&Document, usize, usize)> = self
             .documents
             .iter()
-            .filter(|d| d.len() >= 2)
+            .filter(|d| d.tokens.len() >= 2)
             .flat_map(|d| {
-                windows(d.len(), seq_len, self.stride.unwrap_or(seq_len))
+                windows(d.tokens.len(), seq_len, self.stride.unwrap_or(seq_len))
                     .into_iter()
-                    .map(move |(s, e)| (d.as_slice(), s, e))
+                    .map(move |(s, e)| (d, s, e))
             })
             .collect();
         if plan.is_empty() {
@@ -174,12 +180,28 @@ impl BackendJob for EvalJob {
         let (mut loss_sum, mut tokens) = (0.0f64, 0usize);
         let (mut keep_attention, mut keep_mlp) = (0.0, 0.0);
         for (document, start, end) in &plan {
-            let ids: Vec<i32> = document[*start..*end].iter().map(|&id| id as i32).collect();
+            let window = &document.tokens[*start..*end];
+            let ids: Vec<i32> = window.iter().map(|&id| id as i32).collect();
             let input =
                 Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, end - start]), &device);
+            let labels = match (&document.assistant, self.loss_on) {
+                (Some(assistant), LossOn::Assistant) => {
+                    let labels: Vec<i32> = window
+                        .iter()
+                        .zip(&assistant[*start..*end])
+                        .map(|(&id, &a)| if a { id as i32 } else { IGNORE_INDEX as i32 })
+                        .collect();
+                    let shape = [1, end - start];
+                    Some(Tensor::<B, 2, Int>::from_data(
+                        TensorData::new(labels, shape),
+                        &device,
+                    ))
+                }
+                _ => None,
+            };
             let mut sparsity = crate::lemo::token_sparsity(elimination.as_ref());
             let (sum, count) =
-                model.next_token_loss_sum(input, None, LOSS_CHUNK_ROWS, &mut sparsity);
+                model.next_token_loss_sum(input, labels, LOSS_CHUNK_ROWS, &mut sparsity);
             if let Some(plan) = sparsity.into_plan() {
                 keep_attention += sparse_keep(&plan, Block::Attention) / plan_len;
                 keep_mlp += sparse_keep(&plan, Block::Mlp) / plan_len;
@@ -193,6 +215,9 @@ impl BackendJob for EvalJob {
             ));
         }
         progress.finish();
+        if tokens == 0 {
+            bail!("no window has an assistant token to score (--loss-on all scores every token)");
+        }
         let loss = loss_sum / tokens as f64;
         Ok(EvalReport {
             loss,

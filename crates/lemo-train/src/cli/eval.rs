@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
+use lemo_train::data::chat::{LazyChatTemplate, LossOn};
 use lemo_train::data::corpus::{default_cache_dir, read_documents_cached};
 use lemo_train::data::{LazyTokenizer, TokenWidth};
 use lemo_train::eval::EvalJob;
@@ -18,10 +19,14 @@ use lemo_train::passkey::{PasskeyJob, PasskeyReport};
 pub struct EvalArgs {
     #[command(flatten)]
     model: ModelArgs,
-    /// Plain text, JSONL (`text` or `input_ids` per line), a raw token .bin, or a folder of
-    /// these (perplexity); with --longbench, a LongBench-v2 JSONL file.
+    /// Plain text, JSONL (`text`, `input_ids` or a chat record per line), a raw token .bin, or a
+    /// folder of these (perplexity); with --longbench, a LongBench-v2 JSONL file.
     #[arg(long, required_unless_present = "passkey")]
     data: Option<PathBuf>,
+    /// Which predictions of chat records are scored: assistant (the answers, as `train` takes
+    /// its loss) or all. Plain text: every token.
+    #[arg(long, value_enum, default_value_t = LossOn::Assistant)]
+    loss_on: LossOn,
     /// Passkey retrieval accuracy per length instead of perplexity.
     #[arg(long, conflicts_with = "longbench")]
     passkey: bool,
@@ -83,6 +88,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
         TokenWidth::from_bytes(args.token_width)?,
         &mut tokenizer,
         tokenizer_path.as_deref(),
+        &mut LazyChatTemplate::new(&args.model.model),
         default_cache_dir().as_deref(),
     )?;
     let sparsity = (args.method == Method::Lemo).then_some(args.lemo);
@@ -92,6 +98,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
     let job = EvalJob {
         model: args.model.model,
         documents,
+        loss_on: args.loss_on,
         seq_len: args.seq_len,
         stride: args.stride,
         setup,

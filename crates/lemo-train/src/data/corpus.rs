@@ -3,6 +3,11 @@
 //! deterministic order: epoch `e` visits the training sequences in the order of a shuffle seeded
 //! by `seed + e`, so the sequence of any step is known without state (which is what makes
 //! `--resume` continue with the same data order).
+//!
+//! Where the data has chat records, every sequence also says which of its tokens are prediction
+//! targets: the assistant's under `--loss-on assistant`, and never the first token of a document
+//! packed after another (no label crosses a document boundary). Plain text alone is packed as
+//! pretraining packs it, every next token a target.
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -11,7 +16,10 @@ use anyhow::{Context, Result, bail};
 use burn_dataset::transform::ShuffledDataset;
 use burn_dataset::{Dataset, InMemDataset};
 
-use super::{LazyTokenizer, TokenWidth, read_jsonl, read_token_file};
+use lemo_kernels::loss::IGNORE_INDEX;
+
+use super::chat::{LazyChatTemplate, LossOn};
+use super::{Document, LazyTokenizer, TokenWidth, cache, read_jsonl, read_token_file};
 
 /// How documents become sequences.
 #[derive(Debug, Clone)]
@@ -24,17 +32,53 @@ pub struct PackOptions {
     /// Fraction of the packed sequences held out for validation (at least one when > 0).
     pub val_fraction: f64,
     pub seed: u64,
+    /// Which tokens of chat records are prediction targets.
+    pub loss_on: LossOn,
 }
 
-type EpochOrder = ShuffledDataset<Arc<InMemDataset<Vec<u32>>>, Vec<u32>>;
+/// A packed sequence: `seq_len` tokens and, where not every next token is a prediction target
+/// (chat data), which ones are.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Sequence {
+    pub tokens: Vec<u32>,
+    pub scored: Option<Vec<bool>>,
+}
+
+impl Sequence {
+    /// Position `t`'s Hugging Face label: its token, or [`IGNORE_INDEX`] where no loss is taken.
+    pub fn label(&self, t: usize) -> i32 {
+        match &self.scored {
+            Some(scored) if !scored[t] => IGNORE_INDEX as i32,
+            _ => self.tokens[t] as i32,
+        }
+    }
+
+    /// Next-token predictions the loss is taken on (the first token is never predicted).
+    pub fn predictions(&self) -> usize {
+        match &self.scored {
+            Some(scored) => scored.iter().skip(1).filter(|&&s| s).count(),
+            None => self.tokens.len().saturating_sub(1),
+        }
+    }
+}
+
+impl AsRef<[u32]> for Sequence {
+    fn as_ref(&self) -> &[u32] {
+        &self.tokens
+    }
+}
+
+type EpochOrder = ShuffledDataset<Arc<InMemDataset<Sequence>>, Sequence>;
 
 /// Packed training and validation sequences.
 pub struct Corpus {
-    pub train: Arc<InMemDataset<Vec<u32>>>,
-    pub val: InMemDataset<Vec<u32>>,
+    pub train: Arc<InMemDataset<Sequence>>,
+    pub val: InMemDataset<Sequence>,
     pub documents: usize,
     /// Tokens in all packed sequences.
     pub tokens: usize,
+    /// Sequences left out because no token of theirs is a prediction target (all prompt).
+    pub unscored: usize,
     seed: u64,
     /// The order of the epoch served last (ranks on threads of one process share it).
     epoch: Mutex<Option<(usize, EpochOrder)>>,
@@ -101,45 +145,17 @@ fn list_files(path: &Path) -> Result<Vec<PathBuf>> {
     }
 }
 
-fn encode_docs(docs: &[Vec<u32>]) -> Vec<u8> {
-    let mut out = Vec::new();
-    out.extend((docs.len() as u32).to_le_bytes());
-    for doc in docs {
-        out.extend((doc.len() as u32).to_le_bytes());
-        for id in doc {
-            out.extend(id.to_le_bytes());
-        }
-    }
-    out
-}
-
-fn decode_docs(bytes: &[u8]) -> Option<Vec<Vec<u32>>> {
-    let mut words = bytes
-        .chunks_exact(4)
-        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-    let count = words.next()?;
-    // A corrupt file's count is not trusted with an allocation: it is checked against the bytes.
-    let mut docs = Vec::with_capacity((count as usize).min(bytes.len() / 4));
-    for _ in 0..count {
-        let len = words.next()? as usize;
-        let doc: Vec<u32> = words.by_ref().take(len).collect();
-        if doc.len() != len {
-            return None;
-        }
-        docs.push(doc);
-    }
-    words.next().is_none().then_some(docs)
-}
-
 /// Token documents of `path` (a file or a folder of files, in name order). Text is tokenized with
-/// `tokenizer` and cached in `cache_dir` under a hash of the file's and the tokenizer's bytes.
+/// `tokenizer` (chat records rendered with `chat`'s template) and cached in `cache_dir` under a
+/// hash of the file's bytes, the tokenizer's and the chat template.
 pub fn read_documents_cached(
     path: &Path,
     width: TokenWidth,
     tokenizer: &mut LazyTokenizer,
     tokenizer_path: Option<&Path>,
+    chat: &mut LazyChatTemplate,
     cache_dir: Option<&Path>,
-) -> Result<Vec<Vec<u32>>> {
+) -> Result<Vec<Document>> {
     let tokenizer_hash = match tokenizer_path {
         Some(p) => fnv1a(
             &std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?,
@@ -147,6 +163,7 @@ pub fn read_documents_cached(
         ),
         None => FNV_OFFSET,
     };
+    let mut chat_hash = None;
     let mut documents = Vec::new();
     for file in list_files(path)? {
         let extension = file
@@ -155,36 +172,41 @@ pub fn read_documents_cached(
             .unwrap_or("")
             .to_string();
         if extension == "bin" {
-            documents.push(read_token_file(&file, width)?);
+            documents.push(Document::plain(read_token_file(&file, width)?));
             continue;
         }
+        let is_jsonl = matches!(extension.as_str(), "jsonl" | "json");
         let bytes =
             std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
-        let key = fnv1a(extension.as_bytes(), fnv1a(&bytes, tokenizer_hash));
+        let mut key = fnv1a(cache::FORMAT.as_bytes(), tokenizer_hash);
+        if is_jsonl {
+            key ^= *chat_hash.get_or_insert_with(|| fnv1a(chat.identity().as_bytes(), FNV_OFFSET));
+        }
+        let key = fnv1a(extension.as_bytes(), fnv1a(&bytes, key));
         let cached = cache_dir.map(|d| d.join(format!("{key:016x}.tokens")));
         if let Some(docs) = cached
             .as_ref()
             .and_then(|c| std::fs::read(c).ok())
-            .and_then(|b| decode_docs(&b))
+            .and_then(|b| cache::decode(&b))
         {
             documents.extend(docs);
             continue;
         }
-        let docs = match extension.as_str() {
-            "jsonl" | "json" => read_jsonl(&file, tokenizer)?,
-            _ => {
-                vec![tokenizer.get()?.encode(&super::read_text(&file)?)?]
-            }
+        let docs = match is_jsonl {
+            true => read_jsonl(&file, tokenizer, chat)?,
+            false => vec![Document::plain(
+                tokenizer.get()?.encode(&super::read_text(&file)?)?,
+            )],
         };
         if let Some(cached) = cached {
             // A cache that cannot be written only costs time on the next run.
             if std::fs::create_dir_all(cached.parent().expect("cache file has a folder")).is_ok() {
-                let _ = lemo_models::adapter::write_atomically(&cached, &encode_docs(&docs));
+                let _ = lemo_models::adapter::write_atomically(&cached, &cache::encode(&docs));
             }
         }
         documents.extend(docs);
     }
-    documents.retain(|d| !d.is_empty());
+    documents.retain(|d| !d.tokens.is_empty());
     if documents.is_empty() {
         bail!("{}: no tokens in this data", path.display());
     }
@@ -192,34 +214,74 @@ pub fn read_documents_cached(
 }
 
 /// Concatenates the framed documents into one stream and cuts it into `seq_len` sequences: long
-/// documents are split, short ones share a sequence. The incomplete tail is dropped.
-pub fn pack(documents: &[Vec<u32>], options: &PackOptions) -> Vec<Vec<u32>> {
-    let mut stream = Vec::with_capacity(documents.iter().map(|d| d.len() + 2).sum());
+/// documents are split, short ones share a sequence. The incomplete tail is dropped. Plain
+/// documents are framed with BOS and EOS; a chat record is taken as its template renders it (the
+/// template places its own BOS and end-of-turn tokens, as `apply_chat_template` does).
+/// With any chat record in the data every sequence says which tokens are prediction targets:
+/// under [`LossOn::Assistant`] a chat record's assistant tokens (a plain document's every
+/// token), and in all cases not a document's first token (it is not predicted from the
+/// document before it).
+pub fn pack(documents: &[Document], options: &PackOptions) -> Vec<Sequence> {
+    let labeled = documents.iter().any(|d| d.assistant.is_some());
+    let capacity = documents.iter().map(|d| d.tokens.len() + 2).sum();
+    let mut stream = Vec::with_capacity(capacity);
+    let mut scored = Vec::with_capacity(if labeled { capacity } else { 0 });
     for doc in documents {
-        if let Some(bos) = options.bos
-            && doc.first() != Some(&bos)
-        {
-            stream.push(bos);
+        let start = stream.len();
+        match &doc.assistant {
+            Some(assistant) => {
+                stream.extend_from_slice(&doc.tokens);
+                let all = options.loss_on == LossOn::All;
+                scored.extend(assistant.iter().map(|&a| a || all));
+            }
+            None => {
+                if let Some(bos) = options.bos
+                    && doc.tokens.first() != Some(&bos)
+                {
+                    stream.push(bos);
+                }
+                stream.extend_from_slice(&doc.tokens);
+                if let Some(eos) = options.eos {
+                    stream.push(eos);
+                }
+                if labeled {
+                    scored.resize(stream.len(), true);
+                }
+            }
         }
-        stream.extend_from_slice(doc);
-        if let Some(eos) = options.eos {
-            stream.push(eos);
+        if labeled && stream.len() > start {
+            scored[start] = false;
         }
     }
+    let len = options.seq_len;
     stream
-        .chunks_exact(options.seq_len)
-        .map(<[u32]>::to_vec)
+        .chunks_exact(len)
+        .enumerate()
+        .map(|(i, tokens)| Sequence {
+            tokens: tokens.to_vec(),
+            scored: labeled.then(|| scored[i * len..(i + 1) * len].to_vec()),
+        })
         .collect()
 }
 
 impl Corpus {
-    pub fn new(documents: &[Vec<u32>], options: &PackOptions) -> Result<Self> {
-        let sequences = pack(documents, options);
-        let total: usize = documents.iter().map(Vec::len).sum();
+    pub fn new(documents: &[Document], options: &PackOptions) -> Result<Self> {
+        let mut sequences = pack(documents, options);
+        let total: usize = documents.iter().map(|d| d.tokens.len()).sum();
         if sequences.is_empty() {
             bail!(
                 "the data has {total} tokens in {} documents: not enough for one sequence of --seq-len {}",
                 documents.len(),
+                options.seq_len
+            );
+        }
+        // A sequence without a target (a window of a long prompt) would only cost time.
+        let packed = sequences.len();
+        sequences.retain(|s| s.predictions() > 0);
+        let unscored = packed - sequences.len();
+        if sequences.is_empty() {
+            bail!(
+                "no sequence of --seq-len {} has an assistant token to train on (every window is prompt): use a longer --seq-len or --loss-on all",
                 options.seq_len
             );
         }
@@ -251,6 +313,7 @@ impl Corpus {
             train: Arc::new(InMemDataset::new(train)),
             val: InMemDataset::new(val),
             documents: documents.len(),
+            unscored,
             seed: options.seed,
             epoch: Mutex::new(None),
         })
@@ -260,8 +323,17 @@ impl Corpus {
         self.train.len()
     }
 
+    /// The first `count` validation sequences (all of them when `count` is 0).
+    pub fn val_sequences(&self, count: usize) -> Vec<Sequence> {
+        let n = match count {
+            0 => self.val.len(),
+            n => n.min(self.val.len()),
+        };
+        (0..n).map(|i| self.val.get(i).expect("in range")).collect()
+    }
+
     /// The `index`-th training sequence served (counting across epochs).
-    pub fn train_sequence(&self, index: usize) -> Vec<u32> {
+    pub fn train_sequence(&self, index: usize) -> Sequence {
         let n = self.train.len();
         let (epoch, within) = (index / n, index % n);
         let mut cached = self.epoch.lock().unwrap_or_else(|e| e.into_inner());
@@ -290,23 +362,98 @@ mod tests {
             eos: Some(2),
             val_fraction: 0.25,
             seed: 7,
+            loss_on: LossOn::Assistant,
         }
+    }
+
+    fn plain(docs: &[&[u32]]) -> Vec<Document> {
+        docs.iter().map(|d| Document::plain(d.to_vec())).collect()
+    }
+
+    /// A chat document whose tokens are `assistant` where the mask is 1.
+    fn chat(tokens: &[u32], assistant: &[u8]) -> Document {
+        Document {
+            tokens: tokens.to_vec(),
+            assistant: Some(assistant.iter().map(|&a| a == 1).collect()),
+        }
+    }
+
+    fn labels(sequence: &Sequence) -> Vec<i32> {
+        (0..sequence.tokens.len())
+            .map(|t| sequence.label(t))
+            .collect()
     }
 
     #[test]
     fn packing_frames_splits_and_concatenates() {
-        let docs = vec![vec![1, 10, 11], vec![20, 21, 22, 23, 24, 25], vec![30]];
+        let docs = plain(&[&[1, 10, 11], &[20, 21, 22, 23, 24, 25], &[30]]);
         // stream: 1 10 11 2 | 1 20 21 22 23 24 25 2 | 1 30 2
         let packed = pack(&docs, &options(4));
+        let tokens: Vec<Vec<u32>> = packed.iter().map(|s| s.tokens.clone()).collect();
         assert_eq!(
-            packed,
+            tokens,
             vec![vec![1, 10, 11, 2], vec![1, 20, 21, 22], vec![23, 24, 25, 2]]
+        );
+        assert!(
+            packed.iter().all(|s| s.scored.is_none()),
+            "plain text alone: every next token is a target"
         );
     }
 
     #[test]
+    fn chat_labels_stop_at_document_boundaries() {
+        const I: i32 = IGNORE_INDEX as i32;
+        // Two chat records (prompt 0, answer 1) and a plain document, packed into sequences of 6.
+        let docs = vec![
+            chat(&[50, 51, 52, 53], &[0, 0, 1, 1]),
+            chat(&[60, 61, 62], &[0, 1, 1]),
+            Document::plain(vec![70, 71]),
+        ];
+        // stream: 50 51 52 53 60 61 | 62 1 70 71 2 (tail of 5 dropped)
+        let packed = pack(&docs, &options(6));
+        assert_eq!(packed.len(), 1);
+        assert_eq!(packed[0].tokens, [50, 51, 52, 53, 60, 61]);
+        assert_eq!(labels(&packed[0]), [I, I, 52, 53, I, 61]);
+        assert_eq!(packed[0].predictions(), 3);
+
+        let all = pack(
+            &docs,
+            &PackOptions {
+                loss_on: LossOn::All,
+                ..options(5)
+            },
+        );
+        // stream: 50 51 52 53 60 | 61 62 1 70 71 | 2: the first token of every document is
+        // masked (BOS 1 of the plain one), the prompt's other tokens are targets.
+        assert_eq!(labels(&all[0]), [I, 51, 52, 53, I]);
+        assert_eq!(labels(&all[1]), [61, 62, I, 70, 71]);
+        assert_eq!(all[1].predictions(), 3, "position 0 is never predicted");
+    }
+
+    #[test]
+    fn sequences_without_targets_are_left_out() {
+        // A long prompt: its first window has no assistant token.
+        let docs = vec![chat(&[1, 2, 3, 4, 5, 6, 7, 8], &[0, 0, 0, 0, 0, 1, 1, 1])];
+        let corpus = Corpus::new(
+            &docs,
+            &PackOptions {
+                val_fraction: 0.0,
+                ..options(4)
+            },
+        )
+        .unwrap();
+        assert_eq!((corpus.train_len(), corpus.unscored), (1, 1));
+        assert_eq!(corpus.train_sequence(0).tokens, [5, 6, 7, 8]);
+        let none = vec![chat(&[1, 2, 3, 4], &[0, 0, 1, 0])];
+        let error = Corpus::new(&none, &options(2)).err().unwrap().to_string();
+        assert!(error.contains("no sequence of --seq-len 2"), "{error}");
+    }
+
+    #[test]
     fn order_is_deterministic_and_covers_each_epoch() {
-        let docs: Vec<Vec<u32>> = (0..40).map(|i| vec![100 + i, 200 + i, 300 + i]).collect();
+        let docs: Vec<Document> = (0..40)
+            .map(|i| Document::plain(vec![100 + i, 200 + i, 300 + i]))
+            .collect();
         let a = Corpus::new(&docs, &options(5)).unwrap();
         let b = Corpus::new(&docs, &options(5)).unwrap();
         let n = a.train_len();
@@ -321,11 +468,5 @@ mod tests {
         assert_eq!(sorted.len(), n, "an epoch serves every sequence once");
         let second: Vec<_> = (n..2 * n).map(|i| a.train_sequence(i)).collect();
         assert_ne!(first, second, "epochs are reshuffled");
-    }
-
-    #[test]
-    fn cache_round_trips() {
-        let docs = vec![vec![1, 2, 3], vec![], vec![7]];
-        assert_eq!(decode_docs(&encode_docs(&docs)).unwrap(), docs);
     }
 }

@@ -1,5 +1,5 @@
-//! Reading token documents (plain text, JSONL with `text` or `input_ids`, raw token files),
-//! packing them into sequences ([`corpus`]), and token batches as tensors.
+//! Reading token documents (plain text, JSONL with `text`, `input_ids` or chat records, raw
+//! token files), packing them into sequences ([`corpus`]), and token batches as tensors.
 
 use std::path::{Path, PathBuf};
 
@@ -9,7 +9,30 @@ use burn::tensor::{Int, Tensor, TensorData};
 use lemo_models::ModelConfig;
 use lemo_models::tokenizer::Tokenizer;
 
+pub use corpus::Sequence;
+
+mod cache;
+pub mod chat;
 pub mod corpus;
+
+use chat::{LazyChatTemplate, chat_document, is_chat_record};
+
+/// One document's tokens; a chat record's also say which tokens are the assistant's.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Document {
+    pub tokens: Vec<u32>,
+    /// Per token: part of an assistant turn. `None` for plain text and token ids.
+    pub assistant: Option<Vec<bool>>,
+}
+
+impl Document {
+    pub fn plain(tokens: Vec<u32>) -> Self {
+        Self {
+            tokens,
+            assistant: None,
+        }
+    }
+}
 
 /// Byte width of each token id in a raw `.bin` token file (little-endian).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,8 +89,13 @@ impl LazyTokenizer {
     }
 }
 
-/// One document per non-empty line: `input_ids` used as given, or `text` tokenized.
-pub fn read_jsonl(path: &Path, tokenizer: &mut LazyTokenizer) -> Result<Vec<Vec<u32>>> {
+/// One document per non-empty line: `input_ids` used as given, `text` tokenized, or a chat
+/// record (`messages`, or `prompt` / `completion`) rendered with the model's chat template.
+pub fn read_jsonl(
+    path: &Path,
+    tokenizer: &mut LazyTokenizer,
+    chat: &mut LazyChatTemplate,
+) -> Result<Vec<Document>> {
     let text = read_text(path)?;
     let mut documents = Vec::new();
     for (index, line) in text
@@ -81,11 +109,19 @@ pub fn read_jsonl(path: &Path, tokenizer: &mut LazyTokenizer) -> Result<Vec<Vec<
         if let Some(ids) = record.get("input_ids") {
             let ids: Vec<u32> = serde_json::from_value(ids.clone())
                 .with_context(|| format!("{}: input_ids must be token ids", at()))?;
-            documents.push(ids);
+            documents.push(Document::plain(ids));
         } else if let Some(text) = record.get("text").and_then(|t| t.as_str()) {
-            documents.push(tokenizer.get()?.encode(text)?);
+            documents.push(Document::plain(tokenizer.get()?.encode(text)?));
+        } else if is_chat_record(&record) {
+            let tokenizer = tokenizer.get()?;
+            let document =
+                chat_document(&record, chat.get(tokenizer)?, tokenizer).with_context(at)?;
+            documents.push(document);
         } else {
-            bail!("{}: expected a \"text\" or \"input_ids\" field", at());
+            bail!(
+                "{}: expected a \"text\" or \"input_ids\" field, or a chat record (\"messages\", or \"prompt\" and \"completion\")",
+                at()
+            );
         }
     }
     Ok(documents)
@@ -146,14 +182,39 @@ pub fn find_tokenizer(model: &Path) -> Option<PathBuf> {
     }
 }
 
-/// Token sequences of one length as a `[sequences, length]` id tensor.
-pub fn int_tokens<B: Backend>(sequences: &[Vec<u32>], device: &B::Device) -> Tensor<B, 2, Int> {
-    let len = sequences[0].len();
+/// Token sequences of one length (token lists or [`Sequence`]s) as a `[sequences, length]` id
+/// tensor.
+pub fn int_tokens<B: Backend>(
+    sequences: &[impl AsRef<[u32]>],
+    device: &B::Device,
+) -> Tensor<B, 2, Int> {
+    let len = sequences[0].as_ref().len();
     let ids: Vec<i32> = sequences
         .iter()
-        .flat_map(|s| s.iter().map(|&t| t as i32))
+        .flat_map(|s| s.as_ref().iter().map(|&t| t as i32))
         .collect();
     Tensor::from_data(TensorData::new(ids, [sequences.len(), len]), device)
+}
+
+/// The Hugging Face style labels of sequences of one length (`[sequences, length]`: the token,
+/// or [`lemo_kernels::loss::IGNORE_INDEX`] where no loss is taken), or `None` when every
+/// prediction is scored.
+pub fn int_labels<B: Backend>(
+    sequences: &[Sequence],
+    device: &B::Device,
+) -> Option<Tensor<B, 2, Int>> {
+    if sequences.iter().all(|s| s.scored.is_none()) {
+        return None;
+    }
+    let len = sequences[0].tokens.len();
+    let labels: Vec<i32> = sequences
+        .iter()
+        .flat_map(|s| (0..len).map(move |t| s.label(t)))
+        .collect();
+    Some(Tensor::from_data(
+        TensorData::new(labels, [sequences.len(), len]),
+        device,
+    ))
 }
 
 /// BOS to put before documents and EOS after them: the tokenizer's, else the model config's.

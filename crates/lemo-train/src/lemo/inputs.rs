@@ -8,6 +8,7 @@ use clap::Args;
 use lemo_models::ModelConfig;
 
 use super::LemoSettings;
+use crate::data::chat::{LazyChatTemplate, LossOn};
 use crate::data::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
 use crate::data::{LazyTokenizer, TokenWidth, special_ids};
 use crate::modelio::ModelArgs;
@@ -50,10 +51,15 @@ pub fn read_sequences(
         TokenWidth::from_bytes(args.token_width)?,
         &mut tokenizer,
         tokenizer_path.as_deref(),
+        &mut LazyChatTemplate::new(&args.model.model),
         default_cache_dir().as_deref(),
     )?;
     let vocab = config.vocab_size();
-    if let Some(bad) = documents.iter().flatten().find(|&&id| id as usize >= vocab) {
+    if let Some(bad) = documents
+        .iter()
+        .flat_map(|d| &d.tokens)
+        .find(|&&id| id as usize >= vocab)
+    {
         bail!("token id {bad} is outside the model's vocabulary of {vocab} (wrong tokenizer?)");
     }
     let (bos, eos) = special_ids(config, &mut tokenizer);
@@ -65,9 +71,11 @@ pub fn read_sequences(
             eos,
             val_fraction: 0.0,
             seed: 0,
+            // Calibration and predictors see every token: the sequences' tokens are what counts.
+            loss_on: LossOn::All,
         },
     )?;
     Ok((0..count.min(corpus.train_len()))
-        .map(|i| corpus.train_sequence(i))
+        .map(|i| corpus.train_sequence(i).tokens)
         .collect())
 }

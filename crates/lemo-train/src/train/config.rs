@@ -11,6 +11,7 @@ use clap::{ArgMatches, Args, ValueEnum, parser::ValueSource};
 use lemo_models::lora::LLAMA_PROJECTIONS;
 use serde::{Deserialize, Serialize};
 
+use crate::data::chat::LossOn;
 use crate::device::{DeviceKind, Runtime};
 use crate::lemo::LemoSettings;
 use crate::method::Method;
@@ -35,9 +36,16 @@ pub struct TrainConfig {
     /// tokenizer.json, llama2.c tokenizer .bin or .gguf [default: the one beside the model].
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Text files, JSONL (`text` or `input_ids`), raw token .bin files, or a folder of these.
+    /// Text files, JSONL (`text`, `input_ids`, or chat records: `messages` or `prompt` /
+    /// `completion`, rendered with the model's chat template), raw token .bin files, or a folder
+    /// of these.
     #[arg(long)]
     pub data: Option<PathBuf>,
+    /// Which tokens of chat records the loss is taken on: assistant (the answers, with their
+    /// end-of-turn markup) or all [default: assistant]. Plain text and token ids are always
+    /// trained on every token (--loss-on assistant without chat records is an error).
+    #[arg(long, value_enum)]
+    pub loss_on: Option<LossOn>,
     /// Bytes per token id in .bin token files: 2 or 4.
     #[arg(long, default_value_t = 2)]
     pub token_width: u8,
@@ -336,6 +344,11 @@ impl TrainConfig {
         self.train_norms.unwrap_or(self.method == Method::Longlora)
     }
 
+    /// Which tokens of chat records are trained on: the assistant's unless told otherwise.
+    pub fn loss_on(&self) -> LossOn {
+        self.loss_on.unwrap_or(LossOn::Assistant)
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.preset.is_none() && self.model.is_none() {
             bail!("no model: pass --model PATH (or --preset tiny)");
@@ -422,6 +435,7 @@ const FIXED_ON_RESUME: &[&str] = &[
     "rope_scaling",
     "rope_theta",
     "block_size",
+    "loss_on",
 ];
 
 /// The ranges a real-valued setting may take.

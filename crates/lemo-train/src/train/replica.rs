@@ -18,7 +18,7 @@ use super::optim::{self, AdamW, AdamWSettings, NamedTensors};
 use super::setup::{Setup, s2_group};
 use super::shard::Shard;
 use super::step::forward_backward;
-use crate::data::int_tokens;
+use crate::data::{Sequence, int_labels, int_tokens};
 use crate::lemo::{self, Elimination, THRESHOLDS_FILE, sparse_keep};
 use crate::memory::PeakTracker;
 use crate::method::Method;
@@ -116,18 +116,26 @@ impl<B: LemoBackend> Replica<B> {
         let config = &setup.config;
         let mut grads = NamedTensors::<B>::new();
         let mut local = LocalStep::default();
-        let predictions_per_micro = config.batch_size * (setup.seq_len - 1);
-        let scale = 1.0 / (predictions_per_micro * config.grad_accum * shard.ranks) as f64;
+        // Every rank counts the global batch's scored predictions from the shared corpus (the
+        // same number everywhere, without a collective), so that masked sequences weigh as
+        // their scored tokens do, as in one large batch.
+        let predictions: usize = shard
+            .global_batch(step)
+            .map(|i| setup.corpus.train_sequence(i).predictions())
+            .sum();
+        let scale = 1.0 / predictions.max(1) as f64;
         for micro in 0..config.grad_accum {
-            let batch: Vec<Vec<u32>> = shard
+            let batch: Vec<Sequence> = shard
                 .sequences(step, micro)
                 .map(|i| setup.corpus.train_sequence(i))
                 .collect();
             let tokens = int_tokens::<AB<B>>(&batch, &self.device);
+            let labels = int_labels::<AB<B>>(&batch, &self.device);
             let mut token_sparsity = lemo::token_sparsity(self.elimination.as_ref());
             let (loss, n, mem) = forward_backward(
                 &self.model,
                 tokens,
+                labels,
                 config.loss_segment,
                 scale,
                 &setup.activations,
@@ -213,7 +221,9 @@ fn elimination<B: LemoBackend>(
             return lemo::read_thresholds(&saved, &setup.model_config);
         }
         let count = settings.calibration_sequences.min(setup.corpus.train_len());
-        let sequences: Vec<Vec<u32>> = (0..count).map(|i| setup.corpus.train_sequence(i)).collect();
+        let sequences: Vec<Vec<u32>> = (0..count)
+            .map(|i| setup.corpus.train_sequence(i).tokens)
+            .collect();
         if rank == 0 {
             eprintln!(
                 "lemo: calibrating per-layer thresholds on {count} training sequences toward kept fractions of {} (attention) / {} (MLP)",

@@ -16,8 +16,9 @@ use super::checkpoint::{self, CheckpointFiles};
 use super::config::TrainConfig;
 use super::run_dir;
 use super::{TrainJob, plan_input};
+use crate::data::chat::{LazyChatTemplate, LossOn};
 use crate::data::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
-use crate::data::{LazyTokenizer, TokenWidth, find_tokenizer, special_ids};
+use crate::data::{Document, LazyTokenizer, Sequence, TokenWidth, find_tokenizer, special_ids};
 use crate::device::PrecisionKind;
 use crate::memory_plan;
 use crate::method::Method;
@@ -34,7 +35,7 @@ pub struct Setup {
     pub rope: Option<RopeConfig>,
     pub lora: LoraConfig,
     pub corpus: Corpus,
-    pub val_sequences: Vec<Vec<u32>>,
+    pub val_sequences: Vec<Sequence>,
     pub run_id: Option<String>,
     /// The checkpoint the run continues from.
     pub resumed: Option<CheckpointFiles>,
@@ -101,6 +102,12 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         .or(config.target_context)
         .unwrap_or(trained_context);
     crate::modelio::check_seq_len(&model_config, seq_len, config.target_context)?;
+    // The data first: its errors are the likeliest, and come before any plan is printed.
+    let corpus = read_corpus(&config, &model_path, &model_config, seq_len)?;
+    if corpus.train.get(0).is_some_and(|s| s.scored.is_some()) {
+        // Recorded as trained (a resume keeps it), not left to the default.
+        config.loss_on = Some(config.loss_on());
+    }
     let planned = memory_plan::plan(
         &plan_input(&config, model_config.clone(), seq_len, precision),
         job.budget.filter(|_| !job.skip_memory_plan),
@@ -141,17 +148,7 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
             s2_group(&config, seq_len)
         );
     }
-    let corpus = read_corpus(&config, &model_path, &model_config, seq_len)?;
-    let val_sequences = {
-        let n = if config.val_sequences == 0 {
-            corpus.val.len()
-        } else {
-            config.val_sequences.min(corpus.val.len())
-        };
-        (0..n)
-            .map(|i| corpus.val.get(i).expect("in range"))
-            .collect()
-    };
+    let val_sequences = corpus.val_sequences(config.val_sequences);
 
     let run_id = match owner || job.start == run_dir::Start::Resume {
         true => run_dir::identity(&out, job.start)?.map(|r| r.id),
@@ -229,12 +226,18 @@ fn read_corpus(
         TokenWidth::from_bytes(config.token_width)?,
         &mut tokenizer,
         tokenizer_path.as_deref(),
+        &mut LazyChatTemplate::new(model_path),
         cache_dir.as_deref(),
     )?;
     let vocab = model_config.vocab_size();
-    if let Some(bad) = documents.iter().flatten().find(|&&id| id as usize >= vocab) {
+    if let Some(bad) = documents
+        .iter()
+        .flat_map(|d| &d.tokens)
+        .find(|&&id| id as usize >= vocab)
+    {
         bail!("token id {bad} is outside the model's vocabulary of {vocab} (wrong tokenizer?)");
     }
+    let chats = check_loss_on(config, &documents, data_path, seq_len)?;
     let is_llama2c = matches!(ModelFormat::detect(model_path)?, ModelFormat::Llama2c);
     let (bos, eos) = special_ids(model_config, &mut tokenizer);
     let append_eos = config.append_eos.unwrap_or(!is_llama2c);
@@ -244,10 +247,22 @@ fn read_corpus(
         eos: eos.filter(|_| append_eos),
         val_fraction: config.val_fraction,
         seed: config.seed,
+        loss_on: config.loss_on(),
     };
     let corpus = Corpus::new(&documents, &pack)?;
+    let chat_note = match chats {
+        0 => String::new(),
+        n => format!(
+            "; {n} chat records, loss on {} tokens{}",
+            config.loss_on().name(),
+            match corpus.unscored {
+                0 => String::new(),
+                u => format!(", {u} sequences without one left out"),
+            }
+        ),
+    };
     eprintln!(
-        "data: {} documents, {} sequences of {seq_len} tokens ({} tokens; {} training, {} validation) in {:.1}s",
+        "data: {} documents, {} sequences of {seq_len} tokens ({} tokens; {} training, {} validation){chat_note} in {:.1}s",
         corpus.documents,
         corpus.train_len() + corpus.val.len(),
         corpus.tokens,
@@ -256,6 +271,33 @@ fn read_corpus(
         started_reading.elapsed().as_secs_f64()
     );
     Ok(corpus)
+}
+
+/// The number of chat records in `documents`, after checking `--loss-on` against them:
+/// `assistant` given for data without chat records is refused (plain text has no assistant),
+/// and chat records longer than a sequence are warned about (their answers get split from the
+/// start of their context).
+fn check_loss_on(
+    config: &TrainConfig,
+    documents: &[Document],
+    data_path: &std::path::Path,
+    seq_len: usize,
+) -> Result<usize> {
+    let chats: Vec<&Document> = documents.iter().filter(|d| d.assistant.is_some()).collect();
+    if chats.is_empty() && config.loss_on == Some(LossOn::Assistant) {
+        bail!(
+            "--loss-on assistant: {} has no chat records (\"messages\", or \"prompt\" and \"completion\"), and plain text is trained on every token: leave --loss-on out",
+            data_path.display()
+        );
+    }
+    let split = chats.iter().filter(|d| d.tokens.len() > seq_len).count();
+    if split > 0 {
+        eprintln!(
+            "warning: {split} of {} chat records are longer than --seq-len {seq_len}: they are split across sequences, and a later part is trained without the start of its conversation",
+            chats.len()
+        );
+    }
+    Ok(chats.len())
 }
 
 /// The checkpoint in `dir`, written with as many ranks as this run has.

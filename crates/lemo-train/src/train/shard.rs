@@ -22,6 +22,12 @@ impl Shard {
         let first = (step * self.grad_accum + micro) * global_batch + self.rank * self.batch;
         first..first + self.batch
     }
+
+    /// Positions in the sequence stream of every rank's sequences of `step`, all micro-batches.
+    pub fn global_batch(&self, step: usize) -> std::ops::Range<usize> {
+        let size = self.ranks * self.batch * self.grad_accum;
+        step * size..(step + 1) * size
+    }
 }
 
 #[cfg(test)]
@@ -51,6 +57,7 @@ mod tests {
                     })
                     .collect();
                 assert_eq!(split, whole, "step {step} micro {micro}");
+                assert!(whole.iter().all(|i| one.global_batch(step).contains(i)));
             }
         }
     }

@@ -8,7 +8,7 @@ use lemo_models::activation_plan::ActivationPlan;
 use lemo_models::token_plan::TokenSparsity;
 
 use super::optim::{self, NamedTensors};
-use crate::data::int_tokens;
+use crate::data::{Sequence, int_labels, int_tokens};
 use crate::memory;
 
 /// Loss and gradient of one micro-batch. The model's next-token loss is the segment-based one:
@@ -19,13 +19,15 @@ use crate::memory;
 /// plain backward pass over one graph). Each block processes the rows `sparsity` gives it (the kept rows of `--method
 /// lemo`), and the plan it chose is left in `sparsity`.
 ///
-/// `scale` multiplies the loss (1 / predicted tokens / accumulation steps). Gradients of the
+/// `labels` (Hugging Face style, see [`crate::data::int_labels`]) choose the predictions scored;
+/// none: every one. `scale` multiplies the loss (1 / scored predictions of the global batch). Gradients of the
 /// trainable parameters are added into `grads`; returns the unscaled loss sum, the number of
 /// predictions and the memory in use at the end of the forward pass (with layers not kept: once
 /// the loss's backward pass has run, while every layer's stored part is held).
 pub fn forward_backward<B: AutodiffBackend + LemoBackend>(
     model: &CausalLm<B>,
     tokens: Tensor<B, 2, Int>,
+    labels: Option<Tensor<B, 2, Int>>,
     segment: usize,
     scale: f64,
     activations: &ActivationPlan,
@@ -39,7 +41,7 @@ where
         let mut after_forward = None;
         let (loss_sum, predictions) = model.next_token_loss_backward_planned(
             tokens,
-            None,
+            labels,
             segment,
             scale,
             sparsity,
@@ -51,7 +53,7 @@ where
         );
         (loss_sum, predictions, after_forward.unwrap_or_default())
     } else {
-        let (loss, predictions) = model.next_token_loss_sum(tokens, None, segment, sparsity);
+        let (loss, predictions) = model.next_token_loss_sum(tokens, labels, segment, sparsity);
         let after_forward = memory::sample().in_use;
         let loss_sum = loss.clone().inner();
         let model_grads = loss.mul_scalar(scale).backward();
@@ -63,18 +65,20 @@ where
     (loss_sum, predictions, after_forward)
 }
 
-/// Summed next-token loss of `sequences` and the number of predictions (evaluation mode: dense
-/// attention, no graph).
+/// Summed next-token loss of `sequences` over their scored predictions, and the number of these
+/// (evaluation mode: dense attention, no graph).
 pub fn validation_sums<B: LemoBackend>(
     model: &CausalLm<B>,
-    sequences: &[Vec<u32>],
+    sequences: &[Sequence],
     segment: usize,
 ) -> (f64, usize) {
     let device = model.lm_head_weight().device();
     let (mut sum, mut count) = (0.0, 0usize);
     for sequence in sequences {
-        let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
-        let (loss, n) = model.next_token_loss_sum(tokens, None, segment, &mut TokenSparsity::Dense);
+        let one = std::slice::from_ref(sequence);
+        let (tokens, labels) = (int_tokens::<B>(one, &device), int_labels::<B>(one, &device));
+        let (loss, n) =
+            model.next_token_loss_sum(tokens, labels, segment, &mut TokenSparsity::Dense);
         sum += loss.into_scalar().elem::<f64>();
         count += n;
     }

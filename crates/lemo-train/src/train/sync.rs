@@ -111,11 +111,11 @@ impl StepTotals {
 /// Mean loss of `sequences` scored by all ranks together: rank r scores every ranks-th one.
 pub fn validation_loss<B: lemo_kernels::LemoBackend>(
     model: &lemo_models::CausalLm<B>,
-    sequences: &[Vec<u32>],
+    sequences: &[crate::data::Sequence],
     segment: usize,
     comm: &mut Communicator,
 ) -> Result<f64> {
-    let mine: Vec<Vec<u32>> = sequences
+    let mine: Vec<crate::data::Sequence> = sequences
         .iter()
         .skip(comm.rank())
         .step_by(comm.ranks())
