@@ -19,7 +19,7 @@ pub type CudaBackend = burn::backend::Cuda<f32, i32>;
 /// Every default body is the plain Burn-tensor reference, so any backend is correct out of the
 /// box; [`CubeBackend`] (wgpu, CUDA) overrides them with kernels and `Autodiff<B>` routes the
 /// attention gradient through [`LemoBackend::lemo_attention_backward`].
-pub trait LemoBackend: Backend + crate::ComputeBackend {
+pub trait LemoBackend: Backend + crate::ComputeBackend + crate::loss::LossBackend {
     /// Causal (optionally sliding-window or shifted-sparse) attention; see [`attention::attention`].
     fn lemo_attention(
         q: FloatTensor<Self>,

@@ -1,7 +1,7 @@
-//! The compute half of the backend extension: GEMM, fused element-wise kernels and the
-//! segment-based loss. Every default body is the plain Burn reference (or, for the loss, the
-//! chunked algorithm written with Burn ops); CubeCL backends override the kernels, CUDA adds
-//! cuBLASLt, and `Autodiff<B>` gives each differentiable operation its own backward.
+//! The compute half of the backend extension: GEMM, fused element-wise kernels, token movement,
+//! the optimizer step and device memory (the loss is its own family, [`crate::loss::LossBackend`]).
+//! Every default body is the plain Burn reference; CubeCL backends override the kernels, CUDA
+//! adds cuBLASLt, and `Autodiff<B>` gives each differentiable operation its own backward.
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -15,14 +15,7 @@ use crate::backend::CpuBackend;
 use crate::fused::rms_norm::NormSaves;
 use crate::memory::{self, MemoryStats};
 use crate::recomputed_rows::{self, FrozenMlp};
-use crate::{fused, gemm, known_value, loss, precision, token_movement};
-
-/// Gradients the segment-based loss computes while it runs: `(d hidden, d weight)` of the summed
-/// loss, each present when asked for.
-pub type SegmentGrads<B> = (Option<FloatTensor<B>>, Option<FloatTensor<B>>);
-
-/// The summed loss (f32, `[1]`) and the gradients computed on the way.
-pub type SegmentOutput<B> = (FloatTensor<B>, SegmentGrads<B>);
+use crate::{fused, gemm, known_value, precision, token_movement};
 
 /// Backend operations for the dense parts of a training step (see the module docs).
 pub trait ComputeBackend: Backend {
@@ -258,16 +251,6 @@ pub trait ComputeBackend: Backend {
         token_movement::reference::gather_rows_primitive::<Self>(x, rows)
     }
 
-    /// Per-row cross-entropy of `logits [rows, V]` and, with `grad`, `softmax - one_hot`; see
-    /// [`loss::cross_entropy_rows`].
-    fn lemo_cross_entropy_rows(
-        logits: FloatTensor<Self>,
-        targets: IntTensor<Self>,
-        grad: bool,
-    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        loss::reference::cross_entropy_rows::<Self>(logits, targets, grad)
-    }
-
     /// Current memory of `device`; see [`crate::memory`]. Zeros where the backend has no pools.
     fn lemo_memory_stats(_device: &Self::Device) -> MemoryStats {
         MemoryStats::default()
@@ -285,27 +268,6 @@ pub trait ComputeBackend: Backend {
     /// Waits until all work queued on `device` is done, cuBLASLt products included.
     fn lemo_synchronize(device: &Self::Device) {
         Self::sync(device).expect("device synchronization");
-    }
-
-    /// Summed cross-entropy of `hidden [S, H] x weight[V, H]^T` against `targets [S]`, chunk by
-    /// chunk, with the requested gradients computed on the way; see
-    /// [`loss::segment_cross_entropy`].
-    fn lemo_segment_cross_entropy(
-        hidden: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        targets: IntTensor<Self>,
-        chunk_rows: usize,
-        hidden_grad: bool,
-        weight_grad: bool,
-    ) -> SegmentOutput<Self> {
-        loss::segment::forward_with_grads::<Self>(
-            hidden,
-            weight,
-            targets,
-            chunk_rows,
-            hidden_grad,
-            weight_grad,
-        )
     }
 }
 
@@ -466,14 +428,6 @@ where
         step: fused::AdamWStep,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         fused::adamw::kernel::adamw_step(param, grad, exp_avg, exp_avg_sq, step)
-    }
-
-    fn lemo_cross_entropy_rows(
-        logits: FloatTensor<Self>,
-        targets: IntTensor<Self>,
-        grad: bool,
-    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        loss::kernel::cross_entropy_rows(logits, targets, grad)
     }
 
     fn lemo_memory_stats(device: &Self::Device) -> MemoryStats {
@@ -688,15 +642,6 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
         (Self::from_inner(grad_gate), Self::from_inner(grad_up))
     }
 
-    fn lemo_cross_entropy_rows(
-        logits: FloatTensor<Self>,
-        targets: IntTensor<Self>,
-        grad: bool,
-    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        let (losses, grad) = B::lemo_cross_entropy_rows(Self::inner(logits), targets, grad);
-        (Self::from_inner(losses), grad.map(Self::from_inner))
-    }
-
     fn lemo_memory_stats(device: &Self::Device) -> MemoryStats {
         B::lemo_memory_stats(device)
     }
@@ -711,24 +656,6 @@ impl<B: ComputeBackend, C: CheckpointStrategy> ComputeBackend for Autodiff<B, C>
 
     fn lemo_synchronize(device: &Self::Device) {
         B::lemo_synchronize(device)
-    }
-
-    fn lemo_segment_cross_entropy(
-        hidden: FloatTensor<Self>,
-        weight: FloatTensor<Self>,
-        targets: IntTensor<Self>,
-        chunk_rows: usize,
-        hidden_grad: bool,
-        weight_grad: bool,
-    ) -> SegmentOutput<Self> {
-        loss::autodiff::segment_cross_entropy::<B, C>(
-            hidden,
-            weight,
-            targets,
-            chunk_rows,
-            hidden_grad,
-            weight_grad,
-        )
     }
 }
 

@@ -22,6 +22,7 @@ use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
 use lemo_sparsity::calibration::Block;
 
 use crate::activation_plan::{ActivationPlan, LayerActivations};
+use crate::block_pass::BlockPass;
 use crate::cache::{KvCache, LayerCache};
 use crate::offload::HostCopy;
 use crate::row_chunks::slice_len;
@@ -30,6 +31,10 @@ use crate::token_plan::{BlockRows, TokenSparsity};
 pub trait Decoder<B: Backend> {
     /// What every layer of one pass shares (Llama: the rotary tables of the pass's positions).
     type Shared;
+    /// What an attention block's pass over every row keeps for the graph of its kept rows.
+    type AttentionProducts;
+    /// What an MLP block's pass over every row keeps for the graph of its kept rows.
+    type MlpProducts;
 
     /// `h_0: [batch, len, hidden]` of `tokens: [batch, len]` at `positions`.
     fn embed(&self, tokens: Tensor<B, 2, Int>, positions: Range<usize>) -> Tensor<B, 3>;
@@ -52,7 +57,7 @@ pub trait Decoder<B: Backend> {
         index: usize,
         h: Tensor<B, 3>,
         shared: &Self::Shared,
-        sparse: Option<SparseBlock<B>>,
+        sparse: Option<SparseBlock<B, Self::AttentionProducts>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3>;
 
@@ -61,7 +66,7 @@ pub trait Decoder<B: Backend> {
         &self,
         index: usize,
         a: Tensor<B, 3>,
-        sparse: Option<SparseBlock<B>>,
+        sparse: Option<SparseBlock<B, Self::MlpProducts>>,
     ) -> Tensor<B, 3>;
 
     /// The attention block of layer `index` on every row of `h` outside the graph, with its
@@ -72,12 +77,17 @@ pub trait Decoder<B: Backend> {
         h: Tensor<B, 3>,
         shared: &Self::Shared,
         block_size: Option<usize>,
-    ) -> BlockPass<B>;
+    ) -> BlockPass<B, Self::AttentionProducts>;
 
     /// The MLP block of layer `index` on every row of `a` outside the graph, with its
     /// token-block informativeness (from its intermediate activations) when `block_size` is
     /// given.
-    fn mlp_pass(&self, index: usize, a: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B>;
+    fn mlp_pass(
+        &self,
+        index: usize,
+        a: Tensor<B, 3>,
+        block_size: Option<usize>,
+    ) -> BlockPass<B, Self::MlpProducts>;
 
     /// The MLP block of layer `index` as constants, when nothing in it trains (no adapters on
     /// its projections, a frozen norm) and it is pre-norm: its backward pass can then be
@@ -99,30 +109,19 @@ pub struct RowWidths {
     pub mlp: Option<usize>,
 }
 
-/// One block computed for every row outside the graph.
-pub struct BlockPass<B: Backend> {
-    /// What the block adds to the residual stream, `[batch, seq, hidden]`.
-    pub output: Tensor<B, 3>,
-    /// Token-block informativeness `[batch, blocks]`, when asked for.
-    pub scores: Option<Tensor<B, 2>>,
-    /// The products of every row that the graph of the kept rows reuses instead of
-    /// computing them again (each model documents its own).
-    pub products: Vec<Tensor<B, 3>>,
-}
-
 /// A token-sparse block: its kept rows `[batch, kept]`, its pass over every row, and the rows it
 /// drops `[batch, seq - kept]` where its backward pass reaches them.
-pub struct SparseBlock<B: Backend> {
+pub struct SparseBlock<B: Backend, P> {
     pub rows: Tensor<B, 2, Int>,
-    pub pass: BlockPass<B>,
+    pub pass: BlockPass<B, P>,
     /// The dropped rows, when the block's backward pass recomputes them (MLP blocks with
     /// [`crate::token_plan::DroppedRows::Exact`]) and there are any.
     pub dropped: Option<Tensor<B, 2, Int>>,
 }
 
-impl<B: Backend> SparseBlock<B> {
+impl<B: Backend, P> SparseBlock<B, P> {
     /// A block of `kept` rows (and the dropped rows its backward pass reaches, if any).
-    pub fn new(kept: &BlockRows, pass: BlockPass<B>) -> Self {
+    pub fn new(kept: &BlockRows, pass: BlockPass<B, P>) -> Self {
         Self {
             rows: kept.rows(),
             dropped: kept.dropped(),
@@ -131,7 +130,7 @@ impl<B: Backend> SparseBlock<B> {
     }
 }
 
-impl<B: LemoBackend> SparseBlock<B> {
+impl<B: LemoBackend, P> SparseBlock<B, P> {
     /// `x + pass.output` (exact, every row), with the backward pass of `x` plus `graph`, the
     /// block's output on the kept rows, added into those rows: the gradient reaches the block
     /// through its kept rows only.
@@ -155,9 +154,9 @@ impl<B: LemoBackend> SparseBlock<B> {
         self.residual(x, graph)
     }
 
-    /// The kept rows of the pass's `index`-th product, `[batch, kept, width]`.
-    pub fn product_rows(&self, index: usize) -> Tensor<B, 3> {
-        gather_rows(self.pass.products[index].clone(), self.rows.clone())
+    /// The kept rows of the pass's product that `select` names, `[batch, kept, width]`.
+    pub fn product_rows(&self, select: fn(&P) -> &Tensor<B, 3>) -> Tensor<B, 3> {
+        gather_rows(select(&self.pass.products).clone(), self.rows.clone())
     }
 }
 
@@ -319,6 +318,62 @@ enum Stored<B: AutodiffBackend> {
     Host(HostCopy<B::InnerBackend>),
 }
 
+/// The forward pass of [`planned_loss_backward`]: each layer's graph from a leaf copy of its
+/// input where `plan` keeps it, else the layer without a graph and its input kept on the device
+/// or copied to host memory. Returns what each layer stored and `h_L`.
+fn forward_storing<B, D>(
+    decoder: &D,
+    tokens: Tensor<B, 2, Int>,
+    shared: &D::Shared,
+    sparsity: &mut TokenSparsity,
+    plan: &ActivationPlan,
+) -> (Vec<Stored<B>>, Tensor<B::InnerBackend, 3>)
+where
+    B: AutodiffBackend + LemoBackend,
+    B::InnerBackend: LemoBackend,
+    D: Decoder<B> + AutodiffModule<B>,
+    D::InnerModule: Decoder<B::InnerBackend>,
+{
+    let [batch, len] = tokens.dims();
+    let inner = decoder.valid();
+    let inner_shared = inner.shared(0..len, batch);
+    let mut h = inner.embed(tokens.inner(), 0..len);
+    row_buffers(&inner, &h);
+    let mut stored = Vec::with_capacity(plan.num_layers());
+    for (index, mode) in plan.layers().iter().enumerate() {
+        let saved = match mode {
+            LayerActivations::Kept => {
+                let input = Tensor::<B, 3>::from_inner(h).require_grad();
+                let output = layer(
+                    decoder,
+                    index,
+                    input.clone(),
+                    shared,
+                    None,
+                    sparsity,
+                    MlpGraph::Saved,
+                );
+                h = output.clone().inner();
+                stored.push(Stored::Graph { input, output });
+                continue;
+            }
+            LayerActivations::Recomputed => Stored::Input(h.clone()),
+            LayerActivations::Offloaded => Stored::Host(HostCopy::new(h.clone())),
+        };
+        stored.push(saved);
+        h = layer(
+            &inner,
+            index,
+            h,
+            &inner_shared,
+            None,
+            sparsity,
+            MlpGraph::Saved,
+        );
+    }
+    (stored, h)
+}
+
 /// [`next_token_loss`] of `tokens` (positions from 0) and the gradients of `scale` times it,
 /// each layer's activations held as `plan` says. The forward pass builds a kept layer's graph
 /// from a leaf copy of its input, and runs the other layers without a graph, keeping only their
@@ -357,44 +412,8 @@ where
     let [batch, len] = tokens.dims();
     let positions = 0..len;
 
-    let inner = decoder.valid();
-    let inner_shared = inner.shared(positions.clone(), batch);
     let shared = decoder.shared(positions.clone(), batch);
-    let mut h = inner.embed(tokens.clone().inner(), positions.clone());
-    row_buffers(&inner, &h);
-    let mut stored = Vec::with_capacity(plan.num_layers());
-    for (index, mode) in plan.layers().iter().enumerate() {
-        let saved = match mode {
-            LayerActivations::Kept => {
-                let input = Tensor::<B, 3>::from_inner(h).require_grad();
-                let output = layer(
-                    decoder,
-                    index,
-                    input.clone(),
-                    &shared,
-                    None,
-                    sparsity,
-                    MlpGraph::Saved,
-                );
-                h = output.clone().inner();
-                stored.push(Stored::Graph { input, output });
-                continue;
-            }
-            LayerActivations::Recomputed => Stored::Input(h.clone()),
-            LayerActivations::Offloaded => Stored::Host(HostCopy::new(h.clone())),
-        };
-        stored.push(saved);
-        h = layer(
-            &inner,
-            index,
-            h,
-            &inner_shared,
-            None,
-            sparsity,
-            MlpGraph::Saved,
-        );
-    }
-    drop(inner_shared);
+    let (mut stored, h) = forward_storing(decoder, tokens.clone(), &shared, sparsity, plan);
 
     let last = Tensor::<B, 3>::from_inner(h).require_grad();
     let (loss, predictions) = next_token_loss(

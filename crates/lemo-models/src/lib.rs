@@ -3,6 +3,7 @@
 
 pub mod activation_plan;
 pub mod adapter;
+pub mod block_pass;
 pub mod cache;
 pub mod chat;
 pub mod config;

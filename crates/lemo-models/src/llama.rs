@@ -20,9 +20,10 @@ use lemo_kernels::{AttentionOptions, LemoBackend};
 use lemo_sparsity::informativeness;
 
 use crate::Result;
+use crate::block_pass::BlockPass;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::LlamaConfig;
-use crate::decoder::{BlockPass, Decoder, RowWidths, SparseBlock};
+use crate::decoder::{Decoder, RowWidths, SparseBlock};
 use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::RmsNorm;
@@ -45,6 +46,18 @@ pub struct LlamaAttention<B: Backend> {
     pub shifted_group: Option<usize>,
 }
 
+/// What the attention block's pass over every row keeps for the graph of its kept rows: the
+/// projections' products ([`Linear::pass`]), the attention output
+/// `[batch, len, heads * head_dim]` and its `logsumexp` `[batch, heads, len]`.
+pub struct AttentionProducts<B: Backend> {
+    pub q: Tensor<B, 3>,
+    pub k: Tensor<B, 3>,
+    pub v: Tensor<B, 3>,
+    pub o: Tensor<B, 3>,
+    pub out: Tensor<B, 3>,
+    pub lse: Tensor<B, 3>,
+}
+
 impl<B: LemoBackend> LlamaAttention<B> {
     /// The block's output for `x`, in the graph. With `sparse`, `x` holds its kept rows and the
     /// products and the attention output are the kept rows of the pass's (see [`Self::pass`]):
@@ -54,14 +67,20 @@ impl<B: LemoBackend> LlamaAttention<B> {
         &self,
         x: Tensor<B, 3>,
         rotation: &Rotation<B>,
-        sparse: Option<&SparseBlock<B>>,
+        sparse: Option<&SparseBlock<B, AttentionProducts<B>>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
-        let product = |i: usize| sparse.map(|s| s.product_rows(i));
+        let product = |select: fn(&AttentionProducts<B>) -> &Tensor<B, 3>| {
+            sparse.map(|s| s.product_rows(select))
+        };
         let [batch, len, _] = x.dims();
-        let q = self.q_proj.forward_with_product(x.clone(), product(0));
-        let k = self.k_proj.forward_with_product(x.clone(), product(1));
-        let v = self.v_proj.forward_with_product(x, product(2));
+        let q = self
+            .q_proj
+            .forward_with_product(x.clone(), product(|p| &p.q));
+        let k = self
+            .k_proj
+            .forward_with_product(x.clone(), product(|p| &p.k));
+        let v = self.v_proj.forward_with_product(x, product(|p| &p.v));
         let q = rotation.apply(self.heads(q, self.num_heads));
         let k = rotation.apply(self.heads(k, self.num_kv_heads));
         let v = self.heads(v, self.num_kv_heads);
@@ -69,8 +88,8 @@ impl<B: LemoBackend> LlamaAttention<B> {
         let out = match sparse {
             None => attention(q, k, v, self.options()),
             Some(sparse) => {
-                let out = self.heads(sparse.product_rows(4), self.num_heads);
-                let lse = sparse.pass.products[5].clone().gather(
+                let out = self.heads(sparse.product_rows(|p| &p.out), self.num_heads);
+                let lse = sparse.pass.products.lse.clone().gather(
                     2,
                     sparse
                         .rows
@@ -82,19 +101,17 @@ impl<B: LemoBackend> LlamaAttention<B> {
             }
         };
         self.o_proj
-            .forward_with_product(self.merge_heads(out), product(3))
+            .forward_with_product(self.merge_heads(out), product(|p| &p.o))
     }
 
     /// The block on every row of `x` outside the graph, with the token-block informativeness
-    /// of its rotated queries and keys when `block_size` is given. Products: those of the
-    /// projections `q`, `k`, `v` and `o` ([`Linear::pass`]), the attention output `[batch, len, heads * head_dim]` and its
-    /// `logsumexp` `[batch, heads, len]`.
+    /// of its rotated queries and keys when `block_size` is given.
     fn pass(
         &self,
         x: Tensor<B, 3>,
         rotation: &Rotation<B>,
         block_size: Option<usize>,
-    ) -> BlockPass<B> {
+    ) -> BlockPass<B, AttentionProducts<B>> {
         let x = x.detach();
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
         let [(q, q_product), (k, k_product), (v, v_product)] =
@@ -109,7 +126,14 @@ impl<B: LemoBackend> LlamaAttention<B> {
         BlockPass {
             output,
             scores,
-            products: vec![q_product, k_product, v_product, o_product, out, lse],
+            products: AttentionProducts {
+                q: q_product,
+                k: k_product,
+                v: v_product,
+                o: o_product,
+                out,
+                lse,
+            },
         }
     }
 
@@ -142,15 +166,30 @@ pub struct LlamaMlp<B: Backend> {
     pub down_proj: Linear<B>,
 }
 
+/// What the MLP block's pass over every row keeps for the graph of its kept rows: the
+/// projections' products ([`Linear::pass`]).
+pub struct MlpProducts<B: Backend> {
+    pub gate: Tensor<B, 3>,
+    pub up: Tensor<B, 3>,
+    pub down: Tensor<B, 3>,
+}
+
 impl<B: LemoBackend> LlamaMlp<B> {
     /// `down(silu(gate(x)) * up(x))` in the graph; with `sparse`, on its kept rows reusing the
     /// pass's products.
-    fn forward(&self, x: Tensor<B, 3>, sparse: Option<&SparseBlock<B>>) -> Tensor<B, 3> {
-        let product = |i: usize| sparse.map(|s| s.product_rows(i));
-        let gate = self.gate_proj.forward_with_product(x.clone(), product(0));
-        let up = self.up_proj.forward_with_product(x, product(1));
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        sparse: Option<&SparseBlock<B, MlpProducts<B>>>,
+    ) -> Tensor<B, 3> {
+        let product =
+            |select: fn(&MlpProducts<B>) -> &Tensor<B, 3>| sparse.map(|s| s.product_rows(select));
+        let gate = self
+            .gate_proj
+            .forward_with_product(x.clone(), product(|p| &p.gate));
+        let up = self.up_proj.forward_with_product(x, product(|p| &p.up));
         self.down_proj
-            .forward_with_product(swiglu(gate, up), product(2))
+            .forward_with_product(swiglu(gate, up), product(|p| &p.down))
     }
 
     /// This MLP after `norm`, frozen, as its dropped rows' recomputed backward pass reads it.
@@ -164,9 +203,8 @@ impl<B: LemoBackend> LlamaMlp<B> {
     }
 
     /// The block on every row of `x` outside the graph, with the token-block informativeness
-    /// of `silu(gate) * up` when `block_size` is given. Products: those of `gate`, `up` and
-    /// `down` ([`Linear::pass`]).
-    fn pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
+    /// of `silu(gate) * up` when `block_size` is given.
+    fn pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B, MlpProducts<B>> {
         let x = x.detach();
         let (gate, gate_product) = self.gate_proj.pass(x.clone());
         let (up, up_product) = self.up_proj.pass(x);
@@ -176,7 +214,11 @@ impl<B: LemoBackend> LlamaMlp<B> {
         BlockPass {
             output,
             scores,
-            products: vec![gate_product, up_product, down_product],
+            products: MlpProducts {
+                gate: gate_product,
+                up: up_product,
+                down: down_product,
+            },
         }
     }
 }
@@ -195,7 +237,7 @@ impl<B: LemoBackend> LlamaLayer<B> {
         &self,
         h: Tensor<B, 3>,
         rotation: &Rotation<B>,
-        sparse: Option<SparseBlock<B>>,
+        sparse: Option<SparseBlock<B, AttentionProducts<B>>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let norm = &self.input_layernorm;
@@ -216,7 +258,11 @@ impl<B: LemoBackend> LlamaLayer<B> {
     }
 
     /// `a + mlp(rms(a))`; token-sparse with `sparse`.
-    fn mlp_block(&self, a: Tensor<B, 3>, sparse: Option<SparseBlock<B>>) -> Tensor<B, 3> {
+    fn mlp_block(
+        &self,
+        a: Tensor<B, 3>,
+        sparse: Option<SparseBlock<B, MlpProducts<B>>>,
+    ) -> Tensor<B, 3> {
         let norm = &self.post_attention_layernorm;
         match sparse {
             None => {
@@ -333,6 +379,8 @@ impl<B: LemoBackend> Llama<B> {
 
 impl<B: LemoBackend> Decoder<B> for Llama<B> {
     type Shared = Rotation<B>;
+    type AttentionProducts = AttentionProducts<B>;
+    type MlpProducts = MlpProducts<B>;
 
     fn embed(&self, tokens: Tensor<B, 2, Int>, _positions: Range<usize>) -> Tensor<B, 3> {
         embed(&self.embed_tokens.val(), tokens).cast(self.activations)
@@ -365,7 +413,7 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         index: usize,
         h: Tensor<B, 3>,
         rotation: &Rotation<B>,
-        sparse: Option<SparseBlock<B>>,
+        sparse: Option<SparseBlock<B, AttentionProducts<B>>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         self.layers[index].attention_block(h, rotation, sparse, cache)
@@ -375,7 +423,7 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         &self,
         index: usize,
         a: Tensor<B, 3>,
-        sparse: Option<SparseBlock<B>>,
+        sparse: Option<SparseBlock<B, MlpProducts<B>>>,
     ) -> Tensor<B, 3> {
         self.layers[index].mlp_block(a, sparse)
     }
@@ -386,13 +434,18 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         h: Tensor<B, 3>,
         rotation: &Rotation<B>,
         block_size: Option<usize>,
-    ) -> BlockPass<B> {
+    ) -> BlockPass<B, AttentionProducts<B>> {
         let layer = &self.layers[index];
         let x = layer.input_layernorm.forward(h).detach();
         layer.self_attn.pass(x, rotation, block_size)
     }
 
-    fn mlp_pass(&self, index: usize, a: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
+    fn mlp_pass(
+        &self,
+        index: usize,
+        a: Tensor<B, 3>,
+        block_size: Option<usize>,
+    ) -> BlockPass<B, MlpProducts<B>> {
         let layer = &self.layers[index];
         let x = layer.post_attention_layernorm.forward(a).detach();
         layer.mlp.pass(x, block_size)

@@ -26,11 +26,22 @@ pub struct Llama2cCheckpoint {
     tensors: HashMap<String, (usize, Vec<usize>, bool)>,
 }
 
-impl Llama2cCheckpoint {
-    pub fn open(path: &Path) -> Result<Self> {
-        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
-        // SAFETY: read-only mapping of a file lemo never writes.
-        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+/// The checkpoint header's seven numbers, checked: every size positive, the heads dividing the
+/// width, the key/value heads dividing the heads.
+struct Header {
+    dim: usize,
+    hidden: usize,
+    layers: usize,
+    heads: usize,
+    kv_heads: usize,
+    vocab: usize,
+    seq_len: usize,
+    /// A positive vocabulary size in the file means the classifier is the embedding table.
+    shared_classifier: bool,
+}
+
+impl Header {
+    fn parse(path: &Path, map: &[u8]) -> Result<Self> {
         if map.len() < HEADER_BYTES {
             return Err(Error::format(
                 path,
@@ -42,10 +53,8 @@ impl Llama2cCheckpoint {
             .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect();
         let [dim, hidden, layers, heads, kv_heads, vocab, seq_len] = header[..] else {
-            unreachable!()
+            unreachable!("HEADER_BYTES holds seven i32")
         };
-        let shared_classifier = vocab > 0;
-        let vocab = vocab.unsigned_abs() as usize;
         let positive = [dim, hidden, layers, heads, kv_heads, seq_len]
             .iter()
             .all(|&v| v > 0);
@@ -57,40 +66,54 @@ impl Llama2cCheckpoint {
         }
         let [dim, hidden, layers, heads, kv_heads, seq_len] =
             [dim, hidden, layers, heads, kv_heads, seq_len].map(|v| v as usize);
-        let head_dim = dim / heads;
-        let kv_dim = kv_heads * head_dim;
-        // The sizes the header implies are checked against the file before anything is built
-        // from them: a corrupt header (4 KB of spaces reads as dimensions of 538976288) must fail
-        // here rather than size a table of billions of layers. In u128, nothing overflows.
-        let [
-            dim_,
-            hidden_,
-            layers_,
-            kv_dim_,
-            vocab_,
-            positions_,
-            head_dim_,
-        ] = [dim, hidden, layers, kv_dim, vocab, seq_len, head_dim].map(|v| v as u128);
-        let per_layer_elements =
-            2 * dim_ + 2 * dim_ * dim_ + 2 * kv_dim_ * dim_ + 3 * hidden_ * dim_;
-        let classifier = if shared_classifier { 0 } else { vocab_ * dim_ };
-        let elements = vocab_ * dim_
-            + layers_ * per_layer_elements
-            + dim_
-            + positions_ * head_dim_
-            + classifier;
-        let implied_bytes = HEADER_BYTES as u128 + 4 * elements;
-        if (map.len() as u128) < implied_bytes {
-            return Err(Error::format(
-                path,
-                format!(
-                    "truncated or not a llama2.c checkpoint: {} bytes, but the header {header:?} \
-                     implies {implied_bytes}",
-                    map.len()
-                ),
-            ));
-        }
+        Ok(Self {
+            dim,
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            vocab: vocab.unsigned_abs() as usize,
+            seq_len,
+            shared_classifier: vocab > 0,
+        })
+    }
 
+    fn head_dim(&self) -> usize {
+        self.dim / self.heads
+    }
+
+    fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim()
+    }
+
+    /// The file size the header implies, in u128 so that nothing overflows: a corrupt header
+    /// (4 KB of spaces reads as dimensions of 538976288) must fail the size check rather than
+    /// size a table of billions of layers.
+    fn implied_bytes(&self) -> u128 {
+        let [dim, hidden, layers, kv_dim, vocab, positions, head_dim] = [
+            self.dim,
+            self.hidden,
+            self.layers,
+            self.kv_dim(),
+            self.vocab,
+            self.seq_len,
+            self.head_dim(),
+        ]
+        .map(|v| v as u128);
+        let per_layer = 2 * dim + 2 * dim * dim + 2 * kv_dim * dim + 3 * hidden * dim;
+        let classifier = if self.shared_classifier {
+            0
+        } else {
+            vocab * dim
+        };
+        let elements = vocab * dim + layers * per_layer + dim + positions * head_dim + classifier;
+        HEADER_BYTES as u128 + 4 * elements
+    }
+
+    /// Hugging Face name -> (offset in f32 elements after the header, shape, permute for
+    /// RoPE), in the file's order.
+    fn tensors(&self) -> HashMap<String, (usize, Vec<usize>, bool)> {
+        let (dim, hidden, kv_dim) = (self.dim, self.hidden, self.kv_dim());
         let mut tensors = HashMap::new();
         let mut offset = 0;
         let mut add = |name: String, shape: Vec<usize>, permute: bool| {
@@ -98,66 +121,85 @@ impl Llama2cCheckpoint {
             tensors.insert(name, (offset, shape, permute));
             offset += count;
         };
-        let per_layer = |add: &mut dyn FnMut(String, Vec<usize>, bool),
-                         suffix: &str,
-                         shape: Vec<usize>,
-                         permute: bool| {
-            for l in 0..layers {
+        add(
+            "model.embed_tokens.weight".into(),
+            vec![self.vocab, dim],
+            false,
+        );
+        let per_layer: [(&str, Vec<usize>, bool); 9] = [
+            ("input_layernorm.weight", vec![dim], false),
+            ("self_attn.q_proj.weight", vec![dim, dim], true),
+            ("self_attn.k_proj.weight", vec![kv_dim, dim], true),
+            ("self_attn.v_proj.weight", vec![kv_dim, dim], false),
+            ("self_attn.o_proj.weight", vec![dim, dim], false),
+            ("post_attention_layernorm.weight", vec![dim], false),
+            ("mlp.gate_proj.weight", vec![hidden, dim], false),
+            ("mlp.down_proj.weight", vec![dim, hidden], false),
+            ("mlp.up_proj.weight", vec![hidden, dim], false),
+        ];
+        for (suffix, shape, permute) in per_layer {
+            for l in 0..self.layers {
                 add(format!("model.layers.{l}.{suffix}"), shape.clone(), permute);
             }
-        };
-        add("model.embed_tokens.weight".into(), vec![vocab, dim], false);
-        per_layer(&mut add, "input_layernorm.weight", vec![dim], false);
-        per_layer(&mut add, "self_attn.q_proj.weight", vec![dim, dim], true);
-        per_layer(&mut add, "self_attn.k_proj.weight", vec![kv_dim, dim], true);
-        per_layer(
-            &mut add,
-            "self_attn.v_proj.weight",
-            vec![kv_dim, dim],
-            false,
-        );
-        per_layer(&mut add, "self_attn.o_proj.weight", vec![dim, dim], false);
-        per_layer(
-            &mut add,
-            "post_attention_layernorm.weight",
-            vec![dim],
-            false,
-        );
-        per_layer(&mut add, "mlp.gate_proj.weight", vec![hidden, dim], false);
-        per_layer(&mut add, "mlp.down_proj.weight", vec![dim, hidden], false);
-        per_layer(&mut add, "mlp.up_proj.weight", vec![hidden, dim], false);
-        add("model.norm.weight".into(), vec![dim], false);
-        add(FREQ_CIS.into(), vec![seq_len, head_dim], false);
-        if !shared_classifier {
-            add("lm_head.weight".into(), vec![vocab, dim], false);
         }
-        debug_assert_eq!((HEADER_BYTES + offset * 4) as u128, implied_bytes);
-        let config = LlamaConfig {
-            vocab_size: vocab,
-            hidden_size: dim,
-            intermediate_size: hidden,
-            num_hidden_layers: layers,
-            num_attention_heads: heads,
-            num_key_value_heads: kv_heads,
-            head_dim,
+        add("model.norm.weight".into(), vec![dim], false);
+        add(FREQ_CIS.into(), vec![self.seq_len, self.head_dim()], false);
+        if !self.shared_classifier {
+            add("lm_head.weight".into(), vec![self.vocab, dim], false);
+        }
+        debug_assert_eq!((HEADER_BYTES + offset * 4) as u128, self.implied_bytes());
+        tensors
+    }
+
+    fn config(&self) -> LlamaConfig {
+        LlamaConfig {
+            vocab_size: self.vocab,
+            hidden_size: self.dim,
+            intermediate_size: self.hidden,
+            num_hidden_layers: self.layers,
+            num_attention_heads: self.heads,
+            num_key_value_heads: self.kv_heads,
+            head_dim: self.head_dim(),
             rms_norm_eps: 1e-5,
-            max_position_embeddings: seq_len,
+            max_position_embeddings: self.seq_len,
             rope: RopeConfig {
                 theta: 10000.0,
                 scaling: RopeScaling::Default,
             },
-            tie_word_embeddings: shared_classifier,
+            tie_word_embeddings: self.shared_classifier,
             attention_bias: false,
             mlp_bias: false,
             sliding_window: None,
             bos_token_id: Some(1),
             eos_token_id: vec![2],
-        };
+        }
+    }
+}
+
+impl Llama2cCheckpoint {
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
+        // SAFETY: read-only mapping of a file lemo never writes.
+        let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
+        let header = Header::parse(path, &map)?;
+        // The sizes the header implies are checked against the file before anything is built
+        // from them.
+        let implied_bytes = header.implied_bytes();
+        if (map.len() as u128) < implied_bytes {
+            return Err(Error::format(
+                path,
+                format!(
+                    "truncated or not a llama2.c checkpoint: {} bytes, but its header implies \
+                     {implied_bytes}",
+                    map.len()
+                ),
+            ));
+        }
         Ok(Self {
             path: path.to_path_buf(),
+            config: header.config(),
+            tensors: header.tensors(),
             map,
-            config,
-            tensors,
         })
     }
 

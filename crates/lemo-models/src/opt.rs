@@ -18,9 +18,10 @@ use lemo_kernels::{AttentionOptions, LemoBackend, attention::attention};
 use lemo_sparsity::informativeness;
 
 use crate::Result;
+use crate::block_pass::BlockPass;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::OptConfig;
-use crate::decoder::{BlockPass, Decoder, RowWidths, SparseBlock};
+use crate::decoder::{Decoder, RowWidths, SparseBlock};
 use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::LayerNorm;
@@ -42,28 +43,55 @@ pub struct OptAttention<B: Backend> {
     pub shifted_group: Option<usize>,
 }
 
+/// What the attention block's pass over every row keeps for the graph of its kept rows: the
+/// projections' products ([`Linear::pass`]).
+pub struct AttentionProducts<B: Backend> {
+    pub q: Tensor<B, 3>,
+    pub k: Tensor<B, 3>,
+    pub v: Tensor<B, 3>,
+    pub out: Tensor<B, 3>,
+}
+
+/// What the MLP block's pass over every row keeps for the graph of its kept rows: the
+/// projections' products ([`Linear::pass`]).
+pub struct MlpProducts<B: Backend> {
+    pub fc1: Tensor<B, 3>,
+    pub fc2: Tensor<B, 3>,
+}
+
 impl<B: LemoBackend> OptAttention<B> {
     /// The block's output for `x`, in the graph. With `sparse`, `x` holds its kept rows and the
     /// products are the kept rows of the pass's (see [`Self::pass`]).
     fn forward(
         &self,
         x: Tensor<B, 3>,
-        sparse: Option<&SparseBlock<B>>,
+        sparse: Option<&SparseBlock<B, AttentionProducts<B>>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
-        let product = |i: usize| sparse.map(|s| s.product_rows(i));
-        let q = self.heads(self.q_proj.forward_with_product(x.clone(), product(0)));
-        let k = self.heads(self.k_proj.forward_with_product(x.clone(), product(1)));
-        let v = self.heads(self.v_proj.forward_with_product(x, product(2)));
+        let product = |select: fn(&AttentionProducts<B>) -> &Tensor<B, 3>| {
+            sparse.map(|s| s.product_rows(select))
+        };
+        let q = self.heads(
+            self.q_proj
+                .forward_with_product(x.clone(), product(|p| &p.q)),
+        );
+        let k = self.heads(
+            self.k_proj
+                .forward_with_product(x.clone(), product(|p| &p.k)),
+        );
+        let v = self.heads(self.v_proj.forward_with_product(x, product(|p| &p.v)));
         let (k, v) = append_to_cache(cache, k, v);
         self.out_proj
-            .forward_with_product(self.attend(q, k, v), product(3))
+            .forward_with_product(self.attend(q, k, v), product(|p| &p.out))
     }
 
     /// The block on every row of `x` outside the graph, with the token-block informativeness
-    /// of its queries and keys when `block_size` is given. Products: those of the
-    /// projections `q`, `k`, `v` and `out` ([`Linear::pass`]).
-    fn pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
+    /// of its queries and keys when `block_size` is given.
+    fn pass(
+        &self,
+        x: Tensor<B, 3>,
+        block_size: Option<usize>,
+    ) -> BlockPass<B, AttentionProducts<B>> {
         let x = x.detach();
         let (q, q_product) = self.q_proj.pass(x.clone());
         let (k, k_product) = self.k_proj.pass(x.clone());
@@ -75,7 +103,12 @@ impl<B: LemoBackend> OptAttention<B> {
         BlockPass {
             output,
             scores,
-            products: vec![q_product, k_product, v_product, out_product],
+            products: AttentionProducts {
+                q: q_product,
+                k: k_product,
+                v: v_product,
+                out: out_product,
+            },
         }
     }
 
@@ -116,7 +149,7 @@ impl<B: LemoBackend> OptLayer<B> {
     fn attention_block(
         &self,
         h: Tensor<B, 3>,
-        sparse: Option<SparseBlock<B>>,
+        sparse: Option<SparseBlock<B, AttentionProducts<B>>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let ln1 = &self.self_attn_layer_norm;
@@ -133,7 +166,11 @@ impl<B: LemoBackend> OptLayer<B> {
     }
 
     /// Pre-norm: `a + fc2(relu(fc1(ln2(a))))`; post-norm: `ln2(a + fc2(relu(fc1(a))))`.
-    fn mlp_block(&self, a: Tensor<B, 3>, sparse: Option<SparseBlock<B>>) -> Tensor<B, 3> {
+    fn mlp_block(
+        &self,
+        a: Tensor<B, 3>,
+        sparse: Option<SparseBlock<B, MlpProducts<B>>>,
+    ) -> Tensor<B, 3> {
         let ln2 = &self.final_layer_norm;
         match (sparse, self.norm_before) {
             (None, true) => a.clone() + self.dense_mlp(ln2.forward(a)),
@@ -154,10 +191,15 @@ impl<B: LemoBackend> OptLayer<B> {
 
     /// `fc2(relu(fc1(x)))` in the graph; with `sparse`, on its kept rows reusing the pass's
     /// products.
-    fn mlp(&self, x: Tensor<B, 3>, sparse: Option<&SparseBlock<B>>) -> Tensor<B, 3> {
-        let product = |i: usize| sparse.map(|s| s.product_rows(i));
-        let hidden = relu(self.fc1.forward_with_product(x, product(0)));
-        self.fc2.forward_with_product(hidden, product(1))
+    fn mlp(
+        &self,
+        x: Tensor<B, 3>,
+        sparse: Option<&SparseBlock<B, MlpProducts<B>>>,
+    ) -> Tensor<B, 3> {
+        let product =
+            |select: fn(&MlpProducts<B>) -> &Tensor<B, 3>| sparse.map(|s| s.product_rows(select));
+        let hidden = relu(self.fc1.forward_with_product(x, product(|p| &p.fc1)));
+        self.fc2.forward_with_product(hidden, product(|p| &p.fc2))
     }
 
     /// The pre-norm MLP, frozen, as its dropped rows' recomputed backward pass reads it.
@@ -171,8 +213,8 @@ impl<B: LemoBackend> OptLayer<B> {
     }
 
     /// The MLP on every row of `x` outside the graph, with the informativeness of its ReLU
-    /// output when `block_size` is given. Products: those of `fc1` and `fc2` ([`Linear::pass`]).
-    fn mlp_pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
+    /// output when `block_size` is given.
+    fn mlp_pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B, MlpProducts<B>> {
         let x = x.detach();
         let (fc1, fc1_product) = self.fc1.pass(x);
         let activations = relu(fc1);
@@ -181,7 +223,10 @@ impl<B: LemoBackend> OptLayer<B> {
         BlockPass {
             output,
             scores,
-            products: vec![fc1_product, fc2_product],
+            products: MlpProducts {
+                fc1: fc1_product,
+                fc2: fc2_product,
+            },
         }
     }
 
@@ -307,6 +352,8 @@ impl<B: LemoBackend> Opt<B> {
 
 impl<B: LemoBackend> Decoder<B> for Opt<B> {
     type Shared = ();
+    type AttentionProducts = AttentionProducts<B>;
+    type MlpProducts = MlpProducts<B>;
 
     fn embed(&self, tokens: Tensor<B, 2, Int>, positions: Range<usize>) -> Tensor<B, 3> {
         let [batch, len] = tokens.dims();
@@ -348,7 +395,7 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
         index: usize,
         h: Tensor<B, 3>,
         _shared: &(),
-        sparse: Option<SparseBlock<B>>,
+        sparse: Option<SparseBlock<B, AttentionProducts<B>>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         self.layers[index].attention_block(h, sparse, cache)
@@ -358,7 +405,7 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
         &self,
         index: usize,
         a: Tensor<B, 3>,
-        sparse: Option<SparseBlock<B>>,
+        sparse: Option<SparseBlock<B, MlpProducts<B>>>,
     ) -> Tensor<B, 3> {
         self.layers[index].mlp_block(a, sparse)
     }
@@ -369,13 +416,18 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
         h: Tensor<B, 3>,
         _shared: &(),
         block_size: Option<usize>,
-    ) -> BlockPass<B> {
+    ) -> BlockPass<B, AttentionProducts<B>> {
         let layer = &self.layers[index];
         layer.self_attn.pass(layer.attention_input(h), block_size)
     }
 
     /// Scores from OPT's ReLU output.
-    fn mlp_pass(&self, index: usize, a: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B> {
+    fn mlp_pass(
+        &self,
+        index: usize,
+        a: Tensor<B, 3>,
+        block_size: Option<usize>,
+    ) -> BlockPass<B, MlpProducts<B>> {
         let layer = &self.layers[index];
         layer.mlp_pass(layer.mlp_input(a), block_size)
     }

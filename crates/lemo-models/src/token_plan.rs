@@ -18,9 +18,9 @@ use lemo_predictor::Predictors;
 use lemo_predictor::scorer::block_token_rows;
 use lemo_sparsity::best_blocks::{best_block_count, best_block_rows};
 use lemo_sparsity::calibration::Block;
-use lemo_sparsity::{KeptRows, Selection, Thresholds};
+use lemo_sparsity::{KeptRows, PerBlock, Selection, Thresholds};
 
-use crate::decoder::BlockPass;
+use crate::block_pass::BlockPass;
 
 /// A device int tensor `[batch, n]` without its backend in the type: a plan is chosen by a pass
 /// of one backend and replayed by another (the checkpointed backward pass replays under
@@ -134,27 +134,7 @@ impl BlockRows {
 }
 
 /// The kept rows of one layer's two blocks; `None` is a dense block.
-#[derive(Debug, Clone, Default)]
-pub struct LayerPlan {
-    pub attention: Option<BlockRows>,
-    pub mlp: Option<BlockRows>,
-}
-
-impl LayerPlan {
-    pub fn block(&self, block: Block) -> Option<&BlockRows> {
-        match block {
-            Block::Attention => self.attention.as_ref(),
-            Block::Mlp => self.mlp.as_ref(),
-        }
-    }
-
-    fn block_mut(&mut self, block: Block) -> &mut Option<BlockRows> {
-        match block {
-            Block::Attention => &mut self.attention,
-            Block::Mlp => &mut self.mlp,
-        }
-    }
-}
+pub type LayerPlan = PerBlock<Option<BlockRows>>;
 
 /// What a pass recorded of one block of a layer.
 #[derive(Debug, Clone, Default)]
@@ -167,20 +147,7 @@ pub struct BlockRecord {
 }
 
 /// What a pass recorded of one layer's blocks.
-#[derive(Debug, Clone, Default)]
-pub struct LayerScores {
-    pub attention: Option<BlockRecord>,
-    pub mlp: Option<BlockRecord>,
-}
-
-impl LayerScores {
-    pub fn block(&self, block: Block) -> Option<&BlockRecord> {
-        match block {
-            Block::Attention => self.attention.as_ref(),
-            Block::Mlp => self.mlp.as_ref(),
-        }
-    }
-}
+pub type LayerScores = PerBlock<Option<BlockRecord>>;
 
 /// What a selecting pass records besides the kept rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -226,7 +193,7 @@ impl TokenPlan {
         let total: f64 = self
             .layers
             .iter()
-            .map(|l| l.block(block).map_or(1.0, BlockRows::fraction))
+            .map(|l| l.get(block).as_ref().map_or(1.0, BlockRows::fraction))
             .sum();
         total / self.layers.len() as f64
     }
@@ -242,11 +209,7 @@ impl TokenPlan {
         if self.scores.len() <= layer {
             self.scores.resize(layer + 1, LayerScores::default());
         }
-        let slot = &mut self.scores[layer];
-        match block {
-            Block::Attention => slot.attention = Some(record),
-            Block::Mlp => slot.mlp = Some(record),
-        }
+        *self.scores[layer].get_mut(block) = Some(record);
     }
 }
 
@@ -318,18 +281,18 @@ impl<'a> TokenSparsity<'a> {
     /// token-block scores when given a block size, and is called only when the block is sparse
     /// or its scores are recorded. A block that keeps its best blocks selects on the device; one
     /// with a threshold relative to its scores, or whose scores are recorded, reads them.
-    pub(crate) fn block<B: ComputeBackend>(
+    pub(crate) fn block<B: ComputeBackend, P>(
         &mut self,
         layer: usize,
         block: Block,
         input: &Tensor<B, 3>,
-        pass: impl FnOnce(Option<usize>) -> BlockPass<B>,
-    ) -> Option<(BlockRows, BlockPass<B>)> {
+        pass: impl FnOnce(Option<usize>) -> BlockPass<B, P>,
+    ) -> Option<(BlockRows, BlockPass<B, P>)> {
         let [_, seq, _] = input.dims();
         match self {
             TokenSparsity::Dense => None,
             TokenSparsity::Replay(plan) => {
-                let kept = plan.layers.get(layer)?.block(block).cloned()?;
+                let kept = plan.layers.get(layer)?.get(block).clone()?;
                 Some((kept, pass(None)))
             }
             TokenSparsity::Select {
@@ -338,7 +301,7 @@ impl<'a> TokenSparsity<'a> {
                 plan,
                 record,
             } => {
-                *plan.layer_mut(layer).block_mut(block) = None;
+                *plan.layer_mut(layer).get_mut(block) = None;
                 if thresholds.layers[layer].block(block).is_none() && *record == Record::Nothing {
                     return None;
                 }
@@ -393,7 +356,7 @@ impl<'a> TokenSparsity<'a> {
                     let scores = values;
                     plan.record(layer, block, BlockRecord { scores, token_rows });
                 }
-                *plan.layer_mut(layer).block_mut(block) = kept.clone();
+                *plan.layer_mut(layer).get_mut(block) = kept.clone();
                 kept.map(|kept| (kept, pass))
             }
         }

@@ -334,7 +334,7 @@ fn predicted_attention_scores_choose_a_fixed_fraction_and_the_pass_stays_exact()
     for (layer, predictor) in layers.iter().enumerate() {
         // Each attention block kept a quarter of its blocks, the best by its predictor's
         // scores of the block input.
-        let record = recorded.scores[layer].block(Block::Attention).unwrap();
+        let record = recorded.scores[layer].attention.as_ref().unwrap();
         let token_rows =
             Tensor::<B, 1>::from_floats(record.token_rows.as_ref().unwrap().as_slice(), &device)
                 .reshape([1, 12, 8, hidden]);
@@ -350,7 +350,7 @@ fn predicted_attention_scores_choose_a_fixed_fraction_and_the_pass_stays_exact()
             host(&plan.layers[layer].mlp),
             host(&recorded.layers[layer].mlp)
         );
-        let mlp = recorded.scores[layer].block(Block::Mlp).unwrap();
+        let mlp = recorded.scores[layer].mlp.as_ref().unwrap();
         assert!(mlp.token_rows.is_none(), "layer {layer}");
     }
     assert!(

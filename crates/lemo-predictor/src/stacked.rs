@@ -226,6 +226,31 @@ impl Alive {
         [&self.0[scorer][0][layer], &self.0[scorer][1][layer]]
     }
 
+    /// One round of elastic size transformation: in each layer still `pruning`, each hidden
+    /// layer of each scorer loses the `fraction` of its surviving neurons most often zero (by
+    /// `frequencies`); a layer that loses none stops pruning.
+    fn pruned(&self, frequencies: &Frequencies, pruning: &mut [bool], fraction: f64) -> Alive {
+        let mut proposed = self.clone();
+        for (layer, prunes) in pruning.iter_mut().enumerate() {
+            if !*prunes {
+                continue;
+            }
+            let mut changed = false;
+            for (scorer, scorer_frequencies) in proposed.0.iter_mut().zip(frequencies) {
+                for (hidden_layer, layer_frequencies) in scorer.iter_mut().zip(scorer_frequencies) {
+                    let neurons = &mut hidden_layer[layer];
+                    let frequency = &layer_frequencies[layer];
+                    let uselessness: Vec<f32> = neurons.iter().map(|&n| frequency[n]).collect();
+                    let keep = survivors(&uselessness, fraction);
+                    changed |= keep.len() < neurons.len();
+                    *neurons = keep.iter().map(|&i| neurons[i]).collect();
+                }
+            }
+            *prunes = changed;
+        }
+        proposed
+    }
+
     /// Layer `layer`'s neurons as `other` has them.
     fn take_layer(&mut self, layer: usize, other: &Alive) {
         for scorer in 0..2 {
@@ -437,24 +462,7 @@ pub fn train_attention_layers<B: AutodiffBackend>(
         let frequencies = model
             .valid()
             .zero_frequencies(&data.inner(), &alive.masks(rank, device));
-        let mut proposed = alive.clone();
-        for (layer, prunes) in pruning.iter_mut().enumerate() {
-            if !*prunes {
-                continue;
-            }
-            let mut changed = false;
-            for (scorer, scorer_frequencies) in proposed.0.iter_mut().zip(&frequencies) {
-                for (hidden_layer, layer_frequencies) in scorer.iter_mut().zip(scorer_frequencies) {
-                    let neurons = &mut hidden_layer[layer];
-                    let frequency = &layer_frequencies[layer];
-                    let uselessness: Vec<f32> = neurons.iter().map(|&n| frequency[n]).collect();
-                    let keep = survivors(&uselessness, options.prune_fraction);
-                    changed |= keep.len() < neurons.len();
-                    *neurons = keep.iter().map(|&i| neurons[i]).collect();
-                }
-            }
-            *prunes = changed;
-        }
+        let proposed = alive.pruned(&frequencies, &mut pruning, options.prune_fraction);
         if !pruning.iter().any(|&p| p) {
             break;
         }
@@ -483,11 +491,40 @@ pub fn train_attention_layers<B: AutodiffBackend>(
         .convert::<f64>()
         .into_vec()
         .expect("f64 losses");
-    let model = model.valid();
+    let validation = Validation {
+        before: unpruned,
+        after: kept,
+    };
+    trained_blocks(
+        &model.valid(),
+        &alive,
+        hidden,
+        shape,
+        &validation,
+        &final_losses,
+    )
+}
+
+/// Validation recalls of each layer before pruning and with its final neurons.
+struct Validation {
+    before: Vec<Recall>,
+    after: Vec<Recall>,
+}
+
+/// Each layer's predictor cut out of the trained stack, with its surviving neurons.
+fn trained_blocks<B: Backend>(
+    model: &StackedQueryKey<B>,
+    alive: &Alive,
+    hidden: usize,
+    shape: ScorerShape,
+    validation: &Validation,
+    final_losses: &[f64],
+) -> Vec<TrainedBlock<B>> {
+    let ScorerShape { rank, components } = shape;
     let distance = model.distance_log_weights();
     let params_before = 2 * Scorer::<B>::params_of(hidden, [rank, rank], components)
         + components * DISTANCE_BUCKETS;
-    (0..layers)
+    (0..final_losses.len())
         .map(|layer| TrainedBlock {
             predictor: QueryKey {
                 query: model.query.layer(layer, alive.of_layer(0, layer)),
@@ -500,8 +537,8 @@ pub fn train_attention_layers<B: AutodiffBackend>(
                 ),
             },
             params_before,
-            validation_before: unpruned[layer],
-            validation: kept[layer],
+            validation_before: validation.before[layer],
+            validation: validation.after[layer],
             final_loss: final_losses[layer],
         })
         .collect()

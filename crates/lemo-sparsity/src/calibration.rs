@@ -18,7 +18,7 @@
 //!    *where* tokens are dropped and the target decides *how many*.
 
 pub use crate::thresholds::Block;
-use crate::thresholds::LayerThresholds;
+use crate::thresholds::{LayerThresholds, PerBlock};
 
 /// Weight of the squared distance from the target kept fraction in the objective.
 pub const KEEP_PENALTY: f64 = 4.0;
@@ -39,9 +39,9 @@ pub fn objective(loss: f64, dense_loss: f64, keep: f64, target: f64) -> f64 {
 #[derive(Debug, Clone)]
 pub struct Calibrator {
     /// Sorted scores per layer and block.
-    profiles: Vec<[Vec<f32>; 2]>,
+    profiles: Vec<PerBlock<Vec<f32>>>,
     /// Drop fraction per layer and block; `None` for a block kept dense.
-    drop: Vec<[Option<f64>; 2]>,
+    drop: Vec<PerBlock<Option<f64>>>,
     pub target: f64,
     /// The largest drop fraction any block may reach.
     pub max_drop: f64,
@@ -51,13 +51,6 @@ fn sorted(mut scores: Vec<f32>) -> Vec<f32> {
     scores.retain(|s| s.is_finite());
     scores.sort_by(f32::total_cmp);
     scores
-}
-
-fn slot(block: Block) -> usize {
-    match block {
-        Block::Attention => 0,
-        Block::Mlp => 1,
-    }
 }
 
 /// The score below which a fraction `drop` of `sorted_scores` lies (the threshold that drops it).
@@ -84,9 +77,12 @@ impl Calibrator {
         target: f64,
         max_drop: f64,
     ) -> Self {
-        let profiles: Vec<[Vec<f32>; 2]> = profiles
+        let profiles: Vec<PerBlock<Vec<f32>>> = profiles
             .into_iter()
-            .map(|p| [sorted(p.attention), sorted(p.mlp)])
+            .map(|p| PerBlock {
+                attention: sorted(p.attention),
+                mlp: sorted(p.mlp),
+            })
             .collect();
         let drop = profiles
             .iter()
@@ -100,7 +96,7 @@ impl Calibrator {
                     let below = scores.iter().filter(|&&s| (s as f64) < mean).count();
                     Some((below as f64 / scores.len() as f64).min(max_drop))
                 };
-                [initial(&blocks[0]), initial(&blocks[1])]
+                PerBlock::from_fn(|block| initial(blocks.get(block)))
             })
             .collect();
         Self {
@@ -117,11 +113,11 @@ impl Calibrator {
 
     /// Whether this block eliminates tokens (is not kept dense).
     pub fn is_sparse(&self, layer: usize, block: Block) -> bool {
-        self.drop[layer][slot(block)].is_some()
+        self.drop[layer].get(block).is_some()
     }
 
     pub fn drop_fraction(&self, layer: usize, block: Block) -> Option<f64> {
-        self.drop[layer][slot(block)]
+        *self.drop[layer].get(block)
     }
 
     /// Thresholds of the current drop fractions.
@@ -132,7 +128,7 @@ impl Calibrator {
     /// Thresholds with one block's drop fraction moved by `delta`.
     pub fn perturbed(&self, layer: usize, block: Block, delta: f64) -> Vec<LayerThresholds> {
         self.thresholds_with(|l, b, d| {
-            if l == layer && b == slot(block) {
+            if l == layer && b == block {
                 d + delta
             } else {
                 d
@@ -142,26 +138,29 @@ impl Calibrator {
 
     /// Thresholds with the drop fraction of every block of one kind moved by `delta`.
     pub fn shifted(&self, block: Block, delta: f64) -> Vec<LayerThresholds> {
-        self.thresholds_with(|_, b, d| if b == slot(block) { d + delta } else { d })
+        self.thresholds_with(|_, b, d| if b == block { d + delta } else { d })
     }
 
-    fn thresholds_with(&self, drop: impl Fn(usize, usize, f64) -> f64) -> Vec<LayerThresholds> {
+    fn thresholds_with(&self, drop: impl Fn(usize, Block, f64) -> f64) -> Vec<LayerThresholds> {
         self.drop
             .iter()
             .enumerate()
             .map(|(layer, blocks)| {
-                let dropped =
-                    |b: usize| blocks[b].map(|d| drop(layer, b, d).clamp(0.0, self.max_drop));
+                let dropped = |b: Block| {
+                    blocks
+                        .get(b)
+                        .map(|d| drop(layer, b, d).clamp(0.0, self.max_drop))
+                };
                 let threshold =
-                    |b: usize| dropped(b).map(|d| quantile(&self.profiles[layer][b], d));
+                    |b: Block| dropped(b).map(|d| quantile(self.profiles[layer].get(b), d));
                 // Training keeps exactly the fraction the threshold keeps of the profiles: the
                 // kept count is then known before the step's scores.
-                let keep = |b: usize| dropped(b).map(|d| (1.0 - d) as f32);
+                let keep = |b: Block| dropped(b).map(|d| (1.0 - d) as f32);
                 LayerThresholds {
-                    attention: threshold(0),
-                    mlp: threshold(1),
-                    attention_keep: keep(0),
-                    mlp_keep: keep(1),
+                    attention: threshold(Block::Attention),
+                    mlp: threshold(Block::Mlp),
+                    attention_keep: keep(Block::Attention),
+                    mlp_keep: keep(Block::Mlp),
                 }
             })
             .collect()
@@ -169,7 +168,7 @@ impl Calibrator {
 
     /// Step 2 for one block: `d -= rate * gradient`, kept within `[0, max_drop]`.
     pub fn descend(&mut self, layer: usize, block: Block, gradient: f64, rate: f64) {
-        if let Some(d) = &mut self.drop[layer][slot(block)] {
+        if let Some(d) = self.drop[layer].get_mut(block) {
             *d = (*d - rate * gradient).clamp(0.0, self.max_drop);
         }
     }
@@ -180,7 +179,7 @@ impl Calibrator {
         let kept: Vec<f64> = self
             .drop
             .iter()
-            .filter_map(|blocks| blocks[slot(block)].map(|d| 1.0 - d))
+            .filter_map(|blocks| blocks.get(block).map(|d| 1.0 - d))
             .collect();
         (!kept.is_empty()).then(|| kept.iter().sum::<f64>() / kept.len() as f64)
     }
@@ -206,7 +205,7 @@ impl Calibrator {
     /// Step 3: moves the drop fraction of every block of one kind by `delta` for good.
     pub fn shift(&mut self, block: Block, delta: f64) {
         for blocks in &mut self.drop {
-            if let Some(d) = &mut blocks[slot(block)] {
+            if let Some(d) = blocks.get_mut(block) {
                 *d = (*d + delta).clamp(0.0, self.max_drop);
             }
         }

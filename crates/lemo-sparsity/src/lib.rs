@@ -53,4 +53,4 @@ pub mod selection;
 pub mod thresholds;
 
 pub use selection::KeptRows;
-pub use thresholds::{LayerThresholds, Selection, Thresholds};
+pub use thresholds::{LayerThresholds, PerBlock, Selection, Thresholds};

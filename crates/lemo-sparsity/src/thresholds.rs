@@ -11,6 +11,37 @@ pub enum Block {
     Mlp,
 }
 
+/// One value for each block of a layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PerBlock<T> {
+    pub attention: T,
+    pub mlp: T,
+}
+
+impl<T> PerBlock<T> {
+    /// `value` of each block.
+    pub fn from_fn(value: impl Fn(Block) -> T) -> Self {
+        Self {
+            attention: value(Block::Attention),
+            mlp: value(Block::Mlp),
+        }
+    }
+
+    pub fn get(&self, block: Block) -> &T {
+        match block {
+            Block::Attention => &self.attention,
+            Block::Mlp => &self.mlp,
+        }
+    }
+
+    pub fn get_mut(&mut self, block: Block) -> &mut T {
+        match block {
+            Block::Attention => &mut self.attention,
+            Block::Mlp => &mut self.mlp,
+        }
+    }
+}
+
 /// What a thresholds file cannot be used for, in one line.
 #[derive(Debug, thiserror::Error)]
 pub enum ThresholdsError {

@@ -19,9 +19,9 @@ use lemo_models::{CausalLm, LoraConfig, ModelConfig};
 use lemo_predictor::Predictors;
 use serde::Serialize;
 
-use crate::data::{Sequence, int_tokens};
+use crate::data::int_tokens;
 use crate::device::{BackendJob, PrecisionKind};
-use crate::lemo::{self, LemoSettings, sparse_keep};
+use crate::lemo::{self, Elimination, LemoSettings, sparse_keep};
 use crate::memory::{self, DeviceWatch, gib};
 use crate::memory_plan::{self, PlanInput, Planned};
 use crate::method::Method;
@@ -160,9 +160,17 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_else(|| "unknown panic".into())
 }
 
-/// Step times, peak and after-forward bytes, the model after the steps, the last step's token
-/// plan and the host reads of the timed steps.
-type Measured<B> = (Vec<f64>, u64, u64, CausalLm<B>, Option<TokenPlan>, usize);
+/// What the timed steps of one length measured.
+struct Measured {
+    times: Vec<f64>,
+    /// Bytes in use at the peak and after the forward pass.
+    peak: u64,
+    after_forward: u64,
+    /// The last step's token plan (`--method lemo`).
+    plan: Option<TokenPlan>,
+    /// Host reads of device values over the timed steps.
+    host_reads: usize,
+}
 
 /// What the memory plan needs of a bench run: batch 1, the bench's 1024-token loss segment.
 fn plan_input(
@@ -219,26 +227,23 @@ fn predictor_seconds<B: LemoBackend>(
     Ok(times[times.len() / 2])
 }
 
-fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchResult>> {
-    type AB<B> = Autodiff<B>;
-    if job.method == Method::Lemo {
-        job.sparsity.validate()?;
-    }
-    let name = job
-        .config
-        .file_stem()
-        .map_or("model".into(), |s| s.to_string_lossy().to_string());
-    let started = Instant::now();
-    AB::<B>::seed(&device, job.seed);
-    // A GGUF file carries its weights: benchmark those rather than random ones.
+type AB<B> = Autodiff<B>;
+
+/// The bench's model with fresh LoRA adapters: a GGUF file's own weights, or random ones for a
+/// Hugging Face config.
+fn bench_model<B: LemoBackend>(
+    job: &BenchJob,
+    device: &B::Device,
+) -> Result<(CausalLm<AB<B>>, ModelConfig, LoraConfig)> {
+    AB::<B>::seed(device, job.seed);
     let (base, config) = if job.config.extension().is_some_and(|e| e == "gguf") {
-        CausalLm::<AB<B>>::from_path(&job.config, &device, job.precision.policy())?
+        CausalLm::<AB<B>>::from_path(&job.config, device, job.precision.policy())?
     } else {
         let config = ModelConfig::from_file(&job.config)?;
         let base = CausalLm::<AB<B>>::build(
             &config,
             &mut FastRandomWeights { seed: job.seed },
-            &device,
+            device,
             job.precision.policy(),
         )?;
         (base, config)
@@ -250,9 +255,166 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
         train_norms: job.method == Method::Longlora,
         ..LoraConfig::default()
     };
-    let mut model = base
+    let model = base
         .with_new_lora(&lora, job.seed)?
         .set_extra_trainable(&lora)?;
+    Ok((model, config, lora))
+}
+
+impl BenchResult {
+    /// A result with nothing measured yet, and the memory plan's prediction.
+    fn unmeasured(
+        job: &BenchJob,
+        name: &str,
+        seq_len: usize,
+        backend: String,
+        trainable_params: usize,
+        planned: Option<&Planned>,
+    ) -> Self {
+        Self {
+            model: name.into(),
+            method: job.method.name().into(),
+            seq_len,
+            checkpointing: job.checkpointing,
+            precision: job.precision.name().into(),
+            backend,
+            oom: false,
+            error: None,
+            steps: job.steps,
+            step_time_s_median: None,
+            step_times_s: Vec::new(),
+            tokens_per_s: None,
+            peak_gib: None,
+            after_forward_gib: None,
+            mem_source: memory::source().into(),
+            trainable_params,
+            keep_attention: None,
+            keep_mlp: None,
+            device_peak_gib: None,
+            predicted_peak_gib: planned.map_or(0.0, |p| gib(p.memory.total as u64)),
+            predicted_error: None,
+            activation_plan: planned.map(|p| p.activations.clone()),
+            plan: planned.map(Planned::line),
+            predictor_s: None,
+            predictor_params: None,
+            host_syncs_per_step: None,
+        }
+    }
+
+    /// Fills in what the timed steps measured, and the device-level peak since the last reset.
+    fn record(&mut self, measured: Measured, device_watch: Option<&DeviceWatch>) {
+        let Measured {
+            times,
+            peak,
+            after_forward,
+            plan,
+            host_reads,
+        } = measured;
+        self.host_syncs_per_step = Some(host_reads as f64 / times.len().max(1) as f64);
+        if let Some(plan) = plan {
+            self.keep_attention = Some(sparse_keep(&plan, Block::Attention));
+            self.keep_mlp = Some(sparse_keep(&plan, Block::Mlp));
+        }
+        let mut sorted = times.clone();
+        sorted.sort_by(f64::total_cmp);
+        let median = sorted[sorted.len() / 2];
+        self.step_time_s_median = Some(median);
+        self.tokens_per_s = Some(self.seq_len as f64 / median);
+        self.step_times_s = times;
+        self.peak_gib = Some(gib(peak));
+        self.after_forward_gib = Some(gib(after_forward));
+        if let Some(watch) = device_watch {
+            let device_peak = gib(watch.take_peak());
+            let error = (self.predicted_peak_gib - device_peak) / device_peak;
+            self.device_peak_gib = Some(device_peak);
+            self.predicted_error = Some(error);
+            eprintln!(
+                "bench: {} tokens: device peak {device_peak:.1} GiB, memory plan {:.1} GiB ({:+.1}%)",
+                self.seq_len,
+                self.predicted_peak_gib,
+                100.0 * error
+            );
+        }
+    }
+
+    /// A length that failed: `message`, and whether the device ran out of memory.
+    fn failed(&mut self, message: String) {
+        self.oom = memory::is_out_of_memory(&message);
+        self.error = Some(message);
+    }
+}
+
+/// `job.warmup` untimed steps, then `job.steps` timed ones, of `model` on the one sequence of
+/// `sequences`.
+fn measure<B: LemoBackend>(
+    job: &BenchJob,
+    model: &CausalLm<AB<B>>,
+    sequences: &[Vec<u32>],
+    activations: &ActivationPlan,
+    elimination: Option<&Elimination>,
+    device: &B::Device,
+) -> Result<Measured> {
+    let mut model = model.clone();
+    let mut optimizer = AdamW::<B>::new(AdamWSettings::default());
+    let (mut times, mut peak, mut after_forward) = (Vec::new(), 0u64, 0u64);
+    let mut plan = None;
+    let mut reads_before_timing = host_reads::count();
+    let scale = 1.0 / (sequences[0].len() - 1) as f64;
+    for step in 0..job.warmup + job.steps {
+        if step == job.warmup {
+            reads_before_timing = host_reads::count();
+        }
+        let t0 = Instant::now();
+        let mut grads = NamedTensors::<B>::new();
+        let batch = int_tokens::<AB<B>>(sequences, device);
+        let mut token_sparsity = lemo::token_sparsity(elimination);
+        let (_, _, mem) = forward_backward(
+            &model,
+            batch,
+            None,
+            LOSS_SEGMENT,
+            scale,
+            activations,
+            &mut token_sparsity,
+            &mut grads,
+        );
+        plan = token_sparsity.into_plan();
+        let after_backward = memory::sample().in_use;
+        let params = optim::trainable_values::<AB<B>, _>(&model);
+        let updated = optimizer.step(params, &grads, 1e-4);
+        drop(grads);
+        model = optim::set_trainable(model, updated)?;
+        AB::<B>::sync(device).map_err(|e| anyhow::anyhow!("device error: {e:?}"))?;
+        let elapsed = t0.elapsed().as_secs_f64();
+        if step >= job.warmup {
+            times.push(elapsed);
+            after_forward = after_forward.max(mem);
+            peak = peak
+                .max(mem)
+                .max(after_backward)
+                .max(memory::sample().in_use)
+                .max(memory::sample().os_peak);
+        }
+    }
+    Ok(Measured {
+        times,
+        peak,
+        after_forward,
+        plan,
+        host_reads: host_reads::count() - reads_before_timing,
+    })
+}
+
+fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchResult>> {
+    if job.method == Method::Lemo {
+        job.sparsity.validate()?;
+    }
+    let name = job
+        .config
+        .file_stem()
+        .map_or("model".into(), |s| s.to_string_lossy().to_string());
+    let started = Instant::now();
+    let (mut model, config, lora) = bench_model::<B>(&job, &device)?;
     let trainable = optim::trainable_count::<AB<B>, _>(&model);
     eprintln!(
         "bench: {name} built in {:.1}s ({trainable} trainable parameters, {})",
@@ -263,164 +425,76 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
     let mut ran_out = false;
     for &seq_len in &job.seq_lens {
         let planned = memory_plan::plan(&plan_input(&job, &config, &lora, seq_len), job.budget);
-        let mut result = BenchResult {
-            model: name.clone(),
-            method: job.method.name().into(),
+        let backend = B::name(&device);
+        let mut result = BenchResult::unmeasured(
+            &job,
+            &name,
             seq_len,
-            checkpointing: job.checkpointing,
-            precision: job.precision.name().into(),
-            backend: B::name(&device),
-            oom: false,
-            error: None,
-            steps: job.steps,
-            step_time_s_median: None,
-            step_times_s: Vec::new(),
-            tokens_per_s: None,
-            peak_gib: None,
-            after_forward_gib: None,
-            mem_source: memory::source().into(),
-            trainable_params: trainable,
-            keep_attention: None,
-            keep_mlp: None,
-            device_peak_gib: None,
-            predicted_peak_gib: planned.as_ref().map_or(0.0, |p| gib(p.memory.total as u64)),
-            predicted_error: None,
-            activation_plan: planned.as_ref().ok().map(|p| p.activations.clone()),
-            plan: planned.as_ref().ok().map(Planned::line),
-            predictor_s: None,
-            predictor_params: None,
-            host_syncs_per_step: None,
-        };
-        let activations = match planned {
-            Ok(planned) => planned.activations,
-            Err(error) => {
+            backend,
+            trainable,
+            planned.as_ref().ok(),
+        );
+        match (planned, ran_out) {
+            (Err(error), _) => {
                 eprintln!("bench: {seq_len} tokens: {error:#}");
                 result.error = Some(format!("{error:#}"));
-                println!("{}", serde_json::to_string(&result)?);
-                results.push(result);
-                continue;
             }
-        };
-        if ran_out {
-            result.oom = true;
-            result.error = Some("skipped: a shorter sequence already ran out of memory".into());
-            println!("{}", serde_json::to_string(&result)?);
-            results.push(result);
-            continue;
-        }
-        model.set_shifted_group((job.method == Method::Longlora).then_some((seq_len / 4).max(2)));
-        let sequence = Sequence {
-            tokens: (0..seq_len)
-                .map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32)
-                .collect(),
-            scored: None,
-        };
-        let elimination = if job.method == Method::Lemo {
-            job.sparsity.check_sequence(&model, seq_len)?;
-            Some(lemo::bench_elimination::<B>(
-                &job.sparsity,
-                &config,
-                &device,
-            )?)
-        } else {
-            None
-        };
-        B::memory_cleanup(&device);
-        if let Some(watch) = &job.device_watch {
-            watch.take_peak();
-        }
-        let outcome = catch_unwind(AssertUnwindSafe(|| -> Result<Measured<AB<B>>> {
-            let mut model = model.clone();
-            let mut optimizer = AdamW::<B>::new(AdamWSettings::default());
-            let (mut times, mut peak, mut after_forward) = (Vec::new(), 0u64, 0u64);
-            let mut plan = None;
-            let mut reads_before_timing = host_reads::count();
-            for step in 0..job.warmup + job.steps {
-                if step == job.warmup {
-                    reads_before_timing = host_reads::count();
-                }
-                let t0 = Instant::now();
-                let mut grads = NamedTensors::<B>::new();
-                let batch = int_tokens::<AB<B>>(std::slice::from_ref(&sequence), &device);
-                let scale = 1.0 / (seq_len - 1) as f64;
-                let mut token_sparsity = lemo::token_sparsity(elimination.as_ref());
-                let (_, _, mem) = forward_backward(
-                    &model,
-                    batch,
-                    None,
-                    LOSS_SEGMENT,
-                    scale,
-                    &activations,
-                    &mut token_sparsity,
-                    &mut grads,
+            (Ok(_), true) => {
+                result.oom = true;
+                result.error = Some("skipped: a shorter sequence already ran out of memory".into());
+            }
+            (Ok(planned), false) => {
+                model.set_shifted_group(
+                    (job.method == Method::Longlora).then_some((seq_len / 4).max(2)),
                 );
-                plan = token_sparsity.into_plan();
-                let after_backward = memory::sample().in_use;
-                let params = optim::trainable_values::<AB<B>, _>(&model);
-                let updated = optimizer.step(params, &grads, 1e-4);
-                drop(grads);
-                model = optim::set_trainable(model, updated)?;
-                AB::<B>::sync(&device).map_err(|e| anyhow::anyhow!("device error: {e:?}"))?;
-                let elapsed = t0.elapsed().as_secs_f64();
-                if step >= job.warmup {
-                    times.push(elapsed);
-                    after_forward = after_forward.max(mem);
-                    peak = peak
-                        .max(mem)
-                        .max(after_backward)
-                        .max(memory::sample().in_use)
-                        .max(memory::sample().os_peak);
-                }
-            }
-            let reads = host_reads::count() - reads_before_timing;
-            Ok((times, peak, after_forward, model, plan, reads))
-        }));
-        match outcome {
-            Ok(Ok((times, peak, after_forward, _, plan, reads))) => {
-                result.host_syncs_per_step = Some(reads as f64 / times.len().max(1) as f64);
-                if let Some(plan) = plan {
-                    result.keep_attention = Some(sparse_keep(&plan, Block::Attention));
-                    result.keep_mlp = Some(sparse_keep(&plan, Block::Mlp));
-                }
-                if let Some(predictors) = elimination.as_ref().and_then(|e| e.predictors.as_ref()) {
-                    let input = [1, seq_len, config.hidden_size()];
-                    let dtype = model.lm_head_weight().dtype();
-                    result.predictor_s =
-                        Some(predictor_seconds::<B>(predictors, input, dtype, &device)?);
-                    result.predictor_params = Some(predictors.num_params());
-                }
-                let mut sorted = times.clone();
-                sorted.sort_by(f64::total_cmp);
-                let median = sorted[sorted.len() / 2];
-                result.step_time_s_median = Some(median);
-                result.tokens_per_s = Some(seq_len as f64 / median);
-                result.step_times_s = times;
-                result.peak_gib = Some(gib(peak));
-                result.after_forward_gib = Some(gib(after_forward));
+                let tokens: Vec<u32> = (0..seq_len)
+                    .map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32)
+                    .collect();
+                let elimination = if job.method == Method::Lemo {
+                    job.sparsity.check_sequence(&model, seq_len)?;
+                    Some(lemo::bench_elimination::<B>(
+                        &job.sparsity,
+                        &config,
+                        &device,
+                    )?)
+                } else {
+                    None
+                };
+                B::memory_cleanup(&device);
                 if let Some(watch) = &job.device_watch {
-                    let device_peak = gib(watch.take_peak());
-                    result.device_peak_gib = Some(device_peak);
-                    result.predicted_error =
-                        Some((result.predicted_peak_gib - device_peak) / device_peak);
-                    eprintln!(
-                        "bench: {seq_len} tokens: device peak {device_peak:.1} GiB, memory plan \
-                         {:.1} GiB ({:+.1}%)",
-                        result.predicted_peak_gib,
-                        100.0 * (result.predicted_peak_gib - device_peak) / device_peak
-                    );
+                    watch.take_peak();
                 }
-            }
-            Ok(Err(error)) => {
-                let message = format!("{error:#}");
-                result.oom = memory::is_out_of_memory(&message);
+                let activations = &planned.activations;
+                let outcome = catch_unwind(AssertUnwindSafe(|| {
+                    let sequences = std::slice::from_ref(&tokens);
+                    measure::<B>(
+                        &job,
+                        &model,
+                        sequences,
+                        activations,
+                        elimination.as_ref(),
+                        &device,
+                    )
+                }));
+                match outcome {
+                    Ok(Ok(measured)) => {
+                        result.record(measured, job.device_watch.as_ref());
+                        let predictors = elimination.as_ref().and_then(|e| e.predictors.as_ref());
+                        if let Some(predictors) = predictors {
+                            let input = [1, seq_len, config.hidden_size()];
+                            let dtype = model.lm_head_weight().dtype();
+                            result.predictor_s =
+                                Some(predictor_seconds::<B>(predictors, input, dtype, &device)?);
+                            result.predictor_params = Some(predictors.num_params());
+                        }
+                    }
+                    Ok(Err(error)) => result.failed(format!("{error:#}")),
+                    Err(payload) => {
+                        let message = panic_message(payload.as_ref());
+                        result.failed(message.lines().next().unwrap_or("").to_string())
+                    }
+                }
                 ran_out |= result.oom;
-                result.error = Some(message);
-            }
-            Err(payload) => {
-                let message = panic_message(payload.as_ref());
-                result.oom = memory::is_out_of_memory(&message);
-                ran_out |= result.oom;
-                result.error = Some(message.lines().next().unwrap_or("").to_string());
             }
         }
         println!("{}", serde_json::to_string(&result)?);

@@ -92,7 +92,7 @@ impl EvalJob {
         let window = self
             .documents
             .iter()
-            .map(Vec::len)
+            .map(|document| document.tokens.len())
             .max()
             .unwrap_or(0)
             .min(seq_len);

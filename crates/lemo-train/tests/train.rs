@@ -371,3 +371,51 @@ fn training_on_wgpu_follows_the_cpu() {
         }
     }
 }
+
+/// A second `--method lemo` run of the same model on the same data with the same settings reads
+/// the thresholds the first one calibrated from the cache (another learning rate changes nothing
+/// calibration reads), and `--cache-dir none` calibrates again.
+#[test]
+fn calibrated_thresholds_are_reused_from_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = lemo_test_support::hf_fixture("llama_gqa_tied");
+    let run = |name: &str, lr: &str, cache: &Path| {
+        let out = dir.path().join(name);
+        let output = lemo()
+            .args(["train", "--model"])
+            .arg(&fixture)
+            .arg("--data")
+            .arg(fixture.join("tokens.jsonl"))
+            .args(["--method", "lemo", "--block-size", "8", "--seq-len", "32"])
+            .args([
+                "--steps",
+                "1",
+                "--lr",
+                lr,
+                "--val-every",
+                "0",
+                "--precision",
+                "f32",
+            ])
+            .arg("--cache-dir")
+            .arg(cache)
+            .arg("--out")
+            .arg(&out)
+            .output()
+            .expect("lemo-train runs");
+        let log = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(output.status.success(), "train failed: {log}");
+        let thresholds = std::fs::read_to_string(out.join("adapter/thresholds.json")).unwrap();
+        (log.contains("calibrated earlier"), thresholds)
+    };
+    let cache = dir.path().join("cache");
+    let (first_cached, first) = run("first", "1e-3", &cache);
+    assert!(!first_cached);
+    let (second_cached, second) = run("second", "2e-3", &cache);
+    assert!(second_cached, "the second run calibrated again");
+    assert_eq!(first, second);
+    let entries = std::fs::read_dir(cache.join("thresholds")).unwrap().count();
+    assert_eq!(entries, 1);
+    let (uncached, _) = run("third", "2e-3", Path::new("none"));
+    assert!(!uncached);
+}

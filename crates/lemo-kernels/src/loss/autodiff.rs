@@ -11,14 +11,13 @@ use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::TensorMetadata;
 use burn::tensor::ops::{FloatTensor, IntTensor};
 
-use crate::ComputeBackend;
-use crate::compute::{SegmentGrads, SegmentOutput};
+use super::backend::{LossBackend, SegmentGrads, SegmentOutput};
 
 #[derive(Debug)]
 struct SegmentLossBackward;
 
 /// `grad [rows, ..] * upstream` with the scalar upstream gradient cast to `grad`'s dtype.
-fn scale<B: ComputeBackend>(grad: FloatTensor<B>, upstream: &FloatTensor<B>) -> FloatTensor<B> {
+fn scale<B: LossBackend>(grad: FloatTensor<B>, upstream: &FloatTensor<B>) -> FloatTensor<B> {
     let rank = grad.shape().num_dims();
     let upstream = B::float_reshape(
         B::float_cast(upstream.clone(), grad.dtype().into()),
@@ -27,7 +26,7 @@ fn scale<B: ComputeBackend>(grad: FloatTensor<B>, upstream: &FloatTensor<B>) -> 
     B::float_mul(grad, upstream)
 }
 
-impl<B: ComputeBackend> Backward<B, 2> for SegmentLossBackward {
+impl<B: LossBackend> Backward<B, 2> for SegmentLossBackward {
     /// `d hidden` and `d weight` of the summed loss, for the tracked inputs.
     type State = SegmentGrads<B>;
 
@@ -50,7 +49,7 @@ impl<B: ComputeBackend> Backward<B, 2> for SegmentLossBackward {
 }
 
 /// Tracked inputs get their gradients through the graph; the returned ones are always `None`.
-pub(crate) fn segment_cross_entropy<B: ComputeBackend, C: CheckpointStrategy>(
+pub(crate) fn segment_cross_entropy<B: LossBackend, C: CheckpointStrategy>(
     hidden: FloatTensor<Autodiff<B, C>>,
     weight: FloatTensor<Autodiff<B, C>>,
     targets: IntTensor<Autodiff<B, C>>,

@@ -6,13 +6,15 @@
 //! loss (a scalar) only rescales the saved gradients, so the result equals the plain version's.
 
 pub(crate) mod autodiff;
+mod backend;
+mod backends;
 pub(crate) mod kernel;
 pub mod reference;
 pub(crate) mod segment;
 
-use burn::tensor::{Int, Tensor, TensorPrimitive};
+pub use backend::{LossBackend, SegmentGrads, SegmentOutput};
 
-use crate::ComputeBackend;
+use burn::tensor::{Int, Tensor, TensorPrimitive};
 
 /// Targets below zero (Hugging Face's `-100`) are ignored: no loss, no gradient.
 pub const IGNORE_INDEX: i64 = -100;
@@ -23,7 +25,7 @@ pub const IGNORE_INDEX: i64 = -100;
 /// like `F.linear` then `.float()`), the softmax in f32. Differentiable in `hidden` and
 /// `weight`; a tied embedding passed as `weight` receives its gradient. Divide by the number of
 /// targets `>= 0` for the mean.
-pub fn segment_cross_entropy<B: ComputeBackend>(
+pub fn segment_cross_entropy<B: LossBackend>(
     hidden: Tensor<B, 2>,
     weight: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
@@ -43,7 +45,7 @@ pub fn segment_cross_entropy<B: ComputeBackend>(
 /// Per-row cross-entropy `lse(logits) - logits[target]` (f32, `[rows]`, 0 for ignored rows) of
 /// `logits [rows, V]`, and with `grad` the gradient of their sum, `softmax - one_hot`, in the
 /// logits' dtype: the fused kernel one chunk of [`segment_cross_entropy`] runs.
-pub fn cross_entropy_rows<B: ComputeBackend>(
+pub fn cross_entropy_rows<B: LossBackend>(
     logits: Tensor<B, 2>,
     targets: Tensor<B, 1, Int>,
     grad: bool,

@@ -41,7 +41,7 @@ fn rows<B: Backend>(
     (losses, valid, lse)
 }
 
-/// Default body of [`crate::ComputeBackend::lemo_cross_entropy_rows`] with Burn ops.
+/// Default body of [`super::LossBackend::lemo_cross_entropy_rows`] with Burn ops.
 pub fn cross_entropy_rows<B: Backend>(
     logits: FloatTensor<B>,
     targets: IntTensor<B>,

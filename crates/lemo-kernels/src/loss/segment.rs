@@ -4,10 +4,12 @@
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
 
+use super::backend::{LossBackend, SegmentOutput};
 use crate::ComputeBackend;
-use crate::compute::SegmentOutput;
 
-fn float<B: ComputeBackend, const D: usize>(tensor: FloatTensor<B>) -> Tensor<B, D> {
+fn float<B: burn::tensor::backend::Backend, const D: usize>(
+    tensor: FloatTensor<B>,
+) -> Tensor<B, D> {
     Tensor::from_primitive(TensorPrimitive::Float(tensor))
 }
 
@@ -15,7 +17,7 @@ fn float<B: ComputeBackend, const D: usize>(tensor: FloatTensor<B>) -> Tensor<B,
 /// `d logits` (one fused pass), then `d h_c = d logits W` and `d W += d logits^T h_c` (f32
 /// accumulation across chunks). Three GEMMs of `2 c V H` flops per chunk, as the unchunked
 /// forward plus backward; peak memory two `c x V` buffers plus the outputs.
-pub(crate) fn forward_with_grads<B: ComputeBackend>(
+pub(crate) fn forward_with_grads<B: ComputeBackend + LossBackend>(
     hidden: FloatTensor<B>,
     weight: FloatTensor<B>,
     targets: IntTensor<B>,

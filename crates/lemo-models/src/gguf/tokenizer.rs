@@ -10,9 +10,9 @@ use std::path::Path;
 use serde_json::{Value as Json, json};
 
 use super::{GgufFile, Value};
-use crate::tokenizer::{
-    HuggingFaceTokenizer, LLAMA2C_BOS_ID, LLAMA2C_BYTE_TOKEN_OFFSET, LLAMA2C_EOS_ID,
-    Llama2cTokenizer,
+use crate::tokenizer::huggingface::HuggingFaceTokenizer;
+use crate::tokenizer::llama2c::{
+    LLAMA2C_BOS_ID, LLAMA2C_BYTE_TOKEN_OFFSET, LLAMA2C_EOS_ID, Llama2cTokenizer,
 };
 use crate::{Error, Result};
 

@@ -167,7 +167,7 @@ fn write_profile<B: LemoBackend>(
             let kept = |block| {
                 plan.layers
                     .get(index)
-                    .and_then(|l| l.block(block))
+                    .and_then(|l| l.get(block).as_ref())
                     .map_or(1.0, |k| k.fraction())
             };
             json!({
@@ -214,7 +214,9 @@ fn write_profile<B: LemoBackend>(
 fn kept_rows<B: LemoBackend>(plan: &TokenPlan) -> Vec<[Option<KeptRows>; 2]> {
     plan.layers
         .iter()
-        .map(|l| [Block::Attention, Block::Mlp].map(|b| l.block(b).map(|k| k.to_host::<B>())))
+        .map(|l| {
+            [Block::Attention, Block::Mlp].map(|b| l.get(b).as_ref().map(|k| k.to_host::<B>()))
+        })
         .collect()
 }
 

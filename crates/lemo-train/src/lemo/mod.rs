@@ -31,6 +31,7 @@ mod elimination;
 mod inputs;
 mod inspect;
 mod predictors;
+pub mod threshold_cache;
 
 pub use elimination::{
     Elimination, MlpDroppedRows, ScoreSource, bench_elimination, elimination, token_sparsity,
@@ -254,7 +255,7 @@ pub fn sparse_keep(plan: &TokenPlan, block: Block) -> f64 {
     let kept: Vec<f64> = plan
         .layers
         .iter()
-        .filter_map(|l| l.block(block).map(|k| k.fraction()))
+        .filter_map(|l| l.get(block).as_ref().map(|k| k.fraction()))
         .collect();
     if kept.is_empty() {
         1.0

@@ -106,7 +106,8 @@ fn collect<B: LemoBackend>(
                 continue;
             }
             let record = recorded
-                .block(Block::Attention)
+                .attention
+                .as_ref()
                 .expect("every block is recorded");
             let token_rows = record
                 .token_rows

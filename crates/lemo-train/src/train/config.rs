@@ -169,7 +169,8 @@ pub struct TrainConfig {
     /// Append EOS to each document when packing [default: yes, except llama2.c models].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub append_eos: Option<bool>,
-    /// Tokenized-data cache folder, or "none" [default: ~/.cache/lemo/tokens].
+    /// Cache folder of tokenized data, and of calibrated thresholds (in its `thresholds`
+    /// folder), or "none" [default: ~/.cache/lemo/tokens].
     #[arg(long)]
     pub cache_dir: Option<PathBuf>,
     #[command(flatten)]
@@ -203,6 +204,15 @@ impl Default for TrainConfig {
 }
 
 impl TrainConfig {
+    /// The cache folder `--cache-dir` names: `None` for "none" or without a home folder.
+    pub fn cache_dir(&self) -> Option<PathBuf> {
+        match &self.cache_dir {
+            Some(dir) if dir.as_os_str() == "none" => None,
+            Some(dir) => Some(dir.clone()),
+            None => crate::data::corpus::default_cache_dir(),
+        }
+    }
+
     /// The preset's settings over the defaults.
     pub fn preset(preset: Preset) -> Self {
         match preset {

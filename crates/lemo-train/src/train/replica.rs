@@ -19,7 +19,7 @@ use super::setup::{Setup, s2_group};
 use super::shard::Shard;
 use super::step::forward_backward;
 use crate::data::{Sequence, int_labels, int_tokens};
-use crate::lemo::{self, Elimination, THRESHOLDS_FILE, sparse_keep};
+use crate::lemo::{self, Elimination, THRESHOLDS_FILE, sparse_keep, threshold_cache};
 use crate::memory::PeakTracker;
 use crate::method::Method;
 use crate::modelio::TRAINING_INFO_FILE;
@@ -224,6 +224,27 @@ fn elimination<B: LemoBackend>(
         let sequences: Vec<Vec<u32>> = (0..count)
             .map(|i| setup.corpus.train_sequence(i).tokens)
             .collect();
+        let context = format!("{:?} {}", setup.rope, setup.precision.name());
+        let cached = config.cache_dir().and_then(|dir| {
+            threshold_cache::entry(&dir, &setup.model_path, &settings, &context, &sequences)
+        });
+        if let Some(entry) = cached.as_ref().filter(|entry| entry.exists()) {
+            match lemo::read_thresholds(entry, &setup.model_config) {
+                Ok(thresholds) => {
+                    if rank == 0 {
+                        eprintln!(
+                            "lemo: thresholds calibrated earlier on the same model, sequences and settings: {}",
+                            entry.display()
+                        );
+                    }
+                    return Ok(thresholds);
+                }
+                Err(error) if rank == 0 => {
+                    eprintln!("lemo: calibrating again ({error:#})")
+                }
+                Err(_) => {}
+            }
+        }
         if rank == 0 {
             eprintln!(
                 "lemo: calibrating per-layer thresholds on {count} training sequences toward kept fractions of {} (attention) / {} (MLP)",
@@ -231,14 +252,18 @@ fn elimination<B: LemoBackend>(
                 settings.block_keep(Block::Mlp)
             );
         }
-        lemo::calibrate(
+        let thresholds = lemo::calibrate(
             &model.valid(),
             &setup.model_config,
             &setup.model_path.display().to_string(),
             &sequences,
             &settings,
             rank == 0,
-        )
+        )?;
+        if let (Some(entry), 0) = (&cached, rank) {
+            threshold_cache::store(entry, &thresholds);
+        }
+        Ok(thresholds)
     })?;
     if rank == 0 {
         lemo::write_thresholds(&saved, &elimination.thresholds)?;

@@ -17,7 +17,7 @@ use super::config::TrainConfig;
 use super::run_dir;
 use super::{TrainJob, plan_input};
 use crate::data::chat::{LazyChatTemplate, LossOn};
-use crate::data::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
+use crate::data::corpus::{Corpus, PackOptions, read_documents_cached};
 use crate::data::{Document, LazyTokenizer, Sequence, TokenWidth, find_tokenizer, special_ids};
 use crate::device::PrecisionKind;
 use crate::memory_plan;
@@ -215,11 +215,7 @@ fn read_corpus(
         .clone()
         .or_else(|| find_tokenizer(model_path));
     let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
-    let cache_dir = match &config.cache_dir {
-        Some(p) if p.as_os_str() == "none" => None,
-        Some(p) => Some(p.clone()),
-        None => default_cache_dir(),
-    };
+    let cache_dir = config.cache_dir();
     let started_reading = Instant::now();
     let documents = read_documents_cached(
         data_path,
