@@ -41,7 +41,12 @@ pub mod recomputed_rows;
 pub mod token_movement;
 
 pub use attention::AttentionOptions;
+pub use attention::backend::AttentionBackend;
 #[cfg(feature = "cuda")]
 pub use backend::CudaBackend;
 pub use backend::{CpuBackend, LemoBackend, WgpuBackend};
-pub use compute::ComputeBackend;
+pub use compute::{
+    ComputeBackend, FusedBackend, GemmBackend, MemoryBackend, OptimizerBackend,
+    TokenMovementBackend,
+};
+pub use loss::LossBackend;

@@ -267,6 +267,15 @@ pub fn hidden_states<B: LemoBackend, D: Decoder<B>>(
     decoder.output_norm(h)
 }
 
+/// The token ids of a batch, `[batch, len]`, and the labels the loss scores them by where it
+/// skips positions (`[batch, len]`, see [`next_token_loss`]); without labels every next token
+/// is scored.
+#[derive(Debug, Clone)]
+pub struct Batch<B: Backend> {
+    pub tokens: Tensor<B, 2, Int>,
+    pub labels: Option<Tensor<B, 2, Int>>,
+}
+
 /// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])` (f32, `[1]`) from
 /// the final hidden states, and the number of terms, by the segment-based loss: the vocabulary
 /// projection and the cross-entropy run `chunk_rows` positions at a time, so the full
@@ -390,8 +399,7 @@ where
 /// the unscaled loss sum and the number of predictions.
 pub fn planned_loss_backward<B, D>(
     decoder: &D,
-    tokens: Tensor<B, 2, Int>,
-    labels: Option<Tensor<B, 2, Int>>,
+    batch: Batch<B>,
     chunk_rows: usize,
     scale: f64,
     sparsity: &mut TokenSparsity,
@@ -409,6 +417,7 @@ where
         decoder.num_layers(),
         "one mode per layer"
     );
+    let Batch { tokens, labels } = batch;
     let [batch, len] = tokens.dims();
     let positions = 0..len;
 

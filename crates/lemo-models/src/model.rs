@@ -13,7 +13,7 @@ use lemo_kernels::precision::Precision;
 use crate::activation_plan::ActivationPlan;
 use crate::cache::KvCache;
 use crate::config::{ModelConfig, RopeConfig};
-use crate::decoder::{self, Decoder};
+use crate::decoder::{self, Batch, Decoder};
 use crate::gguf::{GgufFile, GgufWeights};
 use crate::llama::Llama;
 use crate::llama2c::Llama2cCheckpoint;
@@ -295,8 +295,7 @@ where
     /// `on_gradients`. Returns the unscaled loss sum and the number of predictions.
     pub fn next_token_loss_backward_planned(
         &self,
-        tokens: Tensor<B, 2, Int>,
-        labels: Option<Tensor<B, 2, Int>>,
+        batch: Batch<B>,
         chunk_rows: usize,
         scale: f64,
         sparsity: &mut TokenSparsity,
@@ -306,8 +305,7 @@ where
         match self {
             CausalLm::Llama(m) => decoder::planned_loss_backward(
                 m,
-                tokens,
-                labels,
+                batch,
                 chunk_rows,
                 scale,
                 sparsity,
@@ -316,8 +314,7 @@ where
             ),
             CausalLm::Opt(m) => decoder::planned_loss_backward(
                 m,
-                tokens,
-                labels,
+                batch,
                 chunk_rows,
                 scale,
                 sparsity,

@@ -17,6 +17,7 @@ use lemo_kernels::precision::Precision;
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
+use lemo_models::decoder::Batch;
 use lemo_models::token_plan::{BlockRows, LayerPlan, TokenPlan, TokenSparsity};
 use lemo_sparsity::KeptRows;
 use lemo_test_support::files::HostTensor;
@@ -214,8 +215,10 @@ where
     let recompute_every_layer =
         ActivationPlan::uniform(LayerActivations::Recomputed, model.num_layers());
     let (loss, _) = model.next_token_loss_backward_planned(
-        tokens,
-        None,
+        Batch {
+            tokens,
+            labels: None,
+        },
         CHUNK_ROWS,
         1.0,
         &mut sparsity(),

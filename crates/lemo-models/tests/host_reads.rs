@@ -12,6 +12,7 @@ use common::{half_kept, trainable_model};
 use lemo_kernels::{CpuBackend, host_reads};
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
+use lemo_models::decoder::Batch;
 use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::token_plan::TokenSparsity;
 use lemo_sparsity::Thresholds;
@@ -32,8 +33,10 @@ fn reads_of_a_step(
     if recomputed {
         let plan = ActivationPlan::uniform(LayerActivations::Recomputed, model.num_layers());
         model.next_token_loss_backward_planned(
-            tokens,
-            None,
+            Batch {
+                tokens,
+                labels: None,
+            },
             5,
             1.0,
             &mut sparsity,

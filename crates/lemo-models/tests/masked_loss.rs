@@ -13,6 +13,7 @@ use lemo_kernels::CpuBackend;
 use lemo_kernels::loss::IGNORE_INDEX;
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
+use lemo_models::decoder::Batch;
 use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::token_plan::TokenSparsity;
 
@@ -135,8 +136,10 @@ fn recomputing_and_token_eliminating_passes_honour_the_mask() {
 
     let mut recomputed = GradientSums::default();
     let (loss, scored) = model.next_token_loss_backward_planned(
-        tokens.clone(),
-        Some(label_tensor(&labels)),
+        Batch {
+            tokens: tokens.clone(),
+            labels: Some(label_tensor(&labels)),
+        },
         7,
         1.0,
         &mut TokenSparsity::Dense,

@@ -8,7 +8,7 @@ use common::{GradientSums, assert_same_gradients, trainable_model};
 use lemo_kernels::CpuBackend;
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
-use lemo_models::decoder::Decoder;
+use lemo_models::decoder::{Batch, Decoder};
 use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::token_plan::TokenSparsity;
 use lemo_sparsity::Thresholds;
@@ -51,8 +51,10 @@ fn assert_recomputation_matches(model: &CausalLm<B>, len: usize, thresholds: Opt
     for plan in plans(model.num_layers()) {
         let mut planned = GradientSums::default();
         let (loss, planned_predictions) = model.next_token_loss_backward_planned(
-            tokens.clone(),
-            None,
+            Batch {
+                tokens: tokens.clone(),
+                labels: None,
+            },
             chunk_rows,
             scale,
             &mut sparsity(),

@@ -14,6 +14,7 @@ use burn::tensor::{DType, Distribution, Tensor};
 use lemo_kernels::{LemoBackend, host_reads};
 use lemo_models::activation_plan::ActivationPlan;
 use lemo_models::activation_plan::planner::Budget;
+use lemo_models::decoder::Batch;
 use lemo_models::weights::WeightSource;
 use lemo_models::{CausalLm, LoraConfig, ModelConfig};
 use lemo_predictor::Predictors;
@@ -366,12 +367,14 @@ fn measure<B: LemoBackend>(
         }
         let t0 = Instant::now();
         let mut grads = NamedTensors::<B>::new();
-        let batch = int_tokens::<AB<B>>(sequences, device);
+        let batch = Batch {
+            tokens: int_tokens::<AB<B>>(sequences, device),
+            labels: None,
+        };
         let mut token_sparsity = lemo::token_sparsity(elimination);
         let (_, _, mem) = forward_backward(
             &model,
             batch,
-            None,
             LOSS_SEGMENT,
             scale,
             activations,

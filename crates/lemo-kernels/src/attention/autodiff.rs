@@ -1,5 +1,5 @@
 //! Autodiff for attention: the forward saves `q, k, v`, the output and the `lse` (O(S) memory)
-//! and the backward calls the inner backend's [`LemoBackend::lemo_attention_backward`], so no
+//! and the backward calls the inner backend's [`AttentionBackend::lemo_attention_backward`], so no
 //! `S x S` score matrix is kept between the passes.
 
 use burn::backend::Autodiff;
@@ -11,6 +11,7 @@ use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
 
 use super::AttentionOptions;
+use super::backend::AttentionBackend;
 use crate::LemoBackend;
 
 #[derive(Debug)]
@@ -46,7 +47,7 @@ impl<B: LemoBackend> Backward<B, 3> for AttentionBackward {
     }
 }
 
-impl<B: LemoBackend, C: CheckpointStrategy> LemoBackend for Autodiff<B, C> {
+impl<B: LemoBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {
     fn lemo_attention(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

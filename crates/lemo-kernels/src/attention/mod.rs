@@ -2,6 +2,7 @@
 //! entry points the models call.
 
 mod autodiff;
+pub mod backend;
 #[cfg(feature = "cuda")]
 pub(crate) mod cudnn;
 pub(crate) mod flash;

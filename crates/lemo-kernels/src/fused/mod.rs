@@ -5,6 +5,7 @@
 //! LayerNorm is one op with its own backward too, on plain tensor ops everywhere (no kernel yet).
 
 pub mod adamw;
+pub mod backend;
 pub mod layer_norm;
 pub mod rms_norm;
 pub mod rope;

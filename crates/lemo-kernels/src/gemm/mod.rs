@@ -7,6 +7,7 @@
 //! the reference the parity tests compare with.
 
 pub(crate) mod autodiff;
+pub mod backend;
 #[cfg(feature = "cuda")]
 pub(crate) mod cublaslt;
 

@@ -12,7 +12,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Shape, Tensor, TensorMetadata, TensorPrimitive};
 
-use crate::ComputeBackend;
+use crate::{ComputeBackend, GemmBackend};
 
 /// Storage types of the four kinds of tensor a LoRA step holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -129,7 +129,7 @@ fn rows<B: Backend>(x: FloatTensor<B>) -> FloatTensor<B> {
 /// the backward pass reuses: two products of rank `r`, O(rows * r * (in + out)), the second
 /// adding `frozen` as it writes; with `whole`, `frozen` is the output and only `down` is
 /// computed.
-pub(crate) fn lora_linear_forward<B: ComputeBackend>(
+pub(crate) fn lora_linear_forward<B: GemmBackend>(
     x: FloatTensor<B>,
     frozen: FloatTensor<B>,
     whole: bool,
@@ -162,7 +162,7 @@ pub(crate) fn lora_linear_forward<B: ComputeBackend>(
 /// `weight` if any and `d out`, each when asked for: four products of rank `r`, each reading `x`
 /// or `d out` once as stored, and with `weight` the product `d out W` that the adapter's part of
 /// `d x` is added onto.
-pub(crate) fn lora_linear_backward<B: ComputeBackend>(
+pub(crate) fn lora_linear_backward<B: GemmBackend>(
     [x, a, b, down]: [FloatTensor<B>; 4],
     weight: Option<FloatTensor<B>>,
     grad: FloatTensor<B>,

@@ -13,6 +13,7 @@
 //! of `x`, never `x` itself, which is what lets the residual stream be updated in place.
 
 pub(crate) mod autodiff;
+pub mod backend;
 pub(crate) mod kernel;
 pub mod reference;
 

@@ -11,6 +11,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use lemo_kernels::LemoBackend;
 use lemo_models::CausalLm;
+use lemo_models::decoder::Batch;
 use lemo_sparsity::calibration::Block;
 
 use super::checkpoint::{CheckpointFiles, TrainerState};
@@ -125,17 +126,18 @@ impl<B: LemoBackend> Replica<B> {
             .sum();
         let scale = 1.0 / predictions.max(1) as f64;
         for micro in 0..config.grad_accum {
-            let batch: Vec<Sequence> = shard
+            let sequences: Vec<Sequence> = shard
                 .sequences(step, micro)
                 .map(|i| setup.corpus.train_sequence(i))
                 .collect();
-            let tokens = int_tokens::<AB<B>>(&batch, &self.device);
-            let labels = int_labels::<AB<B>>(&batch, &self.device);
+            let batch = Batch {
+                tokens: int_tokens::<AB<B>>(&sequences, &self.device),
+                labels: int_labels::<AB<B>>(&sequences, &self.device),
+            };
             let mut token_sparsity = lemo::token_sparsity(self.elimination.as_ref());
             let (loss, n, mem) = forward_backward(
                 &self.model,
-                tokens,
-                labels,
+                batch,
                 config.loss_segment,
                 scale,
                 &setup.activations,

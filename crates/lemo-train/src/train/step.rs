@@ -1,10 +1,11 @@
 //! One training step's arithmetic: the loss and gradients of a micro-batch, and validation loss.
 
+use burn::tensor::ElementConversion;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Int, Tensor};
 use lemo_kernels::{LemoBackend, host_reads};
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::ActivationPlan;
+use lemo_models::decoder::Batch;
 use lemo_models::token_plan::TokenSparsity;
 
 use super::optim::{self, NamedTensors};
@@ -19,15 +20,14 @@ use crate::memory;
 /// plain backward pass over one graph). Each block processes the rows `sparsity` gives it (the kept rows of `--method
 /// lemo`), and the plan it chose is left in `sparsity`.
 ///
-/// `labels` (Hugging Face style, see [`crate::data::int_labels`]) choose the predictions scored;
-/// none: every one. `scale` multiplies the loss (1 / scored predictions of the global batch). Gradients of the
+/// The batch's labels (Hugging Face style, see [`crate::data::int_labels`]) choose the predictions
+/// scored; none: every one. `scale` multiplies the loss (1 / scored predictions of the global batch). Gradients of the
 /// trainable parameters are added into `grads`; returns the unscaled loss sum, the number of
 /// predictions and the memory in use at the end of the forward pass (with layers not kept: once
 /// the loss's backward pass has run, while every layer's stored part is held).
 pub fn forward_backward<B: AutodiffBackend + LemoBackend>(
     model: &CausalLm<B>,
-    tokens: Tensor<B, 2, Int>,
-    labels: Option<Tensor<B, 2, Int>>,
+    batch: Batch<B>,
     segment: usize,
     scale: f64,
     activations: &ActivationPlan,
@@ -40,8 +40,7 @@ where
     let (loss_sum, predictions, after_forward) = if !activations.is_all_kept() {
         let mut after_forward = None;
         let (loss_sum, predictions) = model.next_token_loss_backward_planned(
-            tokens,
-            labels,
+            batch,
             segment,
             scale,
             sparsity,
@@ -53,6 +52,7 @@ where
         );
         (loss_sum, predictions, after_forward.unwrap_or_default())
     } else {
+        let Batch { tokens, labels } = batch;
         let (loss, predictions) = model.next_token_loss_sum(tokens, labels, segment, sparsity);
         let after_forward = memory::sample().in_use;
         let loss_sum = loss.clone().inner();

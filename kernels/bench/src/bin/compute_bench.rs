@@ -219,7 +219,7 @@ fn fused_parity() -> Vec<Value> {
     let x = random([2, 1000, 4096], DType::BF16);
     let w = (random([4096], DType::F32) * 0.1 + 1.0).cast(DType::BF16);
     let g = random([2, 1000, 4096], DType::BF16);
-    let (out, rstd) = <B as lemo_kernels::ComputeBackend>::lemo_rms_norm_forward(
+    let (out, rstd) = <B as lemo_kernels::FusedBackend>::lemo_rms_norm_forward(
         prim(x.clone()),
         w.clone().into_primitive().tensor(),
         1e-5,
@@ -238,7 +238,7 @@ fn fused_parity() -> Vec<Value> {
         Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(expected_rstd)),
     );
     push("rms_norm_rstd", rstd_error);
-    let (dx, _) = <B as lemo_kernels::ComputeBackend>::lemo_rms_norm_backward(
+    let (dx, _) = <B as lemo_kernels::FusedBackend>::lemo_rms_norm_backward(
         prim(x.clone()),
         w.clone().into_primitive().tensor(),
         rstd.clone(),
@@ -290,7 +290,7 @@ fn fused_parity() -> Vec<Value> {
             )),
         ),
     );
-    let (dg, du) = <B as lemo_kernels::ComputeBackend>::lemo_swiglu_backward(
+    let (dg, du) = <B as lemo_kernels::FusedBackend>::lemo_swiglu_backward(
         prim(gate.clone()),
         prim(up.clone()),
         prim(g.clone()),
@@ -429,13 +429,13 @@ fn fused_timings(args: &Args, client: &Client) -> Vec<Value> {
     let w = (random([hidden], DType::F32) * 0.1 + 1.0).cast(DType::BF16);
     let wp = w.clone().into_primitive().tensor();
     let t = time_calls(client, args.repeats, 20, || {
-        <B as lemo_kernels::ComputeBackend>::lemo_rms_norm_forward(prim(&x), wp.clone(), 1e-5)
+        <B as lemo_kernels::FusedBackend>::lemo_rms_norm_forward(prim(&x), wp.clone(), 1e-5)
     });
     record("rms_norm_forward", vec![rows, hidden], 4.0 * numel, t);
     let (_, rstd) =
-        <B as lemo_kernels::ComputeBackend>::lemo_rms_norm_forward(prim(&x), wp.clone(), 1e-5);
+        <B as lemo_kernels::FusedBackend>::lemo_rms_norm_forward(prim(&x), wp.clone(), 1e-5);
     let t = time_calls(client, args.repeats, 20, || {
-        <B as lemo_kernels::ComputeBackend>::lemo_rms_norm_backward(
+        <B as lemo_kernels::FusedBackend>::lemo_rms_norm_backward(
             prim(&x),
             wp.clone(),
             rstd.clone(),
@@ -473,7 +473,7 @@ fn fused_timings(args: &Args, client: &Client) -> Vec<Value> {
     });
     record("swiglu_forward", vec![rows, hidden], 6.0 * numel, t);
     let t = time_calls(client, args.repeats, 20, || {
-        <B as lemo_kernels::ComputeBackend>::lemo_swiglu_backward(prim(&x), prim(&g), prim(&x))
+        <B as lemo_kernels::FusedBackend>::lemo_swiglu_backward(prim(&x), prim(&g), prim(&x))
     });
     record("swiglu_backward", vec![rows, hidden], 10.0 * numel, t);
 

@@ -4,6 +4,7 @@
 //! whatever the storage dtype; on CubeCL backends it is one kernel launch per tensor instead of
 //! a dozen element-wise ones.
 
+pub mod backend;
 pub(crate) mod kernel;
 pub mod reference;
 

@@ -17,6 +17,8 @@
 //! pass before gradients are dropped). cubecl reports the pools of the calling thread's stream:
 //! sample from the thread that runs the step. Backends without pools (NdArray) report zeros.
 
+pub mod backend;
+
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
