@@ -30,6 +30,7 @@ pub mod cache;
 pub mod compute;
 #[cfg(feature = "cuda")]
 mod cuda_interop;
+mod extension;
 pub mod fused;
 pub mod gemm;
 pub mod host_reads;
@@ -44,9 +45,10 @@ pub use attention::AttentionOptions;
 pub use attention::backend::AttentionBackend;
 #[cfg(feature = "cuda")]
 pub use backend::CudaBackend;
-pub use backend::{CpuBackend, LemoBackend, WgpuBackend};
+pub use backend::{CpuBackend, WgpuBackend};
 pub use compute::{
     ComputeBackend, FusedBackend, GemmBackend, MemoryBackend, OptimizerBackend,
     TokenMovementBackend,
 };
+pub use extension::LemoBackend;
 pub use loss::LossBackend;

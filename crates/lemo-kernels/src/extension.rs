@@ -1,0 +1,12 @@
+//! [`LemoBackend`], the union of the backend-extension families.
+
+use crate::ComputeBackend;
+use crate::attention::backend::AttentionBackend;
+use crate::loss::LossBackend;
+
+/// Every family of the backend extension: what lemo's models need beyond Burn's own operations.
+/// Each family is its own trait next to its kernels (attention, loss, and the dense compute
+/// families of [`ComputeBackend`]); a backend gets this one by implementing them all.
+pub trait LemoBackend: AttentionBackend + ComputeBackend + LossBackend {}
+
+impl<B> LemoBackend for B where B: AttentionBackend + ComputeBackend + LossBackend {}
