@@ -1,0 +1,169 @@
+//! The checks of a resolved training configuration: every setting in its range, named by its
+//! flag when it is not.
+
+use anyhow::{Result, bail};
+
+use super::TrainConfig;
+use crate::method::Method;
+
+impl TrainConfig {
+    pub fn validate(&self) -> Result<()> {
+        if self.preset.is_none() && self.model.is_none() {
+            bail!("no model: pass --model PATH (or --preset tiny)");
+        }
+        if let Some(model) = self.model.as_ref().filter(|m| !m.exists()) {
+            bail!("--model {}: no such file or folder", model.display());
+        }
+        if self.preset.is_none() && self.data.is_none() {
+            bail!("no training data: pass --data FILE_OR_DIR");
+        }
+        if !lemo_models::rope::EXTENSION_KINDS.contains(&self.rope_scaling.as_str()) {
+            bail!(
+                "--rope-scaling {:?}: unknown kind, choose one of {}",
+                self.rope_scaling,
+                lemo_models::rope::EXTENSION_KINDS.join(", ")
+            );
+        }
+        if let Some(theta) = self.rope_theta.filter(|t| !(t.is_finite() && *t > 1.0)) {
+            bail!("--rope-theta {theta}: the RoPE base must be a finite number above 1");
+        }
+        if self.method == Method::Lemo {
+            self.lemo.validate()?;
+        }
+        if self.steps == 0 || self.batch_size == 0 || self.grad_accum == 0 {
+            bail!("--steps, --batch-size and --grad-accum must be positive");
+        }
+        if self.seq_len.is_some_and(|s| s < 2) {
+            bail!("--seq-len must be at least 2");
+        }
+        crate::modelio::check_target_context(self.target_context)?;
+        if self.lora_rank == 0 {
+            bail!("--lora-rank must be positive");
+        }
+        if self.loss_segment == 0 {
+            bail!("--loss-segment must be positive");
+        }
+        if self.s2_group_size.is_some_and(|g| g < 2) {
+            bail!("--s2-group-size must be at least 2 tokens");
+        }
+        let in_range = |flag: &str, value: f64, range: Range| -> Result<()> {
+            if !range.contains(value) {
+                bail!("--{flag} {value} is outside {}", range.describe());
+            }
+            Ok(())
+        };
+        in_range("lr", self.lr, Range::Positive)?;
+        in_range("lora-alpha", self.lora_alpha, Range::Positive)?;
+        in_range("lora-dropout", self.lora_dropout, Range::Fraction)?;
+        in_range("beta1", self.beta1, Range::Fraction)?;
+        in_range("beta2", self.beta2, Range::Fraction)?;
+        in_range("eps", self.eps, Range::Positive)?;
+        in_range("weight-decay", self.weight_decay, Range::NonNegative)?;
+        in_range("max-grad-norm", self.max_grad_norm, Range::NonNegative)?;
+        in_range("min-lr-ratio", self.min_lr_ratio, Range::Probability)?;
+        in_range("val-fraction", self.val_fraction, Range::Fraction)?;
+        self.save_interval()?;
+        self.collective_timeout()?;
+        Ok(())
+    }
+}
+
+/// The ranges a real-valued setting may take.
+#[derive(Clone, Copy)]
+enum Range {
+    /// (0, inf)
+    Positive,
+    /// [0, inf)
+    NonNegative,
+    /// [0, 1)
+    Fraction,
+    /// [0, 1]
+    Probability,
+}
+
+impl Range {
+    fn contains(self, value: f64) -> bool {
+        value.is_finite()
+            && match self {
+                Range::Positive => value > 0.0,
+                Range::NonNegative => value >= 0.0,
+                Range::Fraction => (0.0..1.0).contains(&value),
+                Range::Probability => (0.0..=1.0).contains(&value),
+            }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Range::Positive => "(0, inf): it must be a positive number",
+            Range::NonNegative => "[0, inf): it must be a finite number, 0 or more",
+            Range::Fraction => "[0, 1)",
+            Range::Probability => "[0, 1]",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Preset;
+    use super::*;
+
+    #[test]
+    fn settings_out_of_range_are_refused_naming_the_flag() {
+        let base = TrainConfig::preset(Preset::Tiny);
+        for (change, flag) in [
+            (
+                TrainConfig {
+                    lora_dropout: 2.0,
+                    ..base.clone()
+                },
+                "--lora-dropout",
+            ),
+            (
+                TrainConfig {
+                    beta1: 2.0,
+                    ..base.clone()
+                },
+                "--beta1",
+            ),
+            (
+                TrainConfig {
+                    beta2: -1.0,
+                    ..base.clone()
+                },
+                "--beta2",
+            ),
+            (
+                TrainConfig {
+                    eps: 0.0,
+                    ..base.clone()
+                },
+                "--eps",
+            ),
+            (
+                TrainConfig {
+                    val_fraction: 2.0,
+                    ..base.clone()
+                },
+                "--val-fraction",
+            ),
+            (
+                TrainConfig {
+                    lr: f64::NAN,
+                    ..base.clone()
+                },
+                "--lr",
+            ),
+            (
+                TrainConfig {
+                    s2_group_size: Some(0),
+                    ..base.clone()
+                },
+                "--s2-group-size",
+            ),
+        ] {
+            let error = change.validate().unwrap_err().to_string();
+            assert!(error.contains(flag), "{flag}: {error}");
+        }
+        base.validate().expect("the preset is valid");
+    }
+}
