@@ -78,7 +78,7 @@ pub trait FusedBackend: Backend {
         fused::swiglu::reference::forward::<Self>(gate, up)
     }
 
-    /// `(d gate, d up)` of [`ComputeBackend::lemo_swiglu`].
+    /// `(d gate, d up)` of [`FusedBackend::lemo_swiglu`].
     fn lemo_swiglu_backward(
         gate: FloatTensor<Self>,
         up: FloatTensor<Self>,

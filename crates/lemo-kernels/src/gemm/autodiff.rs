@@ -1,5 +1,5 @@
 //! Autodiff of the matrix product: `d lhs = grad rhs^T`, `d rhs = lhs^T grad`, both through
-//! [`ComputeBackend::lemo_matmul`] on transposed views (no copies), and only for the operands
+//! [`crate::GemmBackend::lemo_matmul`] on transposed views (no copies), and only for the operands
 //! that need a gradient (a frozen weight costs one product in the backward pass, not two).
 
 use burn::backend::Autodiff;

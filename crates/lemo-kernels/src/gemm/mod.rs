@@ -32,7 +32,7 @@ pub fn matmul<B: ComputeBackend, const D: usize>(
 
 /// `alpha * lhs x rhs` for operands of one dtype, accumulated in f32 and written in
 /// `out_dtype` (one cuBLASLt product on CUDA); not differentiable. See
-/// [`ComputeBackend::lemo_matmul_scaled`].
+/// [`crate::GemmBackend::lemo_matmul_scaled`].
 pub fn matmul_scaled<B: ComputeBackend, const D: usize>(
     lhs: Tensor<B, D>,
     rhs: Tensor<B, D>,
@@ -57,7 +57,7 @@ pub fn reference<B: burn::tensor::backend::Backend, const D: usize>(
 
 /// `alpha * lhs x rhs` for `lhs` and `rhs` of one dtype, accumulated in f32 and written in
 /// `out_dtype`, in Burn operations (operands widened to f32, product, scale, cast): the default
-/// of [`ComputeBackend::lemo_matmul_scaled`], which CUDA runs as one cuBLASLt product whose
+/// of [`crate::GemmBackend::lemo_matmul_scaled`], which CUDA runs as one cuBLASLt product whose
 /// epilogue scales and converts. What the adapters' products are made of: each reads its large
 /// operand (activations, output gradients) as stored, in one pass.
 pub fn matmul_scaled_reference<B: Backend>(
@@ -84,7 +84,7 @@ pub fn matmul_scaled_reference<B: Backend>(
 }
 
 /// `onto + alpha * lhs x rhs` in `onto`'s dtype, summed in f32 before one rounding, in Burn
-/// operations: the default of [`ComputeBackend::lemo_matmul_onto`], which CUDA runs as one
+/// operations: the default of [`crate::GemmBackend::lemo_matmul_onto`], which CUDA runs as one
 /// cuBLASLt product that adds `onto` in its epilogue.
 pub fn matmul_onto_reference<B: Backend>(
     lhs: FloatTensor<B>,

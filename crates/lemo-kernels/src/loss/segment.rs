@@ -1,5 +1,5 @@
 //! The chunked loss with its gradients, written with backend ops (GEMMs through
-//! [`ComputeBackend::lemo_matmul`], the softmax through the fused row kernel).
+//! [`crate::GemmBackend::lemo_matmul`], the softmax through the fused row kernel).
 
 use burn::tensor::ops::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Int, Tensor, TensorPrimitive};

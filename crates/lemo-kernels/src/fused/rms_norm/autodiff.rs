@@ -1,5 +1,5 @@
 //! Autodiff of RMSNorm: saves `x` (or the output, see [`NormSaves`]), the weight and the per-row
-//! `rstd` (4 bytes a row), and calls [`ComputeBackend::lemo_rms_norm_backward`]; the weight
+//! `rstd` (4 bytes a row), and calls [`crate::FusedBackend::lemo_rms_norm_backward`]; the weight
 //! gradient only when it is tracked.
 
 use burn::backend::Autodiff;

@@ -1,5 +1,5 @@
 //! Autodiff of SwiGLU: saves `gate` and `up` (the MLP's own activations, no extra tensor) and
-//! calls [`ComputeBackend::lemo_swiglu_backward`], which produces both gradients in one pass.
+//! calls [`crate::FusedBackend::lemo_swiglu_backward`], which produces both gradients in one pass.
 
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
