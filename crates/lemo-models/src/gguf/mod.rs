@@ -38,6 +38,13 @@ pub struct GgufFile {
 
 impl GgufFile {
     pub fn open(path: &Path) -> Result<Self> {
+        // Opening a pipe for reading waits for a writer: refuse it rather than hang.
+        if path.exists() && !path.is_file() {
+            return Err(Error::format(
+                path,
+                "not a regular file (a pipe or device cannot be read as a GGUF model)",
+            ));
+        }
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         // SAFETY: read-only mapping of a file lemo never writes.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(path, e))?;
