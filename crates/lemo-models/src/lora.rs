@@ -13,6 +13,7 @@ use lemo_kernels::known_value::matmul_with_value;
 use lemo_kernels::precision::{Frozen, lora_linear};
 use lemo_kernels::recomputed_rows::FrozenLinear;
 
+use crate::quantized::FrozenWeight;
 use crate::random::seeded_random;
 
 /// `t` outside the autodiff graph. Burn's `detach` keeps a leaf's `require_grad`, so a detached
@@ -83,18 +84,19 @@ pub struct Lora<B: Backend> {
     pub dropout: Dropout,
 }
 
-/// A linear projection stored as `[out, in]` (the checkpoint's layout), base weights frozen.
+/// A linear projection stored as `[out, in]` (the checkpoint's layout), base weights frozen
+/// (dense, or kept quantized: see [`crate::quantized`]).
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
-    pub weight: Param<Tensor<B, 2>>,
+    pub weight: FrozenWeight<B>,
     pub bias: Option<Param<Tensor<B, 1>>>,
     pub lora: Option<Lora<B>>,
 }
 
 impl<B: Backend> Linear<B> {
-    pub fn new(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
+    pub fn new(weight: impl Into<FrozenWeight<B>>, bias: Option<Tensor<B, 1>>) -> Self {
         Self {
-            weight: Param::from_tensor(weight).set_require_grad(false),
+            weight: weight.into(),
             bias: bias.map(|b| Param::from_tensor(b).set_require_grad(false)),
             lora: None,
         }
@@ -154,15 +156,15 @@ impl<B: ComputeBackend> Linear<B> {
         }
     }
 
-    /// Folds the adapter into the base weight: `W + scaling * B A`, summed in f32 and stored in
-    /// the weight's dtype.
+    /// Folds the adapter into the base weight: `W + scaling * B A`, summed in f32 and stored
+    /// dense in the weight's dtype (a quantized weight is dequantized first).
     pub fn merge_lora(mut self) -> Self {
         if let Some(lora) = self.lora.take() {
             let weight = self.weight.val();
             let dtype = weight.dtype();
             let delta = matmul(lora.b.val(), lora.a.val()).mul_scalar(lora.scaling);
             let merged = (weight.cast(DType::F32) + delta).cast(dtype);
-            self.weight = Param::from_tensor(merged.detach()).set_require_grad(false);
+            self.weight = merged.detach().into();
         }
         self
     }
