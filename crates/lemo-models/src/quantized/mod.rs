@@ -11,7 +11,7 @@
 pub mod device;
 pub mod nf4;
 pub mod packed;
-mod q4_k;
+pub mod q4_k;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::str::FromStr;

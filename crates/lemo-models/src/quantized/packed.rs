@@ -3,7 +3,7 @@
 //! split into those fields as they are (no value changes: the device decodes them to exactly what
 //! [`GgmlType::dequantize`] gives), and NF4 comes from [`super::nf4`].
 
-use super::nf4::Nf4;
+use super::nf4::{ABSMAX_BLOCK, Nf4, dynamic_map};
 use crate::gguf::GgmlType;
 
 /// How a quantized weight encodes its values.
@@ -156,14 +156,18 @@ impl PackedWeight {
         }
     }
 
-    /// NF4 with double quantization of `shape` row-major, flattened as bitsandbytes does.
+    /// NF4 with double quantization of `shape` row-major, flattened as bitsandbytes does; the
+    /// block maxima's codes are padded to whole blocks of [`ABSMAX_BLOCK`] (with the code of 0).
     pub fn from_nf4(shape: [usize; 2], nf4: Nf4) -> Self {
+        let zero = dynamic_map().iter().position(|&v| v == 0.0).expect("the map holds 0") as u32;
+        let padding = nf4.absmax_codes.len().next_multiple_of(ABSMAX_BLOCK) - nf4.absmax_codes.len();
+        let absmax_codes = nf4.absmax_codes.iter().map(|&c| u32::from(c));
         Self {
             format: QuantFormat::Nf4,
             shape,
             fields: vec![
                 PackedField::pack(4, nf4.codes.iter().map(|&c| u32::from(c))),
-                PackedField::pack(8, nf4.absmax_codes.iter().map(|&c| u32::from(c))),
+                PackedField::pack(8, absmax_codes.chain(std::iter::repeat_n(zero, padding))),
             ],
             tables: vec![nf4.absmax_scales, vec![nf4.absmax_mean]],
         }
