@@ -100,7 +100,11 @@ impl<B: Backend> Loader<'_, B> {
     }
 
     /// `values` as a weight on the device.
-    pub(crate) fn upload<const D: usize>(&self, values: Vec<f32>, shape: [usize; D]) -> Tensor<B, D> {
+    pub(crate) fn upload<const D: usize>(
+        &self,
+        values: Vec<f32>,
+        shape: [usize; D],
+    ) -> Tensor<B, D> {
         // Weights live as long as the model: in the pool's persistent part, one exact-size
         // allocation each, they neither pad pages nor fragment the ones activations reuse.
         let (device, dtype) = (&self.device, self.dtype);

@@ -13,12 +13,12 @@ use burn::tensor::{DType, ElementConversion, Tensor, TensorData};
 use half::f16;
 use lemo_kernels::precision::Precision;
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
+use lemo_models::CausalLm;
 use lemo_models::gguf::GgmlType;
 use lemo_models::lora::{Linear, LoraConfig};
 use lemo_models::quantized::nf4::{NF4_CODE, Nf4, dynamic_map};
 use lemo_models::quantized::{FrozenWeight, PackedWeight, QuantizeBase, QuantizedWeight, q4_k};
 use lemo_models::token_plan::TokenSparsity;
-use lemo_models::CausalLm;
 use lemo_test_support::{
     HostRng, assert_close, assert_close_values, hf_fixture, random, read_json, seed, smollm2_gguf,
 };
@@ -101,9 +101,7 @@ fn ggml_blocks_dequantize_on_wgpu_as_on_the_host() {
 }
 
 fn nf4_fixture() -> serde_json::Value {
-    read_json(
-        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quantized/nf4.json"),
-    )
+    read_json(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/quantized/nf4.json"))
 }
 
 fn f32s(value: &serde_json::Value) -> Vec<f32> {
@@ -130,17 +128,32 @@ fn nf4_matches_bitsandbytes_code_book_and_algorithm() {
         .iter()
         .map(|c| c.as_u64().unwrap() as u8)
         .collect();
-    assert_eq!(nf4.absmax_codes, absmax_codes, "8-bit codes of the block maxima");
+    assert_eq!(
+        nf4.absmax_codes, absmax_codes,
+        "8-bit codes of the block maxima"
+    );
     assert_eq!(nf4.absmax_scales, f32s(&fixture["absmax_scales"]));
-    assert_eq!(nf4.absmax_mean, fixture["absmax_mean"].as_f64().unwrap() as f32);
+    assert_eq!(
+        nf4.absmax_mean,
+        fixture["absmax_mean"].as_f64().unwrap() as f32
+    );
     let expected = f32s(&fixture["dequantized"]);
-    assert_eq!(nf4.dequantize(values.len()), expected, "dequantized on the host");
+    assert_eq!(
+        nf4.dequantize(values.len()),
+        expected,
+        "dequantized on the host"
+    );
 
     let shape = [1, values.len()];
     let packed = PackedWeight::from_nf4(shape, nf4);
     let device = Default::default();
     let weight = QuantizedWeight::<B>::new(&packed, &device, DType::F32);
-    assert_close("NF4 on the device", weight.dequantize(), tensor::<B>(expected, shape, &device), 0.0);
+    assert_close(
+        "NF4 on the device",
+        weight.dequantize(),
+        tensor::<B>(expected, shape, &device),
+        0.0,
+    );
 }
 
 /// Several blocks of block maxima, and the size QLoRA quotes: about 4.127 bits a value.
@@ -157,16 +170,25 @@ fn nf4_dequantizes_on_the_device_as_on_the_host() {
     for (block, (x, y)) in values.chunks(64).zip(on_host.chunks(64)).enumerate() {
         let max = x.iter().fold(0f32, |m, v| m.max(v.abs()));
         let error = x.iter().zip(y).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(error <= 0.16 * max, "block {block}: error {error}, maximum {max}");
+        assert!(
+            error <= 0.16 * max,
+            "block {block}: error {error}, maximum {max}"
+        );
     }
     let packed = PackedWeight::from_nf4(shape, nf4);
     let bits = 8.0 * packed.bytes() as f64 / values.len() as f64;
     assert!((4.12..4.15).contains(&bits), "{bits} bits a value");
     for (name, dequantized) in [
-        ("cpu", host(QuantizedWeight::<B>::new(&packed, &device, DType::F32).dequantize())),
+        (
+            "cpu",
+            host(QuantizedWeight::<B>::new(&packed, &device, DType::F32).dequantize()),
+        ),
         (
             "wgpu",
-            host(QuantizedWeight::<WgpuBackend>::new(&packed, &Default::default(), DType::F32).dequantize()),
+            host(
+                QuantizedWeight::<WgpuBackend>::new(&packed, &Default::default(), DType::F32)
+                    .dequantize(),
+            ),
         ),
     ] {
         assert_close_values(&format!("NF4 on {name}"), &dequantized, &on_host, 1e-6);
@@ -185,7 +207,10 @@ fn q4_k_quantizer_writes_blocks_ggml_decodes() {
         let high = x.iter().fold(f32::MIN, |m, &v| m.max(v));
         let step = (high - low) / 15.0;
         let error = x.iter().zip(y).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(error <= step, "sub-block {sub}: error {error} over a step {step}");
+        assert!(
+            error <= step,
+            "sub-block {sub}: error {error} over a step {step}"
+        );
     }
 }
 
@@ -204,7 +229,10 @@ fn quantized_projection_has_the_dense_products_and_gradients() {
         rank: 4,
         ..LoraConfig::default()
     };
-    let (a, b) = (random::<A, 2>([4, 64], &device), random::<A, 2>([96, 4], &device));
+    let (a, b) = (
+        random::<A, 2>([4, 64], &device),
+        random::<A, 2>([96, 4], &device),
+    );
     let x = random::<A, 3>([2, 5, 64], &device);
     let run = |weight: FrozenWeight<A>| {
         let linear = Linear::new(weight, None).with_lora(a.clone(), b.clone(), &config);
@@ -219,7 +247,11 @@ fn quantized_projection_has_the_dense_products_and_gradients() {
             lora.b.grad(&grads).unwrap(),
         )
     };
-    let quantized = run(FrozenWeight::Quantized(QuantizedWeight::new(&packed, &device, DType::F32)));
+    let quantized = run(FrozenWeight::Quantized(QuantizedWeight::new(
+        &packed,
+        &device,
+        DType::F32,
+    )));
     let dense = run(tensor::<A>(GgmlType::Q4_0.dequantize(&bytes), shape, &device).into());
     assert_close("output", quantized.0, dense.0, 0.0);
     assert_close("d x", quantized.1, dense.1, 0.0);
@@ -232,7 +264,10 @@ fn quantize_base_names() {
     assert_eq!("nf4".parse(), Ok(QuantizeBase::Nf4));
     assert_eq!("q4_k".parse(), Ok(QuantizeBase::Q4K));
     let error = "q5_k".parse::<QuantizeBase>().unwrap_err();
-    assert!(error.contains("q5_k") && error.contains("nf4, q4_k, q8_0 or none"), "{error}");
+    assert!(
+        error.contains("q5_k") && error.contains("nf4, q4_k, q8_0 or none"),
+        "{error}"
+    );
 }
 
 fn mean_loss<Bk: LemoBackend>(model: &CausalLm<Bk>, ids: &[u32]) -> f64 {
@@ -265,13 +300,19 @@ fn quantize_base_at_load() {
     let nf4_loss = mean_loss(&nf4, &ids);
     let relative = (nf4_loss - dense_loss).abs() / dense_loss;
     println!("loss dense {dense_loss:.5}, NF4 {nf4_loss:.5} (relative {relative:.1e})");
-    assert!(relative > 0.0 && relative < 0.02, "NF4 loss {nf4_loss} vs dense {dense_loss}");
+    assert!(
+        relative > 0.0 && relative < 0.02,
+        "NF4 loss {nf4_loss} vs dense {dense_loss}"
+    );
 
     let (_, _, summary) = load(QuantizeBase::Q8_0);
     println!("{:#?}", summary.lines());
     assert_eq!(summary.kept["Q8_0"].0, 2);
     assert!(
-        summary.notes.iter().any(|n| n.contains("rows of 48") && n.contains("kept dense")),
+        summary
+            .notes
+            .iter()
+            .any(|n| n.contains("rows of 48") && n.contains("kept dense")),
         "{:?}",
         summary.notes
     );
@@ -283,9 +324,8 @@ fn quantize_base_at_load() {
 fn smollm2_q4_1_kept_quantized_has_the_dequantized_loss() {
     let Some(path) = smollm2_gguf() else { return };
     let device = Default::default();
-    let expected = read_json(
-        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/smollm2.json"),
-    );
+    let expected =
+        read_json(&Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gguf/smollm2.json"));
     let load = |quantize| {
         CausalLm::<B>::from_path_quantized(&path, &device, Precision::F32, quantize).unwrap()
     };

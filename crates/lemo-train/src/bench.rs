@@ -14,6 +14,7 @@ use burn::tensor::{DType, Distribution, Tensor};
 use lemo_kernels::{LemoBackend, host_reads};
 use lemo_models::activation_plan::ActivationPlan;
 use lemo_models::activation_plan::planner::Budget;
+use lemo_models::quantized::QuantizeBase;
 use lemo_models::weights::WeightSource;
 use lemo_models::{CausalLm, LoraConfig, ModelConfig};
 use lemo_predictor::Predictors;
@@ -88,6 +89,8 @@ pub struct BenchResult {
     pub checkpointing: bool,
     /// "bf16" or "f32" (`--precision`).
     pub precision: String,
+    /// How the frozen projections were stored (`--quantize-base`).
+    pub quantize_base: String,
     pub backend: String,
     pub oom: bool,
     pub error: Option<String>,
@@ -138,6 +141,8 @@ pub struct BenchJob {
     pub lora_rank: usize,
     pub seed: u64,
     pub precision: PrecisionKind,
+    /// `--quantize-base`.
+    pub quantize_base: QuantizeBase,
     /// `--method lemo`: thresholds from a file, or kept fractions on the bench's own sequence.
     pub sparsity: LemoSettings,
     /// Device-level memory watch, started before the backend creates its CUDA context.
@@ -170,6 +175,7 @@ fn plan_input(
     config: &ModelConfig,
     lora: &LoraConfig,
     seq_len: usize,
+    projection_bits: Option<f64>,
 ) -> PlanInput {
     PlanInput {
         model: config.clone(),
@@ -184,6 +190,7 @@ fn plan_input(
         loss_segment: LOSS_SEGMENT,
         target_keep: job.sparsity.mean_keep(),
         dense_layers: job.sparsity.dense_layers.len(),
+        projection_bits,
     }
 }
 
@@ -231,18 +238,30 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
     let started = Instant::now();
     AB::<B>::seed(&device, job.seed);
     // A GGUF file carries its weights: benchmark those rather than random ones.
-    let (base, config) = if job.config.extension().is_some_and(|e| e == "gguf") {
-        CausalLm::<AB<B>>::from_path(&job.config, &device, job.precision.policy())?
+    let (base, config, frozen) = if job.config.extension().is_some_and(|e| e == "gguf") {
+        CausalLm::<AB<B>>::from_path_quantized(
+            &job.config,
+            &device,
+            job.precision.policy(),
+            job.quantize_base,
+        )?
     } else {
         let config = ModelConfig::from_file(&job.config)?;
-        let base = CausalLm::<AB<B>>::build(
+        let (base, frozen) = CausalLm::<AB<B>>::build_quantized(
             &config,
             &mut FastRandomWeights { seed: job.seed },
             &device,
             job.precision.policy(),
+            job.quantize_base,
         )?;
-        (base, config)
+        (base, config, frozen)
     };
+    frozen
+        .lines()
+        .iter()
+        .for_each(|line| eprintln!("bench: {line}"));
+    let projection_bits =
+        lemo_models::quantized::projection_bits(&job.config, &config, job.quantize_base)?;
     let lora = LoraConfig {
         rank: job.lora_rank,
         alpha: 2.0 * job.lora_rank as f64,
@@ -262,13 +281,17 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
     let mut results = Vec::new();
     let mut ran_out = false;
     for &seq_len in &job.seq_lens {
-        let planned = memory_plan::plan(&plan_input(&job, &config, &lora, seq_len), job.budget);
+        let planned = memory_plan::plan(
+            &plan_input(&job, &config, &lora, seq_len, projection_bits),
+            job.budget,
+        );
         let mut result = BenchResult {
             model: name.clone(),
             method: job.method.name().into(),
             seq_len,
             checkpointing: job.checkpointing,
             precision: job.precision.name().into(),
+            quantize_base: job.quantize_base.name().into(),
             backend: B::name(&device),
             oom: false,
             error: None,

@@ -165,13 +165,18 @@ impl<B: Backend> QuantizedWeight<B> {
         let map = Tensor::<B, 1>::from_floats(dynamic_map().as_slice(), &device);
         let absmax_codes = self.field(1);
         let padded = absmax_codes.dims()[0];
-        let scaled = map.select(0, absmax_codes).reshape([padded / ABSMAX_BLOCK, ABSMAX_BLOCK])
+        let scaled = map
+            .select(0, absmax_codes)
+            .reshape([padded / ABSMAX_BLOCK, ABSMAX_BLOCK])
             * self.tables[0].clone().reshape([padded / ABSMAX_BLOCK, 1]);
         let absmax = scaled + self.tables[1].clone().reshape([1, 1]);
         let code = Tensor::<B, 1>::from_floats(NF4_CODE.as_slice(), &device);
         let codes = self.field(0);
         let blocks = codes.dims()[0] / NF4_BLOCK;
-        let absmax = absmax.reshape([padded]).slice(0..blocks).reshape([blocks, 1]);
+        let absmax = absmax
+            .reshape([padded])
+            .slice(0..blocks)
+            .reshape([blocks, 1]);
         code.select(0, codes).reshape([blocks, NF4_BLOCK]) * absmax
     }
 }
@@ -204,7 +209,11 @@ fn f16_values<B: Backend>(bits: Tensor<B, 1, Int>) -> Tensor<B, 1> {
             .bitwise_and_scalar(mask.elem())
     };
     let (exponent, mantissa, sign) = (field(10, 31), field(0, 1023), field(15, 1));
-    let implicit = exponent.clone().greater_elem(0).int().mul_scalar(1024.elem::<B::IntElem>());
+    let implicit = exponent
+        .clone()
+        .greater_elem(0)
+        .int()
+        .mul_scalar(1024.elem::<B::IntElem>());
     let powers: Vec<f32> = (0..32).map(|e: i32| 2f32.powi(e.max(1) - 25)).collect();
     let power = Tensor::<B, 1>::from_floats(powers.as_slice(), &bits.device()).select(0, exponent);
     let sign = sign.float().mul_scalar(-2.0).add_scalar(1.0);

@@ -14,6 +14,7 @@ pub mod packed;
 pub mod q4_k;
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
 use std::str::FromStr;
 
 use burn::tensor::backend::Backend;
@@ -21,9 +22,9 @@ use burn::tensor::backend::Backend;
 pub use device::{FrozenWeight, QuantizedWeight};
 pub use packed::{PackedField, PackedWeight, QuantFormat};
 
-use crate::Result;
-use crate::gguf::GgmlType;
+use crate::gguf::{GgmlType, GgufFile};
 use crate::weights::Loader;
+use crate::{ModelConfig, Result};
 use nf4::Nf4;
 
 /// `--quantize-base`: how the frozen projections of a base are stored on the device.
@@ -80,10 +81,65 @@ impl FromStr for QuantizeBase {
         ]
         .into_iter()
         .find(|q| q.name() == s)
-        .ok_or_else(|| {
-            format!("unknown base quantization {s:?}: expected nf4, q4_k, q8_0 or none")
-        })
+        .ok_or_else(|| format!("unknown base quantization {s:?}: expected nf4, q4_k, q8_0 or none"))
     }
+}
+
+/// Bits a value of the projections of the model at `path` take on the device when loaded as
+/// `quantize` says (what the memory plan counts); `None` where they load dense. For `q4_k` and
+/// `q8_0`, a model whose projections are not all whole blocks is counted dense.
+pub fn projection_bits(
+    path: &Path,
+    config: &ModelConfig,
+    quantize: QuantizeBase,
+) -> Result<Option<f64>> {
+    let ggml_bits = |t: GgmlType| {
+        let shape = [1, t.block_values()];
+        let bytes = vec![0; t.byte_size(shape[1], shape[1]).expect("one block")];
+        8.0 * PackedWeight::from_ggml(t, shape, &bytes).bytes() as f64 / shape[1] as f64
+    };
+    Ok(match quantize {
+        QuantizeBase::None => None,
+        QuantizeBase::Nf4 => Some(nf4::BITS),
+        QuantizeBase::Q4K | QuantizeBase::Q8_0 => {
+            let t = quantize.ggml_type().expect("a ggml type");
+            // The projections' input widths: rows must be whole blocks.
+            let widths = match config {
+                ModelConfig::Llama(c) => vec![
+                    c.hidden_size,
+                    c.num_attention_heads * c.head_dim,
+                    c.intermediate_size,
+                ],
+                ModelConfig::Opt(c) => vec![c.hidden_size, c.ffn_dim],
+            };
+            widths
+                .iter()
+                .all(|w| w.is_multiple_of(t.block_values()))
+                .then(|| ggml_bits(t))
+        }
+        QuantizeBase::Keep => {
+            if path.extension().is_none_or(|e| e != "gguf") {
+                return Ok(None);
+            }
+            let file = GgufFile::open(path)?;
+            // Layer matrices are the projections (norms are vectors).
+            let (values, bits) = file
+                .header
+                .tensors
+                .iter()
+                .filter(|(name, info)| name.starts_with("blk.") && info.dims.len() == 2)
+                .map(|(_, info)| {
+                    let values = info.shape().iter().product::<usize>() as f64;
+                    let bits = match info.ggml_type {
+                        t if QuantFormat::keeps(t) => ggml_bits(t),
+                        _ => return (values, f64::NAN),
+                    };
+                    (values, values * bits)
+                })
+                .fold((0.0, 0.0), |(v, b), (values, bits)| (v + values, b + bits));
+            (values > 0.0 && bits.is_finite()).then(|| bits / values)
+        }
+    })
 }
 
 /// What a load kept quantized, and which weights it left dense that could have been quantized.

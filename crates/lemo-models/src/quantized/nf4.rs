@@ -44,6 +44,10 @@ pub const BLOCK: usize = 64;
 /// Block maxima per block of the second quantization.
 pub const ABSMAX_BLOCK: usize = 256;
 
+/// Device bits a value: a 4-bit code, an 8-bit code of its block's maximum per 64 values, an
+/// f32 scale per 256 maxima (QLoRA's 4.127).
+pub const BITS: f64 = 4.0 + 8.0 / BLOCK as f64 + 32.0 / (BLOCK * ABSMAX_BLOCK) as f64;
+
 /// A tensor in NF4 with double quantization.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Nf4 {
@@ -137,7 +141,9 @@ impl Nf4 {
         self.absmax_codes
             .iter()
             .enumerate()
-            .map(|(i, &q)| map[usize::from(q)] * self.absmax_scales[i / ABSMAX_BLOCK] + self.absmax_mean)
+            .map(|(i, &q)| {
+                map[usize::from(q)] * self.absmax_scales[i / ABSMAX_BLOCK] + self.absmax_mean
+            })
             .collect()
     }
 

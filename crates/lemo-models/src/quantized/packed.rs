@@ -136,8 +136,14 @@ impl PackedWeight {
                 ]
             }
             GgmlType::Q6_K => vec![
-                PackedField::pack(4, blocks.clone().flat_map(|b| q6_k_codes(b).map(|q| q & 15))),
-                PackedField::pack(2, blocks.clone().flat_map(|b| q6_k_codes(b).map(|q| q >> 4))),
+                PackedField::pack(
+                    4,
+                    blocks.clone().flat_map(|b| q6_k_codes(b).map(|q| q & 15)),
+                ),
+                PackedField::pack(
+                    2,
+                    blocks.clone().flat_map(|b| q6_k_codes(b).map(|q| q >> 4)),
+                ),
                 PackedField::pack(16, blocks.clone().map(|b| f16_bits(b, 208))),
                 PackedField::pack(
                     8,
@@ -159,8 +165,12 @@ impl PackedWeight {
     /// NF4 with double quantization of `shape` row-major, flattened as bitsandbytes does; the
     /// block maxima's codes are padded to whole blocks of [`ABSMAX_BLOCK`] (with the code of 0).
     pub fn from_nf4(shape: [usize; 2], nf4: Nf4) -> Self {
-        let zero = dynamic_map().iter().position(|&v| v == 0.0).expect("the map holds 0") as u32;
-        let padding = nf4.absmax_codes.len().next_multiple_of(ABSMAX_BLOCK) - nf4.absmax_codes.len();
+        let zero = dynamic_map()
+            .iter()
+            .position(|&v| v == 0.0)
+            .expect("the map holds 0") as u32;
+        let padding =
+            nf4.absmax_codes.len().next_multiple_of(ABSMAX_BLOCK) - nf4.absmax_codes.len();
         let absmax_codes = nf4.absmax_codes.iter().map(|&c| u32::from(c));
         Self {
             format: QuantFormat::Nf4,
@@ -202,4 +212,3 @@ fn q6_k_codes(block: &[u8]) -> impl Iterator<Item = u32> + '_ {
         u32::from(low_bits | (high_bits << 4))
     })
 }
-

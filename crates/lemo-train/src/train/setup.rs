@@ -101,8 +101,19 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         .or(config.target_context)
         .unwrap_or(trained_context);
     crate::modelio::check_seq_len(&model_config, seq_len, config.target_context)?;
+    let projection_bits = lemo_models::quantized::projection_bits(
+        &model_path,
+        &model_config,
+        config.runtime.quantize_base(),
+    )?;
     let planned = memory_plan::plan(
-        &plan_input(&config, model_config.clone(), seq_len, precision),
+        &plan_input(
+            &config,
+            model_config.clone(),
+            seq_len,
+            precision,
+            projection_bits,
+        ),
         job.budget.filter(|_| !job.skip_memory_plan),
     )?;
     if let Some(limit) = model_config.max_sequence_length().filter(|&l| seq_len > l) {
