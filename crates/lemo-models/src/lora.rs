@@ -181,7 +181,7 @@ impl<B: ComputeBackend> Linear<B> {
     /// adapter's term is added onto the frozen product in place.
     pub fn pass<const D: usize>(&self, x: Tensor<B, D>) -> (Tensor<B, D>, Tensor<B, D>) {
         let (x, out_dims) = self.rows(untracked(x));
-        let base = self.frozen_product(x.clone());
+        let base = self.frozen_product(x.clone(), self.weight.val());
         let (output, product) = match &self.lora {
             None => (base.clone(), base),
             Some(lora) => {
@@ -211,10 +211,12 @@ impl<B: ComputeBackend> Linear<B> {
     ) -> Tensor<B, D> {
         let (x, out_dims) = self.rows(x);
         let product = product.map(|p| p.reshape([x.dims()[0], self.out_features()]));
-        let weight = || self.weight.val();
+        // One dense weight per call: a quantized one is dequantized once for all its uses here.
+        let dense = self.weight.val();
+        let weight = || dense.clone();
         let frozen_in_graph = |x: Tensor<B, 2>, product: Option<Tensor<B, 2>>| match product {
             Some(base) => matmul_with_value(x, weight().transpose(), base),
-            None => self.frozen_product(x),
+            None => self.frozen_product(x, weight()),
         };
         let y = match &self.lora {
             None => frozen_in_graph(x, product),
@@ -222,9 +224,10 @@ impl<B: ComputeBackend> Linear<B> {
                 let (a, b, scale) = (lora.a.val(), lora.b.val(), lora.scaling as f32);
                 let frozen = match product {
                     Some(output) if self.product_is_output() => Frozen::Output(output, weight()),
-                    None if self.product_is_output() => {
-                        Frozen::Value(self.frozen_product(untracked(x.clone())), weight())
-                    }
+                    None if self.product_is_output() => Frozen::Value(
+                        self.frozen_product(untracked(x.clone()), weight()),
+                        weight(),
+                    ),
                     product => Frozen::Graph(frozen_in_graph(x.clone(), product)),
                 };
                 let x = match frozen {
@@ -251,9 +254,9 @@ impl<B: ComputeBackend> Linear<B> {
         (x.reshape([rows, self.in_features()]), out_dims)
     }
 
-    /// `x W^T + bias` for `x [rows, in]`.
-    fn frozen_product(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let y = matmul(x, self.weight.val().transpose());
+    /// `x W^T + bias` for `x [rows, in]` and the dense `weight`.
+    fn frozen_product(&self, x: Tensor<B, 2>, weight: Tensor<B, 2>) -> Tensor<B, 2> {
+        let y = matmul(x, weight.transpose());
         match &self.bias {
             Some(bias) => y + bias.val().unsqueeze_dim(0),
             None => y,
