@@ -20,6 +20,7 @@ pub mod model;
 pub mod norm;
 pub mod offload;
 pub mod opt;
+pub mod quantized;
 pub mod random;
 pub mod rope;
 pub mod row_chunks;

@@ -13,6 +13,7 @@ use lemo_kernels::known_value::matmul_with_value;
 use lemo_kernels::precision::{Frozen, lora_linear};
 use lemo_kernels::recomputed_rows::FrozenLinear;
 
+use crate::quantized::FrozenWeight;
 use crate::random::seeded_random;
 
 /// `t` outside the autodiff graph. Burn's `detach` keeps a leaf's `require_grad`, so a detached
@@ -83,18 +84,19 @@ pub struct Lora<B: Backend> {
     pub dropout: Dropout,
 }
 
-/// A linear projection stored as `[out, in]` (the checkpoint's layout), base weights frozen.
+/// A linear projection stored as `[out, in]` (the checkpoint's layout), base weights frozen
+/// (dense, or kept quantized: see [`crate::quantized`]).
 #[derive(Module, Debug)]
 pub struct Linear<B: Backend> {
-    pub weight: Param<Tensor<B, 2>>,
+    pub weight: FrozenWeight<B>,
     pub bias: Option<Param<Tensor<B, 1>>>,
     pub lora: Option<Lora<B>>,
 }
 
 impl<B: Backend> Linear<B> {
-    pub fn new(weight: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Self {
+    pub fn new(weight: impl Into<FrozenWeight<B>>, bias: Option<Tensor<B, 1>>) -> Self {
         Self {
-            weight: Param::from_tensor(weight).set_require_grad(false),
+            weight: weight.into(),
             bias: bias.map(|b| Param::from_tensor(b).set_require_grad(false)),
             lora: None,
         }
@@ -154,15 +156,15 @@ impl<B: ComputeBackend> Linear<B> {
         }
     }
 
-    /// Folds the adapter into the base weight: `W + scaling * B A`, summed in f32 and stored in
-    /// the weight's dtype.
+    /// Folds the adapter into the base weight: `W + scaling * B A`, summed in f32 and stored
+    /// dense in the weight's dtype (a quantized weight is dequantized first).
     pub fn merge_lora(mut self) -> Self {
         if let Some(lora) = self.lora.take() {
             let weight = self.weight.val();
             let dtype = weight.dtype();
             let delta = matmul(lora.b.val(), lora.a.val()).mul_scalar(lora.scaling);
             let merged = (weight.cast(DType::F32) + delta).cast(dtype);
-            self.weight = Param::from_tensor(merged.detach()).set_require_grad(false);
+            self.weight = merged.detach().into();
         }
         self
     }
@@ -179,7 +181,7 @@ impl<B: ComputeBackend> Linear<B> {
     /// adapter's term is added onto the frozen product in place.
     pub fn pass<const D: usize>(&self, x: Tensor<B, D>) -> (Tensor<B, D>, Tensor<B, D>) {
         let (x, out_dims) = self.rows(untracked(x));
-        let base = self.frozen_product(x.clone());
+        let base = self.frozen_product(x.clone(), self.weight.val());
         let (output, product) = match &self.lora {
             None => (base.clone(), base),
             Some(lora) => {
@@ -209,10 +211,12 @@ impl<B: ComputeBackend> Linear<B> {
     ) -> Tensor<B, D> {
         let (x, out_dims) = self.rows(x);
         let product = product.map(|p| p.reshape([x.dims()[0], self.out_features()]));
-        let weight = || self.weight.val();
+        // One dense weight per call: a quantized one is dequantized once for all its uses here.
+        let dense = self.weight.val();
+        let weight = || dense.clone();
         let frozen_in_graph = |x: Tensor<B, 2>, product: Option<Tensor<B, 2>>| match product {
             Some(base) => matmul_with_value(x, weight().transpose(), base),
-            None => self.frozen_product(x),
+            None => self.frozen_product(x, weight()),
         };
         let y = match &self.lora {
             None => frozen_in_graph(x, product),
@@ -220,9 +224,10 @@ impl<B: ComputeBackend> Linear<B> {
                 let (a, b, scale) = (lora.a.val(), lora.b.val(), lora.scaling as f32);
                 let frozen = match product {
                     Some(output) if self.product_is_output() => Frozen::Output(output, weight()),
-                    None if self.product_is_output() => {
-                        Frozen::Value(self.frozen_product(untracked(x.clone())), weight())
-                    }
+                    None if self.product_is_output() => Frozen::Value(
+                        self.frozen_product(untracked(x.clone()), weight()),
+                        weight(),
+                    ),
                     product => Frozen::Graph(frozen_in_graph(x.clone(), product)),
                 };
                 let x = match frozen {
@@ -249,9 +254,9 @@ impl<B: ComputeBackend> Linear<B> {
         (x.reshape([rows, self.in_features()]), out_dims)
     }
 
-    /// `x W^T + bias` for `x [rows, in]`.
-    fn frozen_product(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        let y = matmul(x, self.weight.val().transpose());
+    /// `x W^T + bias` for `x [rows, in]` and the dense `weight`.
+    fn frozen_product(&self, x: Tensor<B, 2>, weight: Tensor<B, 2>) -> Tensor<B, 2> {
+        let y = matmul(x, weight.transpose());
         match &self.bias {
             Some(bias) => y + bias.val().unsqueeze_dim(0),
             None => y,

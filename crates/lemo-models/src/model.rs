@@ -19,6 +19,7 @@ use crate::llama::Llama;
 use crate::llama2c::Llama2cCheckpoint;
 use crate::lora::{Linear, LoraConfig};
 use crate::opt::Opt;
+use crate::quantized::{FrozenSummary, QuantizeBase};
 use crate::rope::RotaryEmbedding;
 use crate::token_plan::TokenSparsity;
 use crate::weights::{Checkpoint, Loader, SafetensorsWeights, WeightSource};
@@ -100,20 +101,36 @@ pub fn open_checkpoint(path: &Path) -> Result<(ModelConfig, Box<dyn Checkpoint>)
 
 impl<B: LemoBackend> CausalLm<B> {
     /// Loads a Hugging Face folder, a llama2.c checkpoint or a GGUF file onto `device`, its weights stored
-    /// and its hidden states computed as `precision` says (see [`Self::build`]).
+    /// and its hidden states computed as `precision` says (see [`Self::build`]); a GGUF base's
+    /// quantized projections stay quantized.
     pub fn from_path(
         path: &Path,
         device: &B::Device,
         precision: Precision,
     ) -> Result<(Self, ModelConfig)> {
+        let (model, config, _) =
+            Self::from_path_quantized(path, device, precision, QuantizeBase::Keep)?;
+        Ok((model, config))
+    }
+
+    /// [`Self::from_path`] with the frozen projections stored as `quantize` says, and what was
+    /// kept quantized.
+    pub fn from_path_quantized(
+        path: &Path,
+        device: &B::Device,
+        precision: Precision,
+        quantize: QuantizeBase,
+    ) -> Result<(Self, ModelConfig, FrozenSummary)> {
         let (config, mut source) = open_checkpoint(path)?;
         // A weight that disagrees with the config is a problem of this file: name it.
-        let model =
-            Self::build(&config, source.as_mut(), device, precision).map_err(|e| match e {
-                Error::Shape(message) => Error::format(path, message),
-                other => other,
-            })?;
-        Ok((model, config))
+        let (model, summary) =
+            Self::build_quantized(&config, source.as_mut(), device, precision, quantize).map_err(
+                |e| match e {
+                    Error::Shape(message) => Error::format(path, message),
+                    other => other,
+                },
+            )?;
+        Ok((model, config, summary))
     }
 
     /// Builds a model of `config` from any weight source (a checkpoint, or random weights). The
@@ -125,6 +142,18 @@ impl<B: LemoBackend> CausalLm<B> {
         device: &B::Device,
         precision: Precision,
     ) -> Result<Self> {
+        Self::build_quantized(config, source, device, precision, QuantizeBase::Keep)
+            .map(|(model, _)| model)
+    }
+
+    /// [`Self::build`] with the frozen projections stored as `quantize` says.
+    pub fn build_quantized(
+        config: &ModelConfig,
+        source: &mut dyn WeightSource,
+        device: &B::Device,
+        precision: Precision,
+        quantize: QuantizeBase,
+    ) -> Result<(Self, FrozenSummary)> {
         for dtype in [precision.frozen, precision.activations] {
             if !B::dtype_usage(device, dtype).contains(DTypeUsage::Storage) {
                 return Err(Error::Config(format!(
@@ -137,13 +166,16 @@ impl<B: LemoBackend> CausalLm<B> {
             source,
             device: device.clone(),
             dtype: precision.frozen,
+            quantize,
+            summary: FrozenSummary::default(),
         };
-        Ok(match config {
+        let model = match config {
             ModelConfig::Llama(c) => {
                 CausalLm::Llama(Llama::load(c, &mut loader, precision.activations)?)
             }
             ModelConfig::Opt(c) => CausalLm::Opt(Opt::load(c, &mut loader)?),
-        })
+        };
+        Ok((model, loader.summary))
     }
 
     pub fn num_layers(&self) -> usize {

@@ -11,7 +11,9 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors, tensor::Metadata};
 
+use crate::gguf::GgmlType;
 use crate::lora::Linear;
+use crate::quantized::{FrozenSummary, QuantizeBase};
 use crate::random::seeded_random;
 use crate::{Error, Result};
 
@@ -19,6 +21,22 @@ use crate::{Error, Result};
 pub trait WeightSource {
     /// The named tensor's values in row-major order, or `None` if the source does not have it.
     fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>>;
+
+    /// The named tensor's quantized blocks as stored (rows in the model's order), where the
+    /// source holds it in a block type a frozen weight can keep
+    /// (see [`crate::quantized::QuantFormat::keeps`]).
+    fn fetch_blocks(
+        &mut self,
+        _name: &str,
+        _shape: &[usize],
+    ) -> Result<Option<(GgmlType, Vec<u8>)>> {
+        Ok(None)
+    }
+
+    /// The block type the named tensor is stored in, if it is quantized.
+    fn quantized_type(&self, _name: &str) -> Option<GgmlType> {
+        None
+    }
 }
 
 /// A tensor a checkpoint holds: its Hugging Face name and row-major shape, and the dtype that
@@ -50,11 +68,14 @@ pub fn sort_tensors(tensors: &mut [StoredTensor]) {
 }
 
 /// Builds Burn tensors on `device` from a [`WeightSource`], stored as `dtype` (converted on the
-/// host one tensor at a time, so a bf16 model never exists in f32 on the device).
+/// host one tensor at a time, so a bf16 model never exists in f32 on the device); projections
+/// are kept quantized as `quantize` says, and what was is counted in `summary`.
 pub struct Loader<'a, B: Backend> {
     pub source: &'a mut dyn WeightSource,
     pub device: B::Device,
     pub dtype: DType,
+    pub quantize: QuantizeBase,
+    pub summary: FrozenSummary,
 }
 
 impl<B: Backend> Loader<'_, B> {
@@ -63,19 +84,45 @@ impl<B: Backend> Loader<'_, B> {
         name: &str,
         shape: [usize; D],
     ) -> Result<Option<Tensor<B, D>>> {
+        if let Some(t) = self.source.quantized_type(name)
+            && self.quantize != QuantizeBase::None
+        {
+            let kind = name.rsplit('.').nth(1).unwrap_or(name);
+            self.summary.notes.insert(format!(
+                "{kind} ({t:?}) dequantized to {:?}: only the layers' projections stay quantized",
+                self.dtype
+            ));
+        }
+        Ok(self
+            .source
+            .fetch(name, &shape)?
+            .map(|values| self.upload(values, shape)))
+    }
+
+    /// `values` as a weight on the device.
+    pub(crate) fn upload<const D: usize>(
+        &self,
+        values: Vec<f32>,
+        shape: [usize; D],
+    ) -> Tensor<B, D> {
         // Weights live as long as the model: in the pool's persistent part, one exact-size
         // allocation each, they neither pad pages nor fragment the ones activations reuse.
         let (device, dtype) = (&self.device, self.dtype);
-        Ok(self.source.fetch(name, &shape)?.map(|values| {
-            B::memory_persistent_allocations(device, TensorData::new(values, shape), |data| {
-                Tensor::from_data(data, (device, dtype))
-            })
-        }))
+        B::memory_persistent_allocations(device, TensorData::new(values, shape), |data| {
+            Tensor::from_data(data, (device, dtype))
+        })
+    }
+
+    /// The named tensor's values on the host; an error if the source lacks it.
+    pub(crate) fn required_values(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>> {
+        self.source
+            .fetch(name, shape)?
+            .ok_or_else(|| missing(name, shape))
     }
 
     /// A projection `{name}.weight: [out, inp]` with an optional `{name}.bias: [out]`.
     pub fn linear(&mut self, name: &str, out: usize, inp: usize, bias: bool) -> Result<Linear<B>> {
-        let weight = self.required(&format!("{name}.weight"), [out, inp])?;
+        let weight = self.frozen_weight(&format!("{name}.weight"), [out, inp])?;
         let bias = if bias {
             Some(self.required(&format!("{name}.bias"), [out])?)
         } else {
@@ -89,12 +136,15 @@ impl<B: Backend> Loader<'_, B> {
         name: &str,
         shape: [usize; D],
     ) -> Result<Tensor<B, D>> {
-        self.optional(name, shape)?.ok_or_else(|| {
-            Error::Shape(format!(
-                "checkpoint has no tensor {name:?} (expected shape {shape:?})"
-            ))
-        })
+        self.optional(name, shape)?
+            .ok_or_else(|| missing(name, &shape))
     }
+}
+
+fn missing(name: &str, shape: &[usize]) -> Error {
+    Error::Shape(format!(
+        "checkpoint has no tensor {name:?} (expected shape {shape:?})"
+    ))
 }
 
 fn shape_mismatch(name: &str, found: &[usize], expected: &[usize]) -> Error {

@@ -15,6 +15,7 @@ use lemo_kernels::{LemoBackend, host_reads};
 use lemo_models::activation_plan::ActivationPlan;
 use lemo_models::activation_plan::planner::Budget;
 use lemo_models::decoder::Batch;
+use lemo_models::quantized::QuantizeBase;
 use lemo_models::weights::WeightSource;
 use lemo_models::{CausalLm, LoraConfig, ModelConfig};
 use lemo_predictor::Predictors;
@@ -89,6 +90,8 @@ pub struct BenchResult {
     pub checkpointing: bool,
     /// "bf16" or "f32" (`--precision`).
     pub precision: String,
+    /// How the frozen projections were stored (`--quantize-base`).
+    pub quantize_base: String,
     pub backend: String,
     pub oom: bool,
     pub error: Option<String>,
@@ -139,6 +142,8 @@ pub struct BenchJob {
     pub lora_rank: usize,
     pub seed: u64,
     pub precision: PrecisionKind,
+    /// `--quantize-base`.
+    pub quantize_base: QuantizeBase,
     /// `--method lemo`: thresholds from a file, or kept fractions on the bench's own sequence.
     pub sparsity: LemoSettings,
     /// Device-level memory watch, started before the backend creates its CUDA context.
@@ -179,6 +184,7 @@ fn plan_input(
     config: &ModelConfig,
     lora: &LoraConfig,
     seq_len: usize,
+    projection_bits: Option<f64>,
 ) -> PlanInput {
     PlanInput {
         model: config.clone(),
@@ -193,6 +199,7 @@ fn plan_input(
         loss_segment: LOSS_SEGMENT,
         target_keep: job.sparsity.mean_keep(),
         dense_layers: job.sparsity.dense_layers.len(),
+        projection_bits,
     }
 }
 
@@ -230,25 +237,42 @@ fn predictor_seconds<B: LemoBackend>(
 
 type AB<B> = Autodiff<B>;
 
-/// The bench's model with fresh LoRA adapters: a GGUF file's own weights, or random ones for a
-/// Hugging Face config.
-fn bench_model<B: LemoBackend>(
-    job: &BenchJob,
-    device: &B::Device,
-) -> Result<(CausalLm<AB<B>>, ModelConfig, LoraConfig)> {
+/// What the bench trains: a model with fresh LoRA adapters, and what its memory plan needs.
+struct BenchModel<B: LemoBackend> {
+    model: CausalLm<AB<B>>,
+    config: ModelConfig,
+    lora: LoraConfig,
+    /// Bits per weight of the frozen projections where they are kept quantized.
+    projection_bits: Option<f64>,
+}
+
+/// The bench's model: a GGUF file's own weights, or random ones for a Hugging Face config.
+fn bench_model<B: LemoBackend>(job: &BenchJob, device: &B::Device) -> Result<BenchModel<B>> {
     AB::<B>::seed(device, job.seed);
-    let (base, config) = if job.config.extension().is_some_and(|e| e == "gguf") {
-        CausalLm::<AB<B>>::from_path(&job.config, device, job.precision.policy())?
+    let (base, config, frozen) = if job.config.extension().is_some_and(|e| e == "gguf") {
+        CausalLm::<AB<B>>::from_path_quantized(
+            &job.config,
+            device,
+            job.precision.policy(),
+            job.quantize_base,
+        )?
     } else {
         let config = ModelConfig::from_file(&job.config)?;
-        let base = CausalLm::<AB<B>>::build(
+        let (base, frozen) = CausalLm::<AB<B>>::build_quantized(
             &config,
             &mut FastRandomWeights { seed: job.seed },
             device,
             job.precision.policy(),
+            job.quantize_base,
         )?;
-        (base, config)
+        (base, config, frozen)
     };
+    frozen
+        .lines()
+        .iter()
+        .for_each(|line| eprintln!("bench: {line}"));
+    let projection_bits =
+        lemo_models::quantized::projection_bits(&job.config, &config, job.quantize_base)?;
     let lora = LoraConfig {
         rank: job.lora_rank,
         alpha: 2.0 * job.lora_rank as f64,
@@ -259,7 +283,12 @@ fn bench_model<B: LemoBackend>(
     let model = base
         .with_new_lora(&lora, job.seed)?
         .set_extra_trainable(&lora)?;
-    Ok((model, config, lora))
+    Ok(BenchModel {
+        model,
+        config,
+        lora,
+        projection_bits,
+    })
 }
 
 impl BenchResult {
@@ -278,6 +307,7 @@ impl BenchResult {
             seq_len,
             checkpointing: job.checkpointing,
             precision: job.precision.name().into(),
+            quantize_base: job.quantize_base.name().into(),
             backend,
             oom: false,
             error: None,
@@ -417,7 +447,12 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
         .file_stem()
         .map_or("model".into(), |s| s.to_string_lossy().to_string());
     let started = Instant::now();
-    let (mut model, config, lora) = bench_model::<B>(&job, &device)?;
+    let BenchModel {
+        mut model,
+        config,
+        lora,
+        projection_bits,
+    } = bench_model::<B>(&job, &device)?;
     let trainable = optim::trainable_count::<AB<B>, _>(&model);
     eprintln!(
         "bench: {name} built in {:.1}s ({trainable} trainable parameters, {})",
@@ -427,7 +462,10 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
     let mut results = Vec::new();
     let mut ran_out = false;
     for &seq_len in &job.seq_lens {
-        let planned = memory_plan::plan(&plan_input(&job, &config, &lora, seq_len), job.budget);
+        let planned = memory_plan::plan(
+            &plan_input(&job, &config, &lora, seq_len, projection_bits),
+            job.budget,
+        );
         let backend = B::name(&device);
         let mut result = BenchResult::unmeasured(
             &job,

@@ -5,6 +5,7 @@ use anyhow::{Result, bail};
 use clap::{Args, ValueEnum};
 use lemo_kernels::precision::Precision;
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
+use lemo_models::quantized::QuantizeBase;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -58,6 +59,12 @@ pub struct Runtime {
     /// [default: bf16 on cuda; f32 on cpu and wgpu, which have no bf16].
     #[arg(long, value_enum)]
     pub precision: Option<PrecisionKind>,
+    /// Keep the frozen projections quantized on the device, dequantized per product: nf4
+    /// (QLoRA's NF4 with double quantization), q4_k or q8_0 quantize the base at load; none loads
+    /// every weight dense [default: a GGUF base's quantized projections stay in their blocks,
+    /// other bases load dense].
+    #[arg(long)]
+    pub quantize_base: Option<QuantizeBase>,
 }
 
 impl Default for Runtime {
@@ -71,6 +78,11 @@ impl Runtime {
     pub fn resolve(self) -> Result<(DeviceKind, PrecisionKind)> {
         let device = self.device.resolve();
         Ok((device, device.precision(self.precision)?))
+    }
+
+    /// `--quantize-base`, or the default (GGUF projections kept in their blocks).
+    pub fn quantize_base(self) -> QuantizeBase {
+        self.quantize_base.unwrap_or_default()
     }
 }
 

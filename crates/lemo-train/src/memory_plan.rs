@@ -5,7 +5,9 @@
 //! is refused at once with the length and the budget that would fit.
 //!
 //! peak = fixed + weights + trainable state + loss segment + activations, where
-//! - weights: every parameter at the frozen precision;
+//! - weights: every parameter at the frozen precision, but projections kept quantized
+//!   (`--quantize-base`, a GGUF base) at their quantized size; a layer dequantizes them per
+//!   product, so its graph (kept, or rebuilt for its backward pass) holds them dense besides;
 //! - trainable state: LoRA (and LongLoRA's embeddings and norms) in f32 with its gradient and
 //!   two AdamW moments, 16 bytes a parameter;
 //! - loss segment: logits, probabilities and their gradient of one `loss_segment` in f32;
@@ -76,6 +78,8 @@ pub struct PlanInput {
     /// lemo: kept fraction of the token-eliminating layers, and the layers kept dense.
     pub target_keep: f64,
     pub dense_layers: usize,
+    /// Bits a value of the frozen projections kept quantized; `None`: dense.
+    pub projection_bits: Option<f64>,
 }
 
 /// The predicted peak and its parts, in bytes.
@@ -129,9 +133,13 @@ impl Dims {
     }
 
     fn layer_parameters(&self) -> f64 {
+        self.layer_projections() + 2.0 * self.hidden
+    }
+
+    /// Values of a layer's projection matrices.
+    fn layer_projections(&self) -> f64 {
         let attention = self.hidden * (2.0 * self.q_dim + 2.0 * self.kv_dim);
-        let mlp = self.mlp_matrices * self.hidden * self.intermediate;
-        attention + mlp + 2.0 * self.hidden
+        attention + self.mlp_matrices * self.hidden * self.intermediate
     }
 
     fn parameters(&self) -> f64 {
@@ -182,9 +190,13 @@ fn fixed_parts(input: &PlanInput, dims: &Dims) -> Fixed {
     } else {
         0.0
     };
+    let projections = dims.layers * dims.layer_projections();
+    let projection_bytes = input
+        .projection_bits
+        .map_or(frozen_bytes, |bits| bits / 8.0);
     Fixed {
         fixed: FIXED_GIB * GIB,
-        weights: dims.parameters() * frozen_bytes,
+        weights: (dims.parameters() - projections) * frozen_bytes + projections * projection_bytes,
         trainable: (lora + extras) * 16.0,
         loss: input.loss_segment.min(input.seq_len) as f64 * dims.vocab * 4.0 * 3.0,
     }
@@ -219,6 +231,11 @@ pub fn cost_table(input: &PlanInput) -> CostTable {
     let flops = tokens * (2.0 * dims.layer_parameters() + 2.0 * tokens * dims.q_dim);
     let recompute_ns = flops / RECOMPUTE_FLOPS * 1e9;
     let copy_ns = residual / HOST_COPY_BYTES_PER_S * 1e9;
+    // A layer's projections dequantized: in its graph while it is kept or rebuilt.
+    let dequantized = match input.projection_bits {
+        Some(_) => dims.layer_projections() * element_bytes(input.precision),
+        None => 0.0,
+    };
     let layer_cost = |index: usize| {
         let sparse = lemo && index >= input.dense_layers;
         let keep = if sparse { input.target_keep } else { 1.0 };
@@ -228,8 +245,8 @@ pub fn cost_table(input: &PlanInput) -> CostTable {
             layer
         };
         LayerCost {
-            kept_bytes: (graph + kept_offset / layers as f64).max(0.0) as u64,
-            rebuilt_bytes: (keep * layer + rebuilt_offset) as u64,
+            kept_bytes: (graph + kept_offset / layers as f64 + dequantized).max(0.0) as u64,
+            rebuilt_bytes: (keep * layer + rebuilt_offset + dequantized) as u64,
             backward_bytes: ((RECOMPUTE_LAYERS - 1.0) * keep * layer) as u64,
             recompute_ns: recompute_ns as u64,
             exposed_copy_ns: (copy_ns - recompute_ns).max(0.0) as u64,
@@ -461,7 +478,34 @@ mod tests {
             loss_segment: 1024,
             target_keep: 0.5,
             dense_layers: 1,
+            projection_bits: None,
         }
+    }
+
+    /// Projections kept quantized count at their quantized size, plus one layer's projections
+    /// dense while a recomputed layer is rebuilt for its backward pass.
+    #[test]
+    fn quantized_projections_count_their_quantized_bytes() {
+        let dense = llama_2_7b(8192, Method::Lora, true);
+        let bits = lemo_models::quantized::nf4::BITS;
+        let nf4 = PlanInput {
+            projection_bits: Some(bits),
+            ..dense.clone()
+        };
+        let predict = |input: &PlanInput| predict_plan(input, &uniform_plan(input));
+        let (dense_plan, nf4_plan) = (predict(&dense), predict(&nf4));
+        let dims = Dims::of(&dense.model);
+        let projections = dims.layers * dims.layer_projections();
+        let saved = dense_plan.weights - nf4_plan.weights;
+        assert!(
+            (saved - projections * (2.0 - bits / 8.0)).abs() < 1.0,
+            "{saved}"
+        );
+        let buffer = nf4_plan.activations - dense_plan.activations;
+        assert!(
+            (buffer - 2.0 * dims.layer_projections()).abs() < 1.0,
+            "one layer's dense projections: {buffer}"
+        );
     }
 
     /// The prediction is within 10% of every device-level peak measured on the H200.

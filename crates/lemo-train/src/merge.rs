@@ -2,7 +2,7 @@
 //! (`config.json`, safetensors weights, tokenizer), optionally a GGUF file too. The merge runs on
 //! the host one tensor at a time (see `lemo_models::merge`), so any model the disk holds merges.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
@@ -14,6 +14,7 @@ use lemo_models::gguf::tokenizer::{Metadata, llama2c_metadata, tokenizer_json};
 use lemo_models::gguf::{self, GgufFile, GgufPrecision, Value};
 use lemo_models::merge::AdapterWeights;
 use lemo_models::model::{ModelFormat, open_checkpoint};
+use lemo_models::quantized::{QuantFormat, QuantizeBase};
 use lemo_models::tokenizer::Tokenizer;
 use lemo_models::weights::StoredTensor;
 use lemo_models::{Error, ModelConfig};
@@ -125,6 +126,11 @@ pub fn run(args: MergeArgs) -> Result<PathBuf> {
     };
     let max_shard_bytes = (args.max_shard_mb * 1e6) as u64;
     export::write_safetensors(&args.out, &tensors, max_shard_bytes, &mut merged, report)?;
+    if let ModelFormat::Gguf = format
+        && let Some(note) = quantized_base_note(&GgufFile::open(&args.model)?, &tensors)
+    {
+        eprintln!("merge: {note}");
+    }
 
     let tokenizer = write_tokenizer(&args.model, &format, &args.out)?;
     let config_json = match (&format, &llama) {
@@ -168,6 +174,25 @@ pub fn run(args: MergeArgs) -> Result<PathBuf> {
     Ok(args.out)
 }
 
+/// What merging into a quantized GGUF base does to its blocks, and the precision written.
+fn quantized_base_note(base: &GgufFile, tensors: &[StoredTensor]) -> Option<String> {
+    let types: BTreeSet<String> = base
+        .header
+        .tensors
+        .values()
+        .filter(|info| QuantFormat::keeps(info.ggml_type))
+        .map(|info| format!("{:?}", info.ggml_type))
+        .collect();
+    (!types.is_empty()).then(|| {
+        format!(
+            "the base's {} blocks were dequantized to fold the adapter in: the merged weights \
+             are written in {} (--gguf q8_0 requantizes them)",
+            types.into_iter().collect::<Vec<_>>().join(", "),
+            export::torch_dtype(tensors)
+        )
+    })
+}
+
 fn report(path: &Path) {
     let size = std::fs::metadata(path).map_or(0, |m| m.len());
     eprintln!(
@@ -184,6 +209,7 @@ fn trained_rope(args: &MergeArgs, config: &ModelConfig) -> Result<Option<RopeCon
         adapter: Some(args.adapter.clone()),
         target_context: args.target_context,
         precision: PrecisionKind::F32,
+        quantize_base: QuantizeBase::None,
     };
     Ok(setup.rope(config)?.map(|(rope, _)| rope))
 }

@@ -12,6 +12,7 @@ use lemo_models::config::{RopeConfig, RopeScaling};
 use lemo_models::gguf::GgufFile;
 use lemo_models::llama2c::Llama2cCheckpoint;
 use lemo_models::model::ModelFormat;
+use lemo_models::quantized::QuantizeBase;
 use lemo_models::tokenizer::Tokenizer;
 use lemo_models::{CausalLm, ModelConfig};
 use serde::{Deserialize, Serialize};
@@ -51,6 +52,7 @@ impl ModelArgs {
             adapter: self.adapter.clone(),
             target_context: self.target_context,
             precision,
+            quantize_base: self.runtime.quantize_base(),
         };
         Ok((device, setup))
     }
@@ -271,6 +273,7 @@ pub struct ModelSetup {
     /// Overrides the adapter's recorded scaling.
     pub target_context: Option<usize>,
     pub precision: PrecisionKind,
+    pub quantize_base: QuantizeBase,
 }
 
 impl ModelSetup {
@@ -320,7 +323,13 @@ pub fn load<B: LemoBackend>(
     setup: &ModelSetup,
     device: &B::Device,
 ) -> Result<(CausalLm<B>, ModelConfig)> {
-    let (mut model, config) = CausalLm::<B>::from_path(path, device, setup.precision.policy())?;
+    let (mut model, config, frozen) = CausalLm::<B>::from_path_quantized(
+        path,
+        device,
+        setup.precision.policy(),
+        setup.quantize_base,
+    )?;
+    frozen.lines().iter().for_each(|line| eprintln!("{line}"));
     if let Some((rope, source)) = setup.rope(&config)? {
         model = model.with_rope(&rope)?;
         eprintln!(

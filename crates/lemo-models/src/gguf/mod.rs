@@ -18,11 +18,13 @@ use memmap2::Mmap;
 use safetensors::Dtype;
 
 pub use quant::GgmlType;
+pub(crate) use quant::q4_k_scale_min;
 pub use reader::{Header, TensorInfo, Value};
 pub use writer::{GgufPrecision, write_llama};
 
 use crate::config::{LlamaConfig, RopeConfig, RopeScaling, YarnScaling};
 use crate::llama2c::interleaved_to_rotate_half;
+use crate::quantized::QuantFormat;
 use crate::weights::{Checkpoint, StoredTensor, WeightSource, sort_tensors};
 use crate::{Error, Result};
 
@@ -352,8 +354,9 @@ impl Checkpoint for GgufWeights {
     }
 }
 
-impl WeightSource for GgufWeights {
-    fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
+impl GgufWeights {
+    /// The tensor stored for Hugging Face name `name`, checked against `shape`.
+    fn locate(&self, name: &str, shape: &[usize]) -> Result<Option<(GgufName, &TensorInfo)>> {
         let Some(mapped) = gguf_name(name) else {
             return Ok(None);
         };
@@ -367,6 +370,15 @@ impl WeightSource for GgufWeights {
                 mapped.name
             )));
         }
+        Ok(Some((mapped, info)))
+    }
+}
+
+impl WeightSource for GgufWeights {
+    fn fetch(&mut self, name: &str, shape: &[usize]) -> Result<Option<Vec<f32>>> {
+        let Some((mapped, info)) = self.locate(name, shape)? else {
+            return Ok(None);
+        };
         let values = self.file.dequantize(info);
         Ok(Some(if mapped.interleaved_heads {
             let rows = shape[0];
@@ -375,5 +387,38 @@ impl WeightSource for GgufWeights {
         } else {
             values
         }))
+    }
+
+    fn fetch_blocks(&mut self, name: &str, shape: &[usize]) -> Result<Option<(GgmlType, Vec<u8>)>> {
+        let Some((mapped, info)) = self.locate(name, shape)? else {
+            return Ok(None);
+        };
+        if !QuantFormat::keeps(info.ggml_type) || shape.len() != 2 {
+            return Ok(None);
+        }
+        let bytes = &self.file.map[info.start..info.start + info.len];
+        if !mapped.interleaved_heads {
+            return Ok(Some((info.ggml_type, bytes.to_vec())));
+        }
+        // A row is a whole number of blocks, so rows move as byte runs; the row order is the
+        // one interleaved_to_rotate_half gives a column of row indices (exact in f32).
+        let rows = shape[0];
+        let row_bytes = info.len / rows;
+        let indices: Vec<f32> = (0..rows).map(|r| r as f32).collect();
+        let order = interleaved_to_rotate_half(&indices, rows, 1, self.head_dim);
+        let reordered = order
+            .iter()
+            .flat_map(|&from| {
+                let from = from as usize;
+                &bytes[from * row_bytes..(from + 1) * row_bytes]
+            })
+            .copied()
+            .collect();
+        Ok(Some((info.ggml_type, reordered)))
+    }
+
+    fn quantized_type(&self, name: &str) -> Option<GgmlType> {
+        let info = self.file.header.tensors.get(&gguf_name(name)?.name)?;
+        QuantFormat::keeps(info.ggml_type).then_some(info.ggml_type)
     }
 }

@@ -76,6 +76,11 @@ impl GgmlType {
         }
     }
 
+    /// Values per block (1 for the float types).
+    pub fn block_values(self) -> usize {
+        self.block().0
+    }
+
     /// Values per block and bytes per block.
     fn block(self) -> (usize, usize) {
         match self {
@@ -193,7 +198,7 @@ fn q8_0(block: &[u8], out: &mut Vec<f32>) {
 /// Scale and minimum (6 bits each) of sub-block `j` of a Q4_K super-block: the first four
 /// are stored plainly in the low 6 bits of bytes 0-3 (scales) and 4-7 (minimums); the last four
 /// take their low 4 bits from bytes 8-11 and their top 2 bits from the spare top bits of bytes 0-7.
-fn q4_k_scale_min(j: usize, packed: &[u8]) -> (u8, u8) {
+pub(crate) fn q4_k_scale_min(j: usize, packed: &[u8]) -> (u8, u8) {
     if j < 4 {
         (packed[j] & 63, packed[j + 4] & 63)
     } else {

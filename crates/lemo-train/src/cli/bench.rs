@@ -76,6 +76,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         lora_rank: args.lora_rank,
         seed: args.seed,
         precision,
+        quantize_base: args.runtime.quantize_base(),
         device_watch: (device == DeviceKind::Cuda)
             .then(DeviceWatch::start)
             .flatten(),

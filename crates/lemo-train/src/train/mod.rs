@@ -178,6 +178,7 @@ fn plan_input(
     model: ModelConfig,
     seq_len: usize,
     precision: PrecisionKind,
+    projection_bits: Option<f64>,
 ) -> memory_plan::PlanInput {
     memory_plan::PlanInput {
         model,
@@ -192,6 +193,7 @@ fn plan_input(
         loss_segment: config.loss_segment,
         target_keep: config.lemo.mean_keep(),
         dense_layers: config.lemo.dense_layers.len(),
+        projection_bits,
     }
 }
 

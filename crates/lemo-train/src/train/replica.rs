@@ -53,8 +53,15 @@ impl<B: LemoBackend> Replica<B> {
     pub fn load(setup: &Setup, device: B::Device, rank: usize) -> Result<Self> {
         let config = &setup.config;
         AB::<B>::seed(&device, config.seed);
-        let (mut model, _) =
-            CausalLm::<AB<B>>::from_path(&setup.model_path, &device, setup.precision.policy())?;
+        let (mut model, _, frozen) = CausalLm::<AB<B>>::from_path_quantized(
+            &setup.model_path,
+            &device,
+            setup.precision.policy(),
+            config.runtime.quantize_base(),
+        )?;
+        if rank == 0 {
+            frozen.lines().iter().for_each(|line| eprintln!("{line}"));
+        }
         if let Some(rope) = &setup.rope {
             model = model.with_rope(rope)?;
         }

@@ -108,8 +108,19 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         // Recorded as trained (a resume keeps it), not left to the default.
         config.loss_on = Some(config.loss_on());
     }
+    let projection_bits = lemo_models::quantized::projection_bits(
+        &model_path,
+        &model_config,
+        config.runtime.quantize_base(),
+    )?;
     let planned = memory_plan::plan(
-        &plan_input(&config, model_config.clone(), seq_len, precision),
+        &plan_input(
+            &config,
+            model_config.clone(),
+            seq_len,
+            precision,
+            projection_bits,
+        ),
         job.budget.filter(|_| !job.skip_memory_plan),
     )?;
     if let Some(limit) = model_config.max_sequence_length().filter(|&l| seq_len > l) {
