@@ -1,12 +1,13 @@
 //! `--quantize-base` and quantized GGUF bases from the command line: NF4 at load scores close to
-//! the dense model; a GGUF base with Q8_0 projections trains with them kept quantized, merges
-//! (saying what it dequantized and the precision it wrote) and the merged model scores as the
-//! base with the adapter; an unknown quantization is refused by name.
+//! the dense model; SmolLM2's Q4_1 GGUF (when the model cache has it) trains with its
+//! projections kept quantized, merges (saying what it dequantized and the precision it wrote)
+//! and the merged model scores as the base with the adapter; an unknown quantization is refused
+//! by name.
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use lemo_test_support::{assert_close_scalar, hf_fixture, stdout_json};
+use lemo_test_support::{assert_close_scalar, hf_fixture, smollm2_gguf, stdout_json};
 
 fn lemo(args: &[&str]) -> Output {
     lemo_test_support::run(env!("CARGO_BIN_EXE_lemo-train"), args)
@@ -107,28 +108,15 @@ fn an_unknown_quantization_is_refused_by_name() {
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
+/// SmolLM2's Q4_1 GGUF trains with its projections kept quantized, merges (saying what it
+/// dequantized and the precision it wrote), and the merged model scores as the base with the
+/// adapter, kept quantized or dequantized at load.
 #[test]
-fn a_q8_0_gguf_base_trains_quantized_and_merges() {
+fn a_quantized_gguf_base_trains_and_merges() {
+    let Some(base) = smollm2_gguf() else { return };
     let dir = tempfile::tempdir().unwrap();
-    // A GGUF base with Q8_0 projections: the fixture merged with an adapter of its own.
-    let fixture = hf_fixture("llama_gqa_tied");
-    let (first, _) = train(&fixture, &dir.path().join("first"));
-    let exported = dir.path().join("exported");
-    succeed(&[
-        "merge",
-        "--model",
-        path(&fixture),
-        "--adapter",
-        path(&first),
-        "--out",
-        path(&exported),
-        "--gguf",
-        "q8_0",
-    ]);
-    let base = exported.join("model-q8_0.gguf");
-
-    let (adapter, stderr) = train(&base, &dir.path().join("second"));
-    assert!(stderr.contains("kept as Q8_0"), "{stderr}");
+    let (adapter, stderr) = train(&base, &dir.path().join("run"));
+    assert!(stderr.contains("210 kept as Q4_1"), "{stderr}");
     let merged = dir.path().join("merged");
     let output = succeed(&[
         "merge",
@@ -141,7 +129,8 @@ fn a_q8_0_gguf_base_trains_quantized_and_merges() {
     ]);
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(
-        stderr.contains("Q8_0 blocks were dequantized") && stderr.contains("written in float32"),
+        stderr.contains("Q4_1, Q8_0 blocks were dequantized")
+            && stderr.contains("written in float32"),
         "{stderr}"
     );
     let (with_adapter, _) = eval(&base, &["--adapter", path(&adapter)]);
