@@ -56,7 +56,7 @@ pub fn make_prompt(
     let base = count(0)?;
     if base > length {
         bail!(
-            "a passkey prompt needs at least {base} tokens with this tokenizer; {length} is too short"
+            "--lengths {length}: a passkey prompt needs at least {base} tokens with this tokenizer"
         );
     }
     let per_unit = (count(8)? - base) as f64 / 8.0;

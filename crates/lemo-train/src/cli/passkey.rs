@@ -26,6 +26,9 @@ pub struct PasskeyArgs {
 }
 
 pub fn run(args: PasskeyArgs) -> Result<()> {
+    if let Some(out) = &args.out {
+        lemo_train::modelio::check_output("--out", out, &[&args.tokenizer])?;
+    }
     let tokenizer = Tokenizer::from_file(&args.tokenizer)?;
     let text =
         lemo_train::passkey::prompts_jsonl(&tokenizer, &args.lengths, args.trials, args.seed)?;
