@@ -229,13 +229,16 @@ pub fn read_config(path: &Path) -> Result<ModelConfig> {
     })
 }
 
-/// The longest sequence a model addresses as configured: its trained context, times the linear
-/// position interpolation its config already applies.
+/// The longest sequence a model addresses as configured: its trained context, times the factor
+/// of a linear interpolation or dynamic NTK scaling its config applies (both are given over the
+/// original context; YaRN and llama3 configs give the extended one).
 pub fn addressable_context(config: &ModelConfig) -> usize {
     let trained = config.max_position_embeddings();
     match config {
         ModelConfig::Llama(c) => match c.rope.scaling {
-            RopeScaling::Linear { factor } => (trained as f64 * factor.max(1.0)) as usize,
+            RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor, .. } => {
+                (trained as f64 * factor.max(1.0)) as usize
+            }
             _ => trained,
         },
         ModelConfig::Opt(_) => trained,
@@ -352,4 +355,22 @@ pub fn load<B: LemoBackend>(
         );
     }
     Ok((model, config))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The factor of dynamic NTK scaling is given over the original context, as linear
+    /// interpolation's is: a 32-position model scaled by 4 addresses 128 (transformers evaluates
+    /// the fixture at 64).
+    #[test]
+    fn dynamic_scaling_extends_the_addressable_context() {
+        let fixture = lemo_test_support::hf_fixture("llama_rope_dynamic_old_config");
+        let config = read_config(&fixture).unwrap();
+        assert_eq!(config.max_position_embeddings(), 32);
+        assert_eq!(addressable_context(&config), 128);
+        check_seq_len(&config, 64, None).unwrap();
+        assert!(check_seq_len(&config, 129, None).is_err());
+    }
 }
