@@ -108,14 +108,21 @@ fn normalized(block: &[f32]) -> (f32, impl Iterator<Item = f32> + '_) {
 impl Nf4 {
     pub fn quantize(values: &[f32]) -> Self {
         let zero = nearest(&NF4_CODE, 0.0);
-        let mut codes = Vec::with_capacity(values.len().next_multiple_of(BLOCK));
-        let mut absmax = Vec::with_capacity(values.len().div_ceil(BLOCK));
-        for block in values.chunks(BLOCK) {
-            let (max, scaled) = normalized(block);
-            codes.extend(scaled.map(|x| nearest(&NF4_CODE, x)));
-            codes.resize(codes.len().next_multiple_of(BLOCK), zero);
-            absmax.push(max);
-        }
+        // Each block: its maximum, then its codes (padded to a whole block).
+        let coded = super::by_blocks(values, BLOCK, |part| {
+            part.chunks(BLOCK)
+                .map(|block| {
+                    let (max, scaled) = normalized(block);
+                    let mut codes = [zero; BLOCK];
+                    for (code, x) in codes.iter_mut().zip(scaled) {
+                        *code = nearest(&NF4_CODE, x);
+                    }
+                    (max, codes)
+                })
+                .collect()
+        });
+        let absmax: Vec<f32> = coded.iter().map(|(max, _)| *max).collect();
+        let codes: Vec<u8> = coded.into_iter().flat_map(|(_, codes)| codes).collect();
         let mean = absmax.iter().map(|&a| f64::from(a)).sum::<f64>() / absmax.len().max(1) as f64;
         let absmax_mean = mean as f32;
         let centered: Vec<f32> = absmax.iter().map(|&a| a - absmax_mean).collect();
