@@ -192,6 +192,16 @@ impl<B: LemoBackend> LlamaMlp<B> {
             .forward_with_product(swiglu(gate, up), product(|p| &p.down))
     }
 
+    /// The graph of a token-sparse block and its dropped rows' recomputation share one dense
+    /// copy of a quantized base's projections (see [`Linear::with_dense_weight`]).
+    fn with_dense_weights(&self) -> Self {
+        Self {
+            gate_proj: self.gate_proj.with_dense_weight(),
+            up_proj: self.up_proj.with_dense_weight(),
+            down_proj: self.down_proj.with_dense_weight(),
+        }
+    }
+
     /// This MLP after `norm`, frozen, as its dropped rows' recomputed backward pass reads it.
     fn frozen(&self, norm: &RmsNorm<B>) -> FrozenMlp<B> {
         FrozenMlp {
@@ -270,9 +280,10 @@ impl<B: LemoBackend> LlamaLayer<B> {
                 a.clone() + by_row_slices(norm.forward(a), width, |x| self.mlp.forward(x, None))
             }
             Some(sparse) => {
+                let mlp = self.mlp.with_dense_weights();
                 let x = norm.forward_rows(a.clone(), sparse.rows.clone());
-                let out = self.mlp.forward(x, Some(&sparse));
-                sparse.mlp_residual(a, out, || self.mlp.frozen(norm))
+                let out = mlp.forward(x, Some(&sparse));
+                sparse.mlp_residual(a, out, || mlp.frozen(norm))
             }
         }
     }

@@ -156,6 +156,20 @@ impl<B: ComputeBackend> Linear<B> {
         }
     }
 
+    /// This projection with a quantized weight dequantized once, for a block whose graph and
+    /// recomputation both read it: they then hold one dense copy between them, not one each.
+    /// A dense weight is shared as it is.
+    pub fn with_dense_weight(&self) -> Self {
+        match &self.weight {
+            FrozenWeight::Dense(_) => self.clone(),
+            FrozenWeight::Quantized(quantized) => Self {
+                weight: quantized.dequantize().into(),
+                bias: self.bias.clone(),
+                lora: self.lora.clone(),
+            },
+        }
+    }
+
     /// Folds the adapter into the base weight: `W + scaling * B A`, summed in f32 and stored
     /// dense in the weight's dtype (a quantized weight is dequantized first).
     pub fn merge_lora(mut self) -> Self {

@@ -176,9 +176,16 @@ impl<B: LemoBackend> OptLayer<B> {
             (None, true) => a.clone() + self.dense_mlp(ln2.forward(a)),
             (None, false) => ln2.forward(a.clone() + self.dense_mlp(a)),
             (Some(sparse), true) => {
+                // The graph and the dropped rows' recomputation share one dense copy of a
+                // quantized base's projections (see `Linear::with_dense_weight`).
+                let layer = Self {
+                    fc1: self.fc1.with_dense_weight(),
+                    fc2: self.fc2.with_dense_weight(),
+                    ..self.clone()
+                };
                 let x = ln2.forward(gather_rows(a.clone(), sparse.rows.clone()));
-                let out = self.mlp(x, Some(&sparse));
-                sparse.mlp_residual(a, out, || self.frozen_mlp())
+                let out = layer.mlp(x, Some(&sparse));
+                sparse.mlp_residual(a, out, || layer.frozen_mlp())
             }
             (Some(_), false) => panic!("{POST_NORM_DENSE}"),
         }
