@@ -269,6 +269,16 @@ pub fn check_seq_len(
     Ok(())
 }
 
+/// Refuses a LoRA rank above the model's hidden size: past a projection's width a rank adds
+/// parameters and no capacity, and an absurd one would only fail when allocated.
+pub fn check_lora_rank(config: &ModelConfig, rank: usize) -> Result<()> {
+    let hidden = config.hidden_size();
+    if rank > hidden {
+        bail!("--lora-rank {rank} is more than the model's hidden size of {hidden}");
+    }
+    Ok(())
+}
+
 /// How `eval` (and friends) should set the model up.
 #[derive(Debug, Clone)]
 pub struct ModelSetup {

@@ -102,6 +102,7 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         .or(config.target_context)
         .unwrap_or(trained_context);
     crate::modelio::check_seq_len(&model_config, seq_len, config.target_context)?;
+    crate::modelio::check_lora_rank(&model_config, config.lora_rank)?;
     // The data first: its errors are the likeliest, and come before any plan is printed.
     let corpus = read_corpus(&config, &model_path, &model_config, seq_len)?;
     if corpus.train.get(0).is_some_and(|s| s.scored.is_some()) {

@@ -274,6 +274,12 @@ fn combinations_that_cannot_work_are_refused() {
             &["--method", "lemo", "--seq-len", "16", "--block-size", "64"],
             "--block-size",
         ),
+        // A rank past the model's width; LeMo's thresholds with another method.
+        train(&["--lora-rank", "100000000"], "--lora-rank 100000000"),
+        train(
+            &["--method", "lora", "--thresholds", path(&thresholds)],
+            "--thresholds applies to --method lemo",
+        ),
         // Past the 128 positions the model addresses without --target-context.
         train(&["--seq-len", "4096"], "--target-context"),
         case(

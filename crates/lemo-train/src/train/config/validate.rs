@@ -29,6 +29,11 @@ impl TrainConfig {
         }
         if self.method == Method::Lemo {
             self.lemo.validate()?;
+        } else if let Some(flag) = self.lemo_files_given() {
+            bail!(
+                "{flag} applies to --method lemo; this run trains with --method {}",
+                self.method.name()
+            );
         }
         if self.steps == 0 || self.batch_size == 0 || self.grad_accum == 0 {
             bail!("--steps, --batch-size and --grad-accum must be positive");
@@ -65,6 +70,18 @@ impl TrainConfig {
         self.save_interval()?;
         self.collective_timeout()?;
         Ok(())
+    }
+}
+
+impl TrainConfig {
+    /// The first of the LeMo-only files given (they would be ignored by another method).
+    fn lemo_files_given(&self) -> Option<&'static str> {
+        [
+            ("--thresholds", self.lemo.thresholds.is_some()),
+            ("--predictors", self.lemo.predictors.is_some()),
+        ]
+        .into_iter()
+        .find_map(|(flag, given)| given.then_some(flag))
     }
 }
 
