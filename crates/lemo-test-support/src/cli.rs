@@ -2,6 +2,40 @@
 
 use std::process::{Command, Output};
 
+/// A training run of three steps at a fixed learning rate that saves nothing along the way
+/// (no warm-up, validation, checkpoints or token cache): what a test that trains and then looks
+/// at the adapter needs.
+pub const SHORT_TRAINING: [&str; 12] = [
+    "--steps",
+    "3",
+    "--warmup-steps",
+    "0",
+    "--lr",
+    "1e-2",
+    "--val-every",
+    "0",
+    "--checkpoint-every",
+    "0",
+    "--cache-dir",
+    "none",
+];
+
+/// [`run`], which must succeed: a failure panics with the arguments and the command's stderr.
+pub fn run_ok(binary: &str, args: &[&str]) -> Output {
+    let output = run(binary, args);
+    assert!(
+        output.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    output
+}
+
+/// A path as a command-line argument (test paths are UTF-8).
+pub fn path(path: &std::path::Path) -> &str {
+    path.to_str().expect("a UTF-8 path")
+}
+
 /// Runs `binary` (a test's `env!("CARGO_BIN_EXE_...")`) with `args`.
 pub fn run(binary: &str, args: &[&str]) -> Output {
     Command::new(binary)

@@ -8,7 +8,10 @@ pub mod cli;
 pub mod files;
 pub mod skip;
 
-pub use cli::{assert_clean_error, assert_error_line, run, run_within, stdout_json};
+pub use cli::{
+    SHORT_TRAINING, assert_clean_error, assert_error_line, path, run, run_ok, run_within,
+    stdout_json,
+};
 pub use files::{
     gradient_fixture, hf_fixture, read_json, read_safetensors, repo_root, shared_data,
     smollm2_gguf, snapshot,

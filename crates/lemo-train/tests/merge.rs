@@ -6,7 +6,9 @@
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use lemo_test_support::{assert_clean_error, assert_close_scalar, hf_fixture, stdout_json};
+use lemo_test_support::{
+    SHORT_TRAINING, assert_clean_error, assert_close_scalar, hf_fixture, path, stdout_json,
+};
 use serde_json::Value;
 
 fn lemo(args: &[&str]) -> Output {
@@ -14,17 +16,7 @@ fn lemo(args: &[&str]) -> Output {
 }
 
 fn succeed(args: &[&str]) -> Output {
-    let output = lemo(args);
-    assert!(
-        output.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().unwrap()
+    lemo_test_support::run_ok(env!("CARGO_BIN_EXE_lemo-train"), args)
 }
 
 /// `eval --json` loss of `model` on `data` (windows of `seq_len`), with `extra` options.
@@ -51,35 +43,22 @@ fn loss(model: &Path, data: &Path, seq_len: &str, extra: &[&str]) -> f64 {
 fn train_fixture_adapter(dir: &Path) -> PathBuf {
     let fixture = hf_fixture("llama_gqa_tied");
     let run = dir.join("run");
-    succeed(&[
+    let tokens = fixture.join("tokens.jsonl");
+    let head = [
         "train",
         "--model",
         path(&fixture),
         "--data",
-        path(&fixture.join("tokens.jsonl")),
+        path(&tokens),
         "--method",
         "longlora",
         "--target-context",
         "256",
         "--seq-len",
         "32",
-        "--steps",
-        "3",
-        "--warmup-steps",
-        "0",
-        "--lr",
-        "1e-2",
-        "--val-every",
-        "0",
-        "--checkpoint-every",
-        "0",
-        "--cache-dir",
-        "none",
-        "--device",
-        "cpu",
-        "--out",
-        path(&run),
-    ]);
+    ];
+    let tail = ["--device", "cpu", "--out", path(&run)];
+    succeed(&[&head[..], &SHORT_TRAINING, &tail].concat());
     run.join("adapter")
 }
 

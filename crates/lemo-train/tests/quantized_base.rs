@@ -7,24 +7,16 @@
 use std::path::{Path, PathBuf};
 use std::process::Output;
 
-use lemo_test_support::{assert_close_scalar, hf_fixture, smollm2_gguf, stdout_json};
+use lemo_test_support::{
+    SHORT_TRAINING, assert_close_scalar, hf_fixture, path, smollm2_gguf, stdout_json,
+};
 
 fn lemo(args: &[&str]) -> Output {
     lemo_test_support::run(env!("CARGO_BIN_EXE_lemo-train"), args)
 }
 
 fn succeed(args: &[&str]) -> Output {
-    let output = lemo(args);
-    assert!(
-        output.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    output
-}
-
-fn path(p: &Path) -> &str {
-    p.to_str().unwrap()
+    lemo_test_support::run_ok(env!("CARGO_BIN_EXE_lemo-train"), args)
 }
 
 /// `eval --json` on the fixture's tokens: the loss and what the run said on stderr.
@@ -52,7 +44,7 @@ fn eval(model: &Path, extra: &[&str]) -> (f64, String) {
 /// Trains a LoRA adapter on `model` for 3 steps; returns the adapter folder and the run's stderr.
 fn train(model: &Path, run: &Path) -> (PathBuf, String) {
     let data = hf_fixture("llama_gqa_tied").join("tokens.jsonl");
-    let output = succeed(&[
+    let head = [
         "train",
         "--model",
         path(model),
@@ -60,23 +52,9 @@ fn train(model: &Path, run: &Path) -> (PathBuf, String) {
         path(&data),
         "--seq-len",
         "32",
-        "--steps",
-        "3",
-        "--warmup-steps",
-        "0",
-        "--lr",
-        "1e-2",
-        "--val-every",
-        "0",
-        "--checkpoint-every",
-        "0",
-        "--cache-dir",
-        "none",
-        "--device",
-        "cpu",
-        "--out",
-        path(run),
-    ]);
+    ];
+    let tail = ["--device", "cpu", "--out", path(run)];
+    let output = succeed(&[&head[..], &SHORT_TRAINING, &tail].concat());
     let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
     (run.join("adapter"), stderr)
 }

@@ -320,24 +320,8 @@ fn fixture_losses(out: &Path, method: &str, device: &str) -> Vec<f64> {
         .arg("--data")
         .arg(fixture.join("tokens.jsonl"))
         .args(["--method", method, "--device", device, "--precision", "f32"])
-        .args([
-            "--seq-len",
-            "32",
-            "--steps",
-            "3",
-            "--warmup-steps",
-            "0",
-            "--lr",
-            "1e-2",
-        ])
-        .args([
-            "--val-every",
-            "0",
-            "--checkpoint-every",
-            "0",
-            "--cache-dir",
-            "none",
-        ])
+        .args(["--seq-len", "32"])
+        .args(lemo_test_support::SHORT_TRAINING)
         .arg("--out")
         .arg(out)
         .output()

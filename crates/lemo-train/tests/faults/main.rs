@@ -29,9 +29,7 @@ pub fn lemo(args: &[&str]) -> Output {
     lemo_test_support::run_within(lemo_binary(), args, REFUSAL_LIMIT)
 }
 
-pub fn path(path: &Path) -> &str {
-    path.to_str().expect("a UTF-8 path")
-}
+pub use lemo_test_support::path;
 
 /// The Llama fixture (128 positions, a vocabulary of 128) and its `tokens.jsonl`.
 pub fn llama_fixture() -> (PathBuf, PathBuf) {

@@ -44,12 +44,7 @@ fn train_args<'a>(model: &'a str, data: &'a str, out: &'a str, steps: &'a str) -
 }
 
 fn succeed(args: &[&str]) {
-    let output = lemo(args);
-    assert!(
-        output.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&output.stderr)
-    );
+    lemo_test_support::run_ok(crate::lemo_binary(), args);
 }
 
 #[test]
