@@ -104,6 +104,14 @@ pub fn check_output(flag: &str, out: &Path, inputs: &[&Path]) -> Result<()> {
     Ok(())
 }
 
+/// Whether two paths name the same existing file or folder.
+pub fn same_path(a: &Path, b: &Path) -> bool {
+    matches!(
+        (std::fs::canonicalize(a), std::fs::canonicalize(b)),
+        (Ok(a), Ok(b)) if a == b
+    )
+}
+
 /// A missing `--model` is named as such before anything looks for files beside it.
 pub fn require_model(model: &Path) -> Result<()> {
     if !model.exists() {

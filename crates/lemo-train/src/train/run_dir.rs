@@ -11,17 +11,51 @@ use serde::{Deserialize, Serialize};
 
 pub const RUN_FILE: &str = "run.json";
 
-/// What a run writes into its folder: the entries `--overwrite` removes, and no others.
-const RUN_ENTRIES: &[&str] = &[
+/// The files a run writes at the top of its folder: `--overwrite` removes these, and no others.
+const RUN_FILES: &[&str] = &[
     RUN_FILE,
     "config.toml",
     "metrics.jsonl",
     "summary.json",
     "thresholds.json",
-    "adapter",
-    "checkpoints",
-    "plots",
 ];
+
+/// A folder a run writes into, and which of its entries are the run's: `--overwrite` removes
+/// those, then the folder once nothing is left in it, so a file of the user's kept there
+/// survives (as does the folder holding it).
+struct RunFolder {
+    name: &'static str,
+    owns: fn(&str) -> bool,
+}
+
+const RUN_FOLDERS: &[RunFolder] = &[
+    RunFolder {
+        name: "adapter",
+        owns: |entry| {
+            [
+                lemo_models::adapter::CONFIG_FILE,
+                lemo_models::adapter::WEIGHTS_FILE,
+                crate::lemo::THRESHOLDS_FILE,
+                crate::modelio::TRAINING_INFO_FILE,
+            ]
+            .contains(&entry)
+                || is_partial_write(entry)
+        },
+    },
+    RunFolder {
+        name: "checkpoints",
+        owns: |entry| entry.starts_with("step-"),
+    },
+    RunFolder {
+        name: "plots",
+        owns: |entry| entry.ends_with(".svg") || is_partial_write(entry),
+    },
+];
+
+/// A temporary file of an atomic write that an interrupted run left behind.
+fn is_partial_write(entry: &str) -> bool {
+    entry.starts_with('.') && entry.ends_with(".partial")
+}
 
 /// What `--preset` writes besides: its generated model and data, removed by `--overwrite` only
 /// when the run there was a preset's (a user's own `data/` beside a run is theirs).
@@ -72,8 +106,11 @@ pub fn prepare(out: &Path, start: Start) -> Result<()> {
                 .and_then(|text| text.parse::<toml::Table>().ok())
                 .is_some_and(|config| config.contains_key("preset"));
             let preset_entries = if preset_run { PRESET_ENTRIES } else { &[] };
-            for entry in RUN_ENTRIES.iter().chain(preset_entries) {
+            for entry in RUN_FILES.iter().chain(preset_entries) {
                 remove(&out.join(entry))?;
+            }
+            for folder in RUN_FOLDERS {
+                clear_folder(&out.join(folder.name), folder.owns)?;
             }
         }
         Start::Overwrite => {}
@@ -154,6 +191,21 @@ fn remove(path: &Path) -> Result<()> {
     result.with_context(|| format!("--overwrite: cannot remove {}", path.display()))
 }
 
+/// Removes the entries of `folder` that `owns` names, then the folder if that emptied it.
+fn clear_folder(folder: &Path, owns: fn(&str) -> bool) -> Result<()> {
+    let Ok(entries) = std::fs::read_dir(folder) else {
+        return Ok(());
+    };
+    for entry in entries.filter_map(|e| e.ok()) {
+        if entry.file_name().to_str().is_some_and(owns) {
+            remove(&entry.path())?;
+        }
+    }
+    // Fails, as it should, when a user's file is still there.
+    let _ = std::fs::remove_dir(folder);
+    Ok(())
+}
+
 /// The identity of the run in `out`: a new one for a new run (written to `run.json`), the
 /// recorded one when resuming (`None` for a run folder from before identities were recorded).
 pub fn identity(out: &Path, start: Start) -> Result<Option<RunIdentity>> {
@@ -212,6 +264,37 @@ mod tests {
             std::fs::read_to_string(out.join("notes.txt")).unwrap(),
             "mine"
         );
+    }
+
+    #[test]
+    fn overwrite_keeps_a_users_file_inside_the_run_folders() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path();
+        let adapter = out.join("adapter");
+        std::fs::create_dir_all(out.join("checkpoints/step-000004/adapter")).unwrap();
+        std::fs::create_dir_all(out.join("plots")).unwrap();
+        std::fs::create_dir_all(&adapter).unwrap();
+        for file in [
+            lemo_models::adapter::WEIGHTS_FILE,
+            lemo_models::adapter::CONFIG_FILE,
+            ".adapter_config.json.77.partial",
+            "README.md",
+        ] {
+            std::fs::write(adapter.join(file), "x").unwrap();
+        }
+        std::fs::write(out.join("plots/loss.svg"), "x").unwrap();
+        std::fs::write(out.join("metrics.jsonl"), "{}").unwrap();
+        prepare(out, Start::Overwrite).unwrap();
+        let left: Vec<_> = std::fs::read_dir(&adapter)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(
+            left,
+            ["README.md"],
+            "only the user's file stays in adapter/"
+        );
+        assert!(!out.join("checkpoints").exists() && !out.join("plots").exists());
     }
 
     #[test]

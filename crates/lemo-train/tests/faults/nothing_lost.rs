@@ -79,6 +79,10 @@ fn outputs_naming_an_input_are_refused() {
             &weights,
         )),
         refused(with(&["profile", "--model", m, "--data", d], &model)),
+        refused(with(
+            &["train", "--model", m, "--data", d, "--steps", "1"],
+            &model,
+        )),
         case(
             &[
                 "bench",
@@ -163,7 +167,8 @@ fn copy_tree(from: &Path, to: &Path) {
     }
 }
 
-/// `--overwrite` replaces the earlier run's outputs and nothing else in the folder.
+/// `--overwrite` replaces the earlier run's outputs and nothing else in the folder, also inside
+/// the folders the run writes.
 #[test]
 fn overwrite_removes_only_what_the_run_wrote() {
     let dir = tempfile::tempdir().unwrap();
@@ -172,8 +177,10 @@ fn overwrite_removes_only_what_the_run_wrote() {
     let args = train_args(path(&fixture), path(&tokens), path(&run), "1");
     succeed(&args);
     let notes = write(&run, "notes.txt", "mine");
+    let readme = write(&run.join("adapter"), "README.md", "model card");
     succeed(&[&args[..], &["--overwrite"]].concat());
     assert_eq!(std::fs::read_to_string(notes).unwrap(), "mine");
+    assert_eq!(std::fs::read_to_string(readme).unwrap(), "model card");
     assert!(run.join("adapter/adapter_model.safetensors").exists());
 }
 

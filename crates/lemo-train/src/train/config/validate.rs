@@ -5,6 +5,7 @@ use anyhow::{Result, bail};
 
 use super::TrainConfig;
 use crate::method::Method;
+use crate::modelio;
 
 impl TrainConfig {
     pub fn validate(&self) -> Result<()> {
@@ -16,6 +17,20 @@ impl TrainConfig {
         }
         if self.preset.is_none() && self.data.is_none() {
             bail!("no training data: pass --data FILE_OR_DIR");
+        }
+        let inputs = [
+            ("--model", &self.model),
+            ("--data", &self.data),
+            ("--tokenizer", &self.tokenizer),
+        ];
+        for (flag, input) in inputs {
+            if let Some(input) = input.as_ref().filter(|i| modelio::same_path(&self.out, i)) {
+                bail!(
+                    "--out {} is the {flag} path itself: give the run a folder of its own (its \
+                     adapter, checkpoints and metrics would mix with the files there)",
+                    input.display()
+                );
+            }
         }
         if !lemo_models::rope::EXTENSION_KINDS.contains(&self.rope_scaling.as_str()) {
             bail!(
