@@ -22,7 +22,7 @@ use lemo_predictor::Predictors;
 use serde::Serialize;
 
 use crate::data::int_tokens;
-use crate::device::{BackendJob, PrecisionKind};
+use crate::device::{BackendJob, DeviceKind, PrecisionKind};
 use crate::lemo::{self, Elimination, LemoSettings, sparse_keep};
 use crate::memory::{self, DeviceWatch, gib};
 use crate::memory_plan::{self, PlanInput, Planned};
@@ -141,6 +141,8 @@ pub struct BenchJob {
     pub warmup: usize,
     pub lora_rank: usize,
     pub seed: u64,
+    /// The backend: the memory plan counts the CPU's attention scores.
+    pub device: DeviceKind,
     pub precision: PrecisionKind,
     /// `--quantize-base`.
     pub quantize_base: QuantizeBase,
@@ -188,6 +190,7 @@ fn plan_input(
 ) -> PlanInput {
     PlanInput {
         model: config.clone(),
+        device: job.device,
         seq_len,
         batch_size: 1,
         method: job.method,

@@ -60,11 +60,24 @@ const RECOMPUTE_FLOPS: f64 = 200e12;
 /// recomputing every layer does not fit.
 const HOST_COPY_BYTES_PER_S: f64 = 0.15e9;
 const OFFLOADED_INPUTS_ON_DEVICE: f64 = 2.0;
+/// On the CPU backend attention is the plain reference, which materializes one layer's scores
+/// at a time, at its peak (forward or backward) `HOST_MASK_BYTES` per query head and position
+/// pair (the causal mask and the positions it is built from, shared by a batch's sequences)
+/// plus `HOST_SCORE_BYTES` per score of each sequence (scores, probabilities and their
+/// gradients). Fitted with `HOST_FIXED_GIB` to stories260K's host peaks (maximum resident set) in
+/// `train`: 1024 / 2048 / 3072 / 4096 tokens 0.35 / 1.03 / 2.14 / 3.78 GiB, batch 2 at 2048
+/// 1.16 GiB, each within 4%.
+const HOST_MASK_BYTES: f64 = 24.75;
+const HOST_SCORE_BYTES: f64 = 4.48;
+/// A CPU run's process, runtime and data besides the model (there is no device context).
+const HOST_FIXED_GIB: f64 = 0.11;
 
 /// What a step's memory depends on.
 #[derive(Debug, Clone)]
 pub struct PlanInput {
     pub model: ModelConfig,
+    /// The CPU backend holds a layer's attention scores; the GPU backends never do.
+    pub device: DeviceKind,
     pub seq_len: usize,
     pub batch_size: usize,
     pub method: Method,
@@ -99,6 +112,7 @@ struct Dims {
     hidden: f64,
     intermediate: f64,
     layers: f64,
+    q_heads: f64,
     q_dim: f64,
     kv_dim: f64,
     /// Matrices of the MLP: 3 for SwiGLU, 2 for OPT's.
@@ -114,6 +128,7 @@ impl Dims {
                 hidden: c.hidden_size as f64,
                 intermediate: c.intermediate_size as f64,
                 layers: c.num_hidden_layers as f64,
+                q_heads: c.num_attention_heads as f64,
                 q_dim: (c.num_attention_heads * c.head_dim) as f64,
                 kv_dim: (c.num_key_value_heads * c.head_dim) as f64,
                 mlp_matrices: 3.0,
@@ -124,6 +139,7 @@ impl Dims {
                 hidden: c.hidden_size as f64,
                 intermediate: c.ffn_dim as f64,
                 layers: c.num_hidden_layers as f64,
+                q_heads: c.num_attention_heads as f64,
                 q_dim: c.hidden_size as f64,
                 kv_dim: c.hidden_size as f64,
                 mlp_matrices: 2.0,
@@ -172,6 +188,8 @@ struct Fixed {
     weights: f64,
     trainable: f64,
     loss: f64,
+    /// One layer's attention scores at a time (the CPU backend).
+    attention: f64,
 }
 
 fn fixed_parts(input: &PlanInput, dims: &Dims) -> Fixed {
@@ -194,11 +212,18 @@ fn fixed_parts(input: &PlanInput, dims: &Dims) -> Fixed {
     let projection_bytes = input
         .projection_bits
         .map_or(frozen_bytes, |bits| bits / 8.0);
+    let on_host = input.device == DeviceKind::Cpu;
+    let pairs = dims.q_heads * (input.seq_len as f64).powi(2);
     Fixed {
-        fixed: FIXED_GIB * GIB,
+        fixed: if on_host { HOST_FIXED_GIB } else { FIXED_GIB } * GIB,
         weights: (dims.parameters() - projections) * frozen_bytes + projections * projection_bytes,
         trainable: (lora + extras) * 16.0,
         loss: input.loss_segment.min(input.seq_len) as f64 * dims.vocab * 4.0 * 3.0,
+        attention: if on_host {
+            (HOST_MASK_BYTES + HOST_SCORE_BYTES * input.batch_size as f64) * pairs
+        } else {
+            0.0
+        },
     }
 }
 
@@ -253,7 +278,8 @@ pub fn cost_table(input: &PlanInput) -> CostTable {
         }
     };
     CostTable {
-        base_bytes: (parts.fixed + parts.weights + parts.trainable + parts.loss) as u64,
+        base_bytes: (parts.fixed + parts.weights + parts.trainable + parts.loss + parts.attention)
+            as u64,
         input_bytes: residual as u64,
         offloaded_bytes: (OFFLOADED_INPUTS_ON_DEVICE * residual) as u64,
         // A layer's forward pass outside the graph computes every row, whatever it keeps.
@@ -465,6 +491,7 @@ mod tests {
         let path = lemo_test_support::repo_root().join("bench/configs/llama-2-7b.json");
         PlanInput {
             model: ModelConfig::from_file(&path).unwrap(),
+            device: DeviceKind::Cuda,
             seq_len,
             batch_size: 1,
             method,

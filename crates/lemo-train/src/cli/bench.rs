@@ -75,6 +75,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         warmup: args.warmup,
         lora_rank: args.lora_rank,
         seed: args.seed,
+        device,
         precision,
         quantize_base: args.runtime.quantize_base(),
         device_watch: (device == DeviceKind::Cuda)

@@ -177,11 +177,13 @@ fn plan_input(
     config: &TrainConfig,
     model: ModelConfig,
     seq_len: usize,
+    device: DeviceKind,
     precision: PrecisionKind,
     projection_bits: Option<f64>,
 ) -> memory_plan::PlanInput {
     memory_plan::PlanInput {
         model,
+        device,
         seq_len,
         batch_size: config.batch_size,
         method: config.method,

@@ -119,6 +119,7 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
             &config,
             model_config.clone(),
             seq_len,
+            job.device,
             precision,
             projection_bits,
         ),
