@@ -13,7 +13,7 @@ use lemo_kernels::known_value::matmul_with_value;
 use lemo_kernels::precision::{Frozen, lora_linear};
 use lemo_kernels::recomputed_rows::FrozenLinear;
 
-use crate::quantized::FrozenWeight;
+use crate::quantized::device::FrozenWeight;
 use crate::random::seeded_random;
 
 /// `t` outside the autodiff graph. Burn's `detach` keeps a leaf's `require_grad`, so a detached

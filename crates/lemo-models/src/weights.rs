@@ -11,7 +11,7 @@ use half::{bf16, f16};
 use memmap2::Mmap;
 use safetensors::{Dtype, SafeTensors, tensor::Metadata};
 
-use crate::gguf::GgmlType;
+use crate::gguf::quant::GgmlType;
 use crate::lora::Linear;
 use crate::quantized::{FrozenSummary, QuantizeBase};
 use crate::random::seeded_random;

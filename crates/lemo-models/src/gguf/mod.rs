@@ -7,7 +7,7 @@
 //! Hugging Face checkpoints do, so those rows are put back on load. Adapters trained on a GGUF
 //! base therefore use the Hugging Face row order and load into PEFT on the original checkpoint.
 
-mod quant;
+pub(crate) mod quant;
 mod reader;
 pub mod tokenizer;
 mod writer;
@@ -18,13 +18,12 @@ use memmap2::Mmap;
 use safetensors::Dtype;
 
 pub use quant::GgmlType;
-pub(crate) use quant::q4_k_scale_min;
 pub use reader::{Header, TensorInfo, Value};
 pub use writer::{GgufPrecision, write_llama};
 
 use crate::config::{LlamaConfig, RopeConfig, RopeScaling, YarnScaling};
 use crate::llama2c::interleaved_to_rotate_half;
-use crate::quantized::QuantFormat;
+use crate::quantized::packed::QuantFormat;
 use crate::weights::{Checkpoint, StoredTensor, WeightSource, sort_tensors};
 use crate::{Error, Result};
 

@@ -13,7 +13,7 @@ use burn::tensor::{DType, ElementConversion, Int, Tensor, TensorData};
 
 use super::nf4::{ABSMAX_BLOCK, BLOCK as NF4_BLOCK, NF4_CODE, dynamic_map};
 use super::packed::{PackedWeight, QuantFormat};
-use crate::gguf::GgmlType;
+use crate::gguf::quant::GgmlType;
 
 /// What a quantized weight's tensors hold, kept beside them.
 #[derive(Debug, Clone)]

@@ -4,7 +4,7 @@
 //! [`GgmlType::dequantize`] gives), and NF4 comes from [`super::nf4`].
 
 use super::nf4::{ABSMAX_BLOCK, Nf4, dynamic_map};
-use crate::gguf::GgmlType;
+use crate::gguf::quant::GgmlType;
 
 /// How a quantized weight encodes its values.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -116,7 +116,7 @@ impl PackedWeight {
             GgmlType::Q4_K => {
                 let scale_min = |b: &[u8]| {
                     (0..8)
-                        .map(|j| crate::gguf::q4_k_scale_min(j, &b[4..16]))
+                        .map(|j| crate::gguf::quant::q4_k_scale_min(j, &b[4..16]))
                         .collect::<Vec<_>>()
                 };
                 vec![
