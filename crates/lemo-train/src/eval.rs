@@ -22,7 +22,7 @@ use crate::data::chat::LossOn;
 use crate::device::{BackendJob, DeviceKind};
 use crate::lemo::{LemoSettings, THRESHOLDS_FILE, read_thresholds, sparse_keep};
 use crate::memory::gib;
-use crate::memory_plan::host_available_memory;
+use crate::memory_budget::host_available_memory;
 use crate::task_progress::TaskProgress;
 
 /// Rows of the vocabulary projection computed at once.

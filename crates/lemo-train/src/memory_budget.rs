@@ -8,7 +8,6 @@ use serde::{Deserialize, Serialize};
 
 use crate::device::DeviceKind;
 use crate::memory::gib;
-use crate::memory_plan::{free_memory, host_available_memory};
 
 /// The share of the device's free memory the default budget leaves unplanned.
 const DEVICE_MARGIN: f64 = 0.03;
@@ -81,6 +80,61 @@ impl MemoryBudgetArgs {
             free_memory(device).map(|free| (free as f64 * (1.0 - DEVICE_MARGIN)) as u64)
         });
         Ok(device_bytes.map(|device| Budget { device, host }))
+    }
+}
+
+/// Free memory of the device the run will use: CUDA's free bytes on device 0, the host's
+/// available memory for the CPU backend; `None` where it cannot be known (wgpu).
+pub fn free_memory(device: DeviceKind) -> Option<u64> {
+    match device {
+        DeviceKind::Cuda => cuda_free_memory(),
+        DeviceKind::Cpu => host_available_memory(),
+        _ => None,
+    }
+}
+
+pub fn host_available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// `cuMemGetInfo` in device 0's primary context (the one the CUDA backend uses), through the
+/// driver library loaded at run time.
+fn cuda_free_memory() -> Option<u64> {
+    use std::ffi::c_void;
+    type Init = unsafe extern "C" fn(u32) -> i32;
+    type DeviceGet = unsafe extern "C" fn(*mut i32, i32) -> i32;
+    type Retain = unsafe extern "C" fn(*mut *mut c_void, i32) -> i32;
+    type Push = unsafe extern "C" fn(*mut c_void) -> i32;
+    type Pop = unsafe extern "C" fn(*mut *mut c_void) -> i32;
+    type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> i32;
+    type Release = unsafe extern "C" fn(i32) -> i32;
+    // SAFETY: the driver API's documented signatures; every status is checked before use.
+    unsafe {
+        let lib = libloading::Library::new("libcuda.so.1").ok()?;
+        let init: libloading::Symbol<Init> = lib.get(b"cuInit").ok()?;
+        let device_get: libloading::Symbol<DeviceGet> = lib.get(b"cuDeviceGet").ok()?;
+        let retain: libloading::Symbol<Retain> = lib.get(b"cuDevicePrimaryCtxRetain").ok()?;
+        let push: libloading::Symbol<Push> = lib.get(b"cuCtxPushCurrent_v2").ok()?;
+        let pop: libloading::Symbol<Pop> = lib.get(b"cuCtxPopCurrent_v2").ok()?;
+        let mem_get_info: libloading::Symbol<MemGetInfo> = lib.get(b"cuMemGetInfo_v2").ok()?;
+        let release: libloading::Symbol<Release> = lib.get(b"cuDevicePrimaryCtxRelease_v2").ok()?;
+        let mut device = 0;
+        if init(0) != 0 || device_get(&mut device, 0) != 0 {
+            return None;
+        }
+        let mut context = std::ptr::null_mut();
+        if retain(&mut context, device) != 0 {
+            return None;
+        }
+        let (mut free, mut total) = (0usize, 0usize);
+        let ok = push(context) == 0 && mem_get_info(&mut free, &mut total) == 0;
+        let mut popped = std::ptr::null_mut();
+        pop(&mut popped);
+        release(device);
+        ok.then_some(free as u64)
     }
 }
 
