@@ -175,13 +175,14 @@ fn assert_clean_error(args: &[&str], needle: &str) {
     lemo_test_support::assert_clean_error(&lemo(args), needle);
 }
 
+/// Missing paths and settings out of range.
 #[test]
-fn bad_inputs_give_one_line_errors() {
+fn missing_files_and_bad_settings_give_one_line_errors() {
     let fixture = models_fixture("opt_prenorm_proj");
     let model = fixture.to_str().unwrap();
     let tokens = fixture.join("tokens.jsonl");
     let tokens = tokens.to_str().unwrap();
-    let dir = scratch("errors");
+    let dir = scratch("errors-settings");
 
     assert_clean_error(
         &[
@@ -255,7 +256,17 @@ fn bad_inputs_give_one_line_errors() {
         ],
         "--steps 18446744073709551615 is too large",
     );
+    std::fs::remove_dir_all(dir).unwrap();
+}
 
+/// Empty, malformed and out-of-vocabulary data, and lengths past the model's positions.
+#[test]
+fn bad_data_files_give_one_line_errors() {
+    let fixture = models_fixture("opt_prenorm_proj");
+    let model = fixture.to_str().unwrap();
+    let tokens = fixture.join("tokens.jsonl");
+    let tokens = tokens.to_str().unwrap();
+    let dir = scratch("errors-data");
     let empty = dir.join("empty.jsonl");
     std::fs::write(&empty, "").unwrap();
     assert_clean_error(
@@ -316,7 +327,17 @@ fn bad_inputs_give_one_line_errors() {
         ],
         "4096",
     );
+    std::fs::remove_dir_all(dir).unwrap();
+}
 
+/// Cut and unknown model files, a precision the device lacks, a corrupt tokenizer.
+#[test]
+fn bad_model_files_give_one_line_errors() {
+    let fixture = models_fixture("opt_prenorm_proj");
+    let model = fixture.to_str().unwrap();
+    let tokens = fixture.join("tokens.jsonl");
+    let tokens = tokens.to_str().unwrap();
+    let dir = scratch("errors-models");
     let truncated = dir.join("truncated");
     std::fs::create_dir_all(&truncated).unwrap();
     std::fs::copy(fixture.join("config.json"), truncated.join("config.json")).unwrap();
@@ -479,22 +500,6 @@ fn trained_predictors_drive_a_lemo_evaluation_and_bad_ones_are_refused() {
         interpolated.status.success() && stderr.contains("interpolates x2"),
         "{stderr}"
     );
-    // Predictors learn from the positions a run uses: past the trained context only with
-    // --target-context.
-    assert_clean_error(
-        &[
-            "train-predictors",
-            "--model",
-            model,
-            "--data",
-            data,
-            "--seq-len",
-            "256",
-            "--device",
-            "cpu",
-        ],
-        "--seq-len 256 is past the 128 positions this model addresses",
-    );
     assert_clean_error_owned(
         &eval(&["--scores", "predicted"]),
         "--scores predicted needs --predictors FILE",
@@ -519,6 +524,30 @@ fn trained_predictors_drive_a_lemo_evaluation_and_bad_ones_are_refused() {
         &eval(&["--predictors", thresholds.to_str().unwrap()]),
         "not a safetensors file",
     );
+}
+
+/// Predictors learn from the positions a run uses: past the trained context only with
+/// --target-context.
+#[test]
+fn train_predictors_refuses_lengths_past_the_model() {
+    let fixture = models_fixture("llama_gqa_tied");
+    let dir = scratch("predictors-long");
+    let data = id_documents(&dir, 2, 70);
+    assert_clean_error(
+        &[
+            "train-predictors",
+            "--model",
+            fixture.to_str().unwrap(),
+            "--data",
+            data.to_str().unwrap(),
+            "--seq-len",
+            "256",
+            "--device",
+            "cpu",
+        ],
+        "--seq-len 256 is past the 128 positions this model addresses",
+    );
+    std::fs::remove_dir_all(dir).unwrap();
 }
 
 fn lemo_owned(args: &[String]) -> Output {

@@ -76,6 +76,26 @@ fn prepare_inputs(config: &mut TrainConfig) -> Result<()> {
     Ok(())
 }
 
+/// The RoPE of the run's target context (`None`: the model's own), printed when extended.
+fn rope_extension(config: &TrainConfig, model_config: &ModelConfig) -> Result<Option<RopeConfig>> {
+    let trained_context = model_config.max_position_embeddings();
+    let target = config.target_context.unwrap_or(trained_context);
+    let extension = Extension {
+        kind: config.rope_scaling.clone(),
+        theta: config.rope_theta,
+    };
+    let rope = extended_rope(model_config, target, &extension)?;
+    if let Some(rope) = &rope {
+        eprintln!(
+            "rope: {} scaling {trained_context} -> {target} tokens (factor {}), theta {}",
+            rope.scaling.name(),
+            rope.scaling.factor(),
+            rope.theta
+        );
+    }
+    Ok(rope)
+}
+
 pub fn prepare(job: TrainJob) -> Result<Setup> {
     // Under a launcher only rank 0 writes the run folder; the others read a resumed one.
     let owner = job.owns_out();
@@ -128,24 +148,7 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
     if let Some(limit) = model_config.max_sequence_length().filter(|&l| seq_len > l) {
         bail!("--seq-len {seq_len} is longer than this model supports ({limit} positions)");
     }
-    let extension = Extension {
-        kind: config.rope_scaling.clone(),
-        theta: config.rope_theta,
-    };
-    let rope = extended_rope(
-        &model_config,
-        config.target_context.unwrap_or(trained_context),
-        &extension,
-    )?;
-    if let Some(rope) = &rope {
-        eprintln!(
-            "rope: {} scaling {trained_context} -> {} tokens (factor {}), theta {}",
-            rope.scaling.name(),
-            config.target_context.unwrap_or(trained_context),
-            rope.scaling.factor(),
-            rope.theta
-        );
-    }
+    let rope = rope_extension(&config, &model_config)?;
     let rope_scaling = rope.as_ref().map(RopeConfig::parameters_json).transpose()?;
     let lora = LoraConfig {
         rank: config.lora_rank,

@@ -38,21 +38,26 @@ fn hf_folder(dir: &Path, name: &str, edit: impl Fn(&mut serde_json::Value)) -> S
     path(&folder).to_string()
 }
 
+/// `eval` of `model` on the fixture's tokens refused with a line naming `needle`, changing
+/// nothing in `dir`.
+fn eval_refuses(dir: &Path, tokens: &str, model: &str, needle: &str) -> crate::Case {
+    case(
+        &[
+            "eval", "--model", model, "--data", tokens, "--device", "cpu",
+        ],
+        needle,
+    )
+    .watching(dir)
+}
+
+/// GGUF files with one thing broken, absurd counts, wrong magic, nothing at all.
 #[test]
-fn broken_models_are_one_line_errors() {
+fn broken_gguf_models_are_one_line_errors() {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
-    let (fixture, tokens) = llama_fixture();
+    let (_, tokens) = llama_fixture();
     let tokens = path(&tokens);
-    let eval = |model: &str, needle: &str| {
-        case(
-            &[
-                "eval", "--model", model, "--data", tokens, "--device", "cpu",
-            ],
-            needle,
-        )
-        .watching(dir)
-    };
+    let eval = |model: &str, needle: &str| eval_refuses(dir, tokens, model, needle);
 
     // The well-formed GGUF model scores: each case below breaks one thing of it.
     let good = dir.join("good.gguf");
@@ -119,8 +124,17 @@ fn broken_models_are_one_line_errors() {
         eval(path(&wrong_magic), "magic.gguf"),
         eval(path(&empty_gguf), "empty.gguf"),
     ]);
+    check_all(cases);
+}
 
-    // Hugging Face folders.
+/// Hugging Face folders missing or corrupting a file, configs out of range or unlike the weights.
+#[test]
+fn broken_hugging_face_folders_are_one_line_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let (fixture, tokens) = llama_fixture();
+    let tokens = path(&tokens);
+    let eval = |model: &str, needle: &str| eval_refuses(dir, tokens, model, needle);
     std::fs::create_dir_all(dir.join("no-config")).unwrap();
     let no_weights = dir.join("no-weights");
     write(
@@ -148,7 +162,7 @@ fn broken_models_are_one_line_errors() {
         "model.safetensors",
         (1u64 << 60).to_le_bytes(),
     );
-    cases.extend([
+    let cases = [
         eval(path(&dir.join("no-config")), "config.json"),
         eval(path(&no_weights), "safetensors"),
         eval(path(&bad_json), "config.json"),
@@ -181,13 +195,23 @@ fn broken_models_are_one_line_errors() {
             "expected a Hugging Face model folder",
         ),
         eval(path(&fifo(dir, "fifo.gguf")), "fifo.gguf"),
-    ]);
+    ];
+    check_all(cases);
+}
 
+/// llama.c checkpoints with bad headers or cut short.
+#[test]
+fn broken_llama2c_checkpoints_are_one_line_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let (_, tokens) = llama_fixture();
+    let tokens = path(&tokens);
+    let eval = |model: &str, needle: &str| eval_refuses(dir, tokens, model, needle);
     // llama.c checkpoints: a header of seven i32 (dim, hidden, layers, heads, kv heads, vocab,
     // positions), then the weights.
     let header =
         |values: [i32; 7]| -> Vec<u8> { values.iter().flat_map(|v| v.to_le_bytes()).collect() };
-    cases.extend([
+    let mut cases = vec![
         eval(path(&write(dir, "empty.bin", "")), "empty.bin"),
         eval(
             path(&write(
@@ -213,7 +237,7 @@ fn broken_models_are_one_line_errors() {
             )),
             "absurd.bin",
         ),
-    ]);
+    ];
     if let Some(data) = lemo_test_support::shared_data() {
         let stories = std::fs::read(data.join("models/stories260K/stories260K.bin")).unwrap();
         let cut = write(dir, "cut.bin", &stories[..stories.len() / 2]);
