@@ -7,6 +7,7 @@ pub mod backend;
 pub(crate) mod cudnn;
 pub(crate) mod flash;
 pub mod reference;
+pub mod shifted_fold;
 
 pub use flash::{FlashKernel, flash_kernel, set_flash_kernel, tensor_core_supported};
 
@@ -69,6 +70,29 @@ impl AttentionOptions {
         }
     }
 
+    /// These options for attention over `kept` rows of a sequence of `seq` positions, compacted
+    /// in order (token elimination): S2 groups over the kept rows, as many as over the whole
+    /// sequence, i.e. `group * kept / seq` tokens, rounded to a multiple of twice
+    /// [`FUSED_ATTENTION_LENGTH_MULTIPLE`] where that is at least one (then with a kept count
+    /// that is a multiple of it, every group of either half is too, and the fused path runs
+    /// them), else to an even count of at least 2. The last group may be shorter.
+    pub fn over_kept_rows(self, seq: usize, kept: usize) -> Self {
+        let Some(group) = self.shifted_group else {
+            return self;
+        };
+        let target = group as f64 * kept as f64 / seq as f64;
+        let rounded = |unit: usize| (target / unit as f64).round() as usize * unit;
+        let unit = 2 * FUSED_ATTENTION_LENGTH_MULTIPLE;
+        let kept_group = match rounded(unit) {
+            0 => rounded(2).max(2),
+            fused => fused,
+        };
+        Self {
+            shifted_group: Some(kept_group),
+            ..self
+        }
+    }
+
     /// How far the S2 groups of query head `head` (out of `q_heads`) are shifted.
     pub fn group_shift(&self, head: usize, q_heads: usize) -> usize {
         match self.shifted_group {
@@ -78,17 +102,38 @@ impl AttentionOptions {
     }
 }
 
+/// Whether S2 attention with `options` over `q` runs as causal attention over its groups
+/// ([`shifted_fold`]): where the backend has a fused causal path for `q` that takes every
+/// group's length.
+fn runs_folded<B: LemoBackend>(q: &Tensor<B, 4>, options: &AttentionOptions) -> bool {
+    let Some(group) = options.shifted_group else {
+        return false;
+    };
+    let primitive = q.clone().into_primitive().tensor();
+    B::lemo_fused_attention_length_multiple(&primitive).is_some_and(|multiple| {
+        shifted_fold::group_lengths(q.dims()[2], group)
+            .iter()
+            .all(|len| len.is_multiple_of(multiple))
+    })
+}
+
 /// `softmax(q k^T * scale + mask) v` for `q: [batch, q_heads, q_len, head_dim]` and
 /// `k, v: [batch, kv_heads, kv_len, head_dim]`, where `q_heads` is a multiple of `kv_heads`
 /// (query head `h` reads key/value head `h / (q_heads / kv_heads)`) and the queries are the last
 /// `q_len` positions of the `kv_len` keys (so `q_len < kv_len` is decoding with a KV cache).
-/// On CubeCL backends this runs the flash kernels (O(S) memory, also under autodiff).
+/// On CubeCL backends this runs the flash kernels (O(S) memory, also under autodiff), or
+/// cuDNN's on CUDA, where S2 attention runs folded (see [`runs_folded`]).
 pub fn attention<B: LemoBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     options: AttentionOptions,
 ) -> Tensor<B, 4> {
+    if runs_folded(&q, &options)
+        && let Some(out) = shifted_fold::attention(q.clone(), k.clone(), v.clone(), options)
+    {
+        return out;
+    }
     Tensor::from_primitive(TensorPrimitive::Float(B::lemo_attention(
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),
@@ -105,6 +150,12 @@ pub fn attention_with_lse<B: LemoBackend>(
     v: Tensor<B, 4>,
     options: AttentionOptions,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
+    if runs_folded(&q, &options)
+        && let Some(result) =
+            shifted_fold::attention_with_lse(q.clone(), k.clone(), v.clone(), options)
+    {
+        return result;
+    }
     let (out, lse) = B::lemo_attention_forward(
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),
@@ -128,6 +179,17 @@ pub fn attention_with_value<B: LemoBackend>(
     (out, lse): (Tensor<B, 4>, Tensor<B, 3>),
     options: AttentionOptions,
 ) -> Tensor<B, 4> {
+    if runs_folded(&q, &options)
+        && let Some(value) = shifted_fold::attention_with_value(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            (out.clone(), lse.clone()),
+            options,
+        )
+    {
+        return value;
+    }
     Tensor::from_primitive(TensorPrimitive::Float(B::lemo_attention_with_value(
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),

@@ -8,12 +8,13 @@
 //! restricted to `K` (the token-sparse backward), as with the CubeCL kernels. Work
 //! O(batch * heads * len^2 / 2 * head_dim); memory O(inputs) plus cuDNN's workspace.
 //!
-//! Used for 16-bit inputs, plain causal masks (no sliding window, no S2) and equal query and key
-//! lengths that are a multiple of 128, with head dims up to 128, where `libcudnn.so.9` loads;
-//! everything else (and every shape whose graph cuDNN refuses, reported once) stays on the CubeCL
-//! kernels. The length rule is measured: at other lengths the backward engine reads the rows past
-//! the end of its inputs, up to the next multiple of 128, and its gradients come out wrong unless
-//! that memory happens to hold zeros (cudnn-frontend builds a padding-masked graph for them).
+//! Used for 16-bit inputs, plain causal masks (no sliding window; S2 comes here folded into
+//! causal groups, see [`super::shifted_fold`]) and equal query and key lengths that are a
+//! multiple of 128, with head dims up to 128, where `libcudnn.so.9` loads; everything else (and
+//! every shape whose graph cuDNN refuses, reported once) stays on the CubeCL kernels. The length
+//! rule is measured: at other lengths the backward engine reads the rows past the end of its
+//! inputs, up to the next multiple of 128, and its gradients come out wrong unless that memory
+//! happens to hold zeros (cudnn-frontend builds a padding-masked graph for them).
 
 mod descriptor;
 mod graph;
@@ -57,15 +58,27 @@ fn applies(
     k: &CubeTensor<CudaRuntime>,
     options: &AttentionOptions,
 ) -> bool {
-    let head_dim = q.meta.shape()[3];
-    matches!(q.dtype, DType::BF16 | DType::F16)
-        && options.sliding_window.is_none()
+    options.sliding_window.is_none()
         && options.shifted_group.is_none()
         && q.meta.shape()[2] == k.meta.shape()[2]
         && q.meta.shape()[2].is_multiple_of(super::FUSED_ATTENTION_LENGTH_MULTIPLE)
+        && takes_dtype_and_head_dim(q)
+}
+
+/// Whether cuDNN takes queries of `q`'s dtype and head dim (at the lengths [`applies`] names).
+fn takes_dtype_and_head_dim(q: &CubeTensor<CudaRuntime>) -> bool {
+    let head_dim = q.meta.shape()[3];
+    matches!(q.dtype, DType::BF16 | DType::F16)
         && head_dim.is_multiple_of(8)
         && head_dim <= 128
         && library_usable()
+}
+
+/// The length multiple at which cuDNN takes plain causal attention of `q`'s dtype and head dim,
+/// if it takes it at all (see [`crate::AttentionBackend::lemo_fused_attention_length_multiple`]).
+pub(crate) fn causal_length_multiple<R: CubeRuntime>(q: &CubeTensor<R>) -> Option<usize> {
+    let q = downcast::<_, CubeTensor<CudaRuntime>>(q.clone())?;
+    takes_dtype_and_head_dim(&q).then_some(super::FUSED_ATTENTION_LENGTH_MULTIPLE)
 }
 
 fn data_type(dtype: DType) -> DataType {
