@@ -50,7 +50,8 @@ pub trait Decoder<B: Backend> {
     /// The attention block of layer `index`, `h + attention(norm(h))`. With `sparse`, the pass
     /// already computed the block for every row: that is the value, and the graph (its saved
     /// activations and its backward pass) covers only the kept rows, which attend to one
-    /// another at their original positions. With a cache, the keys and values are appended to
+    /// another at their original positions (with S2 groups, in groups over the kept rows, see
+    /// [`crate::llama::LlamaAttention`]). With a cache, the keys and values are appended to
     /// it (dense only).
     fn attention_block(
         &self,
@@ -137,6 +138,16 @@ impl<B: LemoBackend, P> SparseBlock<B, P> {
     pub fn residual(&self, x: Tensor<B, 3>, graph: Tensor<B, 3>) -> Tensor<B, 3> {
         let value = x.clone().detach() + self.pass.output.clone();
         with_value(scatter_add_rows(x, self.rows.clone(), graph), value)
+    }
+
+    /// The block with `kept`, the graph's output on its kept rows, as the pass's output there:
+    /// for kept rows that compute differently from the pass (S2 attention over the kept rows
+    /// alone), so the value the layer passes on is the one the graph differentiates.
+    pub fn with_kept_output(mut self, kept: Tensor<B, 3>) -> Self {
+        let passed = gather_rows(self.pass.output.clone(), self.rows.clone());
+        let change = kept.detach() - passed;
+        self.pass.output = scatter_add_rows(self.pass.output, self.rows.clone(), change);
+        self
     }
 
     /// [`Self::residual`] of an MLP block, whose backward pass also reaches the dropped rows

@@ -62,7 +62,11 @@ impl<B: LemoBackend> LlamaAttention<B> {
     /// The block's output for `x`, in the graph. With `sparse`, `x` holds its kept rows and the
     /// products and the attention output are the kept rows of the pass's (see [`Self::pass`]):
     /// nothing of the forward pass is computed again, and attention back-propagates with the
-    /// pass's `logsumexp`, i.e. as attention over every key restricted to the kept ones.
+    /// pass's `logsumexp`, i.e. as attention over every key restricted to the kept ones. With S2
+    /// groups, the kept rows attend to one another alone, in S2 groups over the compacted rows
+    /// ([`AttentionOptions::over_kept_rows`]; RoPE stays at their original positions): that
+    /// attention and the output projection run here, and the caller puts their value in place of
+    /// the pass's on the kept rows ([`SparseBlock::with_kept_output`]).
     fn forward(
         &self,
         x: Tensor<B, 3>,
@@ -85,9 +89,16 @@ impl<B: LemoBackend> LlamaAttention<B> {
         let k = rotation.apply(self.heads(k, self.num_kv_heads));
         let v = self.heads(v, self.num_kv_heads);
         let (k, v) = append_to_cache(cache, k, v);
-        let out = match sparse {
-            None => attention(q, k, v, self.options()),
-            Some(sparse) => {
+        let (out, o_product) = match (sparse, self.shifted_group) {
+            (None, _) => (attention(q, k, v, self.options()), None),
+            (Some(sparse), Some(_)) => {
+                let seq = sparse.pass.output.dims()[1];
+                let options = self.options().over_kept_rows(seq, len);
+                let [q_value, k_value, v_value] = [&q, &k, &v].map(|t| t.clone().detach());
+                let known = attention_with_lse(q_value, k_value, v_value, options);
+                (attention_with_value(q, k, v, known, options), None)
+            }
+            (Some(sparse), None) => {
                 let out = self.heads(sparse.product_rows(|p| &p.out), self.num_heads);
                 let lse = sparse.pass.products.lse.clone().gather(
                     2,
@@ -97,11 +108,12 @@ impl<B: LemoBackend> LlamaAttention<B> {
                         .unsqueeze_dim::<3>(1)
                         .expand([batch, self.num_heads, len]),
                 );
-                attention_with_value(q, k, v, (out, lse), self.options())
+                let out = attention_with_value(q, k, v, (out, lse), self.options());
+                (out, product(|p| &p.o))
             }
         };
         self.o_proj
-            .forward_with_product(self.merge_heads(out), product(|p| &p.o))
+            .forward_with_product(self.merge_heads(out), o_product)
     }
 
     /// The block on every row of `x` outside the graph, with the token-block informativeness
@@ -262,6 +274,10 @@ impl<B: LemoBackend> LlamaLayer<B> {
                 let x = norm.forward_rows(h.clone(), sparse.rows.clone());
                 let rotation = rotation.at(sparse.rows.clone());
                 let out = self.self_attn.forward(x, &rotation, Some(&sparse), None);
+                let sparse = match self.self_attn.shifted_group {
+                    Some(_) => sparse.with_kept_output(out.clone()),
+                    None => sparse,
+                };
                 sparse.residual(h, out)
             }
         }

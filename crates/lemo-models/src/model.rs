@@ -380,8 +380,9 @@ impl<B: LemoBackend> CausalLm<B> {
 
     /// Why this model cannot eliminate tokens on sequences of `seq_len` tokens, if it cannot.
     /// Kept rows attend to one another under the plain causal mask, which is exact among them
-    /// because their order is kept; a sliding window shorter than the sequence or S2 groups
-    /// are defined on positions and would need the original positions in the kernel.
+    /// because their order is kept; a sliding window shorter than the sequence is defined on
+    /// positions and would need the original positions in the kernel. S2 groups are laid over
+    /// the kept rows instead (Llama family; OPT's attention blocks do not).
     pub fn check_token_elimination(&self, seq_len: usize) -> Result<()> {
         let unsupported = |why: &str| Err(Error::Config(format!("--method lemo: {why}")));
         match self {
@@ -392,15 +393,15 @@ impl<B: LemoBackend> CausalLm<B> {
                         "a sliding window of {window} tokens shorter than the sequence ({seq_len}) is not supported with token elimination; use --seq-len {window} or less"
                     ));
                 }
-                if attention.shifted_group.is_some() {
-                    return unsupported(
-                        "S2 (shifted sparse) attention cannot be combined with token elimination",
-                    );
-                }
             }
             CausalLm::Opt(m) => {
                 if m.layers.iter().any(|l| !l.norm_before) {
                     return unsupported(crate::opt::POST_NORM_DENSE);
+                }
+                if m.layers[0].self_attn.shifted_group.is_some() {
+                    return unsupported(
+                        "S2 attention with token elimination is built for Llama-family models; train OPT with S2 by --method longlora",
+                    );
                 }
             }
         }

@@ -124,6 +124,20 @@ fn recomputed_lemo_gradients_replay_the_kept_rows() {
     assert_recomputation_matches(&model, 61, Some(&thresholds));
 }
 
+/// With S2 groups over the kept rows (`lemo --s2`), whose value replaces the pass's there.
+#[test]
+fn recomputed_lemo_s2_gradients_replay_the_kept_rows() {
+    let mut model = trainable_model(
+        "llama_gqa_tied",
+        &LLAMA_PROJECTIONS,
+        false,
+        &Default::default(),
+    );
+    model.set_shifted_group(Some(16));
+    let thresholds = common::half_kept(&model, 8);
+    assert_recomputation_matches(&model, 61, Some(&thresholds));
+}
+
 /// Whether layer `index`'s MLP block is frozen, so the recomputation keeps only its input.
 fn frozen_mlp(model: &CausalLm<B>, index: usize) -> bool {
     match model {

@@ -1,7 +1,7 @@
 //! Token elimination (`--method lemo`) in the models: exact when every token is kept; a sparse
 //! block computes the dense values but back-propagates through its kept rows only (the MLP's
 //! dropped rows by recomputing its exact input gradient there); kept sets are per sequence of a
-//! batch.
+//! batch; with S2, keeping every row is LongLoRA's S2 attention.
 
 mod common;
 
@@ -28,12 +28,16 @@ fn loss_and_gradients<B: burn::tensor::backend::AutodiffBackend + LemoBackend>(
     (loss.into_scalar().elem(), sums)
 }
 
+/// With `shifted_group`, S2 attention (`longlora`) against token elimination whose S2 groups
+/// over the kept rows are then the same groups (`lemo --s2`).
 fn keep_all_equals_dense<B: burn::tensor::backend::AutodiffBackend + LemoBackend>(
     fixture: &str,
     targets: &[&str],
+    shifted_group: Option<usize>,
     device: &B::Device,
 ) {
-    let model = trainable_model::<B>(fixture, targets, false, device);
+    let mut model = trainable_model::<B>(fixture, targets, false, device);
+    model.set_shifted_group(shifted_group);
     let [vocab, _] = model.lm_head_weight().dims();
     let tokens = random_tokens::<B>(vocab, [2, 50], device);
     let (dense_loss, dense) = loss_and_gradients(&model, tokens.clone(), &mut TokenSparsity::Dense);
@@ -59,11 +63,25 @@ fn keeping_every_token_gives_the_lora_loss_and_gradients_on_the_cpu() {
     keep_all_equals_dense::<Autodiff<CpuBackend>>(
         "llama_gqa_tied",
         &LLAMA_PROJECTIONS,
+        None,
         &Default::default(),
     );
     keep_all_equals_dense::<Autodiff<CpuBackend>>(
         "opt_prenorm_proj",
         &["q_proj", "v_proj", "fc1"],
+        None,
+        &Default::default(),
+    );
+}
+
+/// `lemo --s2` keeping every row lays its S2 groups over all the rows: `longlora`'s loss and
+/// gradients (groups of 16 over 50 tokens: both halves end with a short group).
+#[test]
+fn keeping_every_token_with_s2_gives_the_longlora_loss_and_gradients() {
+    keep_all_equals_dense::<Autodiff<CpuBackend>>(
+        "llama_gqa_tied",
+        &LLAMA_PROJECTIONS,
+        Some(16),
         &Default::default(),
     );
 }
@@ -73,6 +91,7 @@ fn keeping_every_token_gives_the_lora_loss_and_gradients_on_wgpu() {
     keep_all_equals_dense::<Autodiff<WgpuBackend>>(
         "llama_gqa_tied",
         &LLAMA_PROJECTIONS,
+        None,
         &Default::default(),
     );
 }

@@ -26,7 +26,7 @@ use crate::device::{BackendJob, DeviceKind, PrecisionKind};
 use crate::lemo::{self, Elimination, LemoSettings, sparse_keep};
 use crate::memory::{self, DeviceWatch, gib};
 use crate::memory_plan::{self, PlanInput, Planned};
-use crate::method::Method;
+use crate::method::{Method, S2Settings};
 use crate::train::forward_backward;
 use crate::train::optim::{self, AdamW, AdamWSettings, NamedTensors};
 use lemo_models::token_plan::TokenPlan;
@@ -86,6 +86,8 @@ impl WeightSource for FastRandomWeights {
 pub struct BenchResult {
     pub model: String,
     pub method: String,
+    /// S2 attention's group size (`longlora`, `lemo --s2`); `None`: dense attention.
+    pub s2_group: Option<usize>,
     pub seq_len: usize,
     pub checkpointing: bool,
     /// "bf16" or "f32" (`--precision`).
@@ -132,6 +134,8 @@ pub struct BenchResult {
 pub struct BenchJob {
     pub config: PathBuf,
     pub method: Method,
+    /// S2 attention (always with longlora; with lemo when asked).
+    pub s2: S2Settings,
     pub seq_lens: Vec<usize>,
     /// Recompute every layer whatever the budget.
     pub checkpointing: bool,
@@ -307,6 +311,7 @@ impl BenchResult {
         Self {
             model: name.into(),
             method: job.method.name().into(),
+            s2_group: job.s2.group(job.method, seq_len).ok().flatten(),
             seq_len,
             checkpointing: job.checkpointing,
             precision: job.precision.name().into(),
@@ -488,9 +493,7 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                 result.error = Some("skipped: a shorter sequence already ran out of memory".into());
             }
             (Ok(planned), false) => {
-                model.set_shifted_group(
-                    (job.method == Method::Longlora).then_some((seq_len / 4).max(2)),
-                );
+                model.set_shifted_group(job.s2.group(job.method, seq_len)?);
                 let tokens: Vec<u32> = (0..seq_len)
                     .map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32)
                     .collect();

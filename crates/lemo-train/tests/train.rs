@@ -203,6 +203,44 @@ fn lemo_keeps_exactly_its_fractions_when_asked() {
     lemo_test_support::assert_clean_error(&output, "--keep-exactly and --thresholds");
 }
 
+/// `--method lemo --s2`: S2 attention over the kept rows acts (the first step's loss, taken
+/// before any update, is not lemo's without it) and the run trains to finite losses.
+#[test]
+fn lemo_with_s2_attention_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let lemo = [
+        "--method",
+        "lemo",
+        "--keep-exactly",
+        "--attention-keep",
+        "0.5",
+        "--mlp-keep",
+        "0.5",
+        "--block-size",
+        "8",
+    ];
+    let train_losses = |name: &str, extra: &[&str]| -> Vec<f64> {
+        let out = dir.path().join(name);
+        train(&out, &[&lemo[..], extra].concat());
+        let losses: Vec<f64> = losses(&out)
+            .into_iter()
+            .filter(|r| r.0 == "train")
+            .map(|r| r.2)
+            .collect();
+        assert!(losses.iter().all(|l| l.is_finite()), "{name}: {losses:?}");
+        losses
+    };
+    let dense = train_losses("lemo", &[]);
+    let s2 = train_losses("lemo-s2", &["--s2"]);
+    assert_eq!(s2.len(), 12);
+    assert!(
+        (dense[0] - s2[0]).abs() > 1e-6 * dense[0].abs(),
+        "S2 left the first loss as it was: {} vs {}",
+        dense[0],
+        s2[0]
+    );
+}
+
 /// `train --resume out`, which must succeed.
 fn resume(out: &Path) {
     let output = lemo()

@@ -9,7 +9,7 @@ use lemo_train::device::{DeviceKind, Runtime};
 use lemo_train::lemo::LemoSettings;
 use lemo_train::memory::DeviceWatch;
 use lemo_train::memory_budget::MemoryBudgetArgs;
-use lemo_train::method::Method;
+use lemo_train::method::{Method, S2Settings};
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -17,9 +17,12 @@ pub struct BenchArgs {
     /// whose model gets random weights; or a .gguf file, whose own weights are used.
     #[arg(long)]
     model: PathBuf,
-    /// lora (dense), longlora (S2 attention) or lemo (token elimination).
+    /// lora (dense), longlora (S2 attention) or lemo (token elimination; with --s2, S2
+    /// attention over the kept rows).
     #[arg(long, value_enum, default_value_t = Method::Lora)]
     method: Method,
+    #[command(flatten)]
+    s2: S2Settings,
     /// Sequence lengths, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "4096,8192")]
     seq_lens: Vec<usize>,
@@ -57,6 +60,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.steps == 0 || args.lora_rank == 0 {
         bail!("--steps and --lora-rank must be at least 1");
     }
+    args.s2.validate(args.method)?;
     if let Some(len) = args.seq_lens.iter().find(|&&l| l < 2) {
         bail!("--seq-lens {len}: a sequence is at least 2 tokens");
     }
@@ -68,6 +72,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         sparsity: args.lemo,
         config: args.model,
         method: args.method,
+        s2: args.s2,
         seq_lens: args.seq_lens,
         checkpointing: args.checkpointing,
         budget: args.budget.resolve(device)?,

@@ -16,7 +16,7 @@ use lemo_sparsity::calibration::Block;
 
 use super::checkpoint::{CheckpointFiles, TrainerState};
 use super::optim::{self, AdamW, AdamWSettings, NamedTensors};
-use super::setup::{Setup, s2_group};
+use super::setup::Setup;
 use super::shard::Shard;
 use super::step::forward_backward;
 use crate::data::{Sequence, int_labels, int_tokens};
@@ -68,9 +68,7 @@ impl<B: LemoBackend> Replica<B> {
         model = model
             .with_new_lora(&setup.lora, config.seed)?
             .set_extra_trainable(&setup.lora)?;
-        if config.method == Method::Longlora {
-            model.set_shifted_group(Some(s2_group(config, setup.seq_len)));
-        }
+        model.set_shifted_group(config.s2.group(config.method, setup.seq_len)?);
         let elimination = elimination(setup, &model, rank)?;
         let mut optimizer = AdamW::<B>::new(AdamWSettings {
             beta1: config.beta1,

@@ -123,6 +123,7 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         .unwrap_or(trained_context);
     crate::modelio::check_seq_len(&model_config, seq_len, config.target_context)?;
     crate::modelio::check_lora_rank(&model_config, config.lora_rank)?;
+    let s2_group = config.s2.group(config.method, seq_len)?;
     // The data first: its errors are the likeliest, and come before any plan is printed.
     let corpus = read_corpus(&config, &model_path, &model_config, seq_len)?;
     if corpus.train.get(0).is_some_and(|s| s.scored.is_some()) {
@@ -158,10 +159,14 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         train_embeddings: config.train_embeddings(),
         train_norms: config.train_norms(),
     };
-    if config.method == Method::Longlora {
+    if let Some(group) = s2_group {
+        let over = match config.method {
+            Method::Lemo => ", in groups over each layer's kept rows",
+            _ => "",
+        };
         eprintln!(
-            "longlora: S2 attention with groups of {} tokens while training, dense at evaluation",
-            s2_group(&config, seq_len)
+            "{}: S2 attention with groups of {group} tokens while training{over}, dense at evaluation",
+            config.method.name()
         );
     }
     let val_sequences = corpus.val_sequences(config.val_sequences);
@@ -211,11 +216,6 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         info,
         activations: planned.activations,
     })
-}
-
-/// longlora's S2 attention group size.
-pub fn s2_group(config: &TrainConfig, seq_len: usize) -> usize {
-    config.s2_group_size.unwrap_or(seq_len / 4).max(2)
 }
 
 /// The training data, read (tokenized once, then cached) and packed into sequences.

@@ -92,8 +92,18 @@ fn train_settings_out_of_range_are_refused() {
             ("--block-size", "100000"),
             ("--min-keep", "2"),
             ("--calibration-sequences", "0"),
+            // S2 groups longer than the 16-token sequence.
+            ("--s2-group-size", "17"),
         ],
     ));
+    // S2 is a setting of lemo and longlora.
+    cases.push(
+        case(
+            &[&base[..], &["--s2"]].concat(),
+            "--s2 applies to --method lemo",
+        )
+        .watching(dir),
+    );
     check_all(cases);
 }
 

@@ -110,10 +110,12 @@ impl TrainConfig {
     }
 }
 
-/// Settings a resumed run must keep: the model, the method and the adapter's shape.
+/// Settings a resumed run must keep: the model, the method (S2 included) and the adapter's shape.
 const FIXED_ON_RESUME: &[&str] = &[
     "model",
     "method",
+    "s2",
+    "s2_group_size",
     "lora_rank",
     "lora_alpha",
     "lora_targets",

@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::data::chat::LossOn;
 use crate::device::{DeviceKind, Runtime};
 use crate::lemo::LemoSettings;
-use crate::method::Method;
+use crate::method::{Method, S2Settings};
 use crate::train::optim::Schedule;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, ValueEnum)]
@@ -134,9 +134,9 @@ pub struct TrainConfig {
     /// Train the normalization weights too [default: true for longlora].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub train_norms: Option<bool>,
-    /// longlora's S2 attention group size [default: seq-len / 4].
-    #[arg(long)]
-    pub s2_group_size: Option<usize>,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub s2: S2Settings,
     /// Activation checkpointing: keep only each layer's input and recompute every layer in the
     /// backward pass, whatever the memory budget (without it, the planner recomputes only the
     /// layers whose activations do not fit --memory-budget).

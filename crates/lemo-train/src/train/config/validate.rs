@@ -63,9 +63,7 @@ impl TrainConfig {
         if self.loss_segment == 0 {
             bail!("--loss-segment must be positive");
         }
-        if self.s2_group_size.is_some_and(|g| g < 2) {
-            bail!("--s2-group-size must be at least 2 tokens");
-        }
+        self.s2.validate(self.method)?;
         let in_range = |flag: &str, value: f64, range: Range| -> Result<()> {
             if !range.contains(value) {
                 bail!("--{flag} {value} is outside {}", range.describe());
@@ -138,6 +136,7 @@ impl Range {
 mod tests {
     use super::super::Preset;
     use super::*;
+    use crate::method::S2Settings;
 
     #[test]
     fn settings_out_of_range_are_refused_naming_the_flag() {
@@ -187,10 +186,23 @@ mod tests {
             ),
             (
                 TrainConfig {
-                    s2_group_size: Some(0),
+                    s2: S2Settings {
+                        s2_group_size: Some(0),
+                        ..S2Settings::default()
+                    },
                     ..base.clone()
                 },
                 "--s2-group-size",
+            ),
+            (
+                TrainConfig {
+                    s2: S2Settings {
+                        s2: true,
+                        ..S2Settings::default()
+                    },
+                    ..base.clone()
+                },
+                "--s2 applies to --method lemo",
             ),
         ] {
             let error = change.validate().unwrap_err().to_string();
