@@ -211,7 +211,7 @@ pub fn attention<B: LemoBackend>(
 ) -> Option<Tensor<B, 4>> {
     let plain = causal(&options);
     let f = |t: Vec<Tensor<B, 4>>| {
-        let [q, k, v] = <[_; 3]>::try_from(t).ok().expect("q, k, v");
+        let [q, k, v] = <[_; 3]>::try_from(t).expect("q, k, v");
         vec![super::attention(q, k, v, plain)]
     };
     fold_attention(q, k, v, vec![], &options, &f).map(|mut out| out.remove(0))
@@ -226,7 +226,7 @@ pub fn attention_with_lse<B: LemoBackend>(
 ) -> Option<(Tensor<B, 4>, Tensor<B, 3>)> {
     let plain = causal(&options);
     let f = |t: Vec<Tensor<B, 4>>| {
-        let [q, k, v] = <[_; 3]>::try_from(t).ok().expect("q, k, v");
+        let [q, k, v] = <[_; 3]>::try_from(t).expect("q, k, v");
         let (out, lse) = super::attention_with_lse(q, k, v, plain);
         vec![out, lse.unsqueeze_dim(3)]
     };
@@ -246,7 +246,7 @@ pub fn attention_with_value<B: LemoBackend>(
 ) -> Option<Tensor<B, 4>> {
     let plain = causal(&options);
     let f = |t: Vec<Tensor<B, 4>>| {
-        let [q, k, v, out, lse] = <[_; 5]>::try_from(t).ok().expect("q, k, v, out, lse");
+        let [q, k, v, out, lse] = <[_; 5]>::try_from(t).expect("q, k, v, out, lse");
         vec![super::attention_with_value(
             q,
             k,
