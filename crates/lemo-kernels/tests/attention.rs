@@ -91,7 +91,7 @@ fn check<B: LemoBackend>(case: Case, options: AttentionOptions, gradients: bool)
 }
 
 /// [`check`] of `path`; the folded path also back-propagates a known output (the reference's
-/// output and lse) as the reference backward does.
+/// output and lse), and computes the backward pass from it, as the reference backward does.
 fn check_path<B: LemoBackend>(case: Case, options: AttentionOptions, gradients: bool, path: Path) {
     type A<B> = Autodiff<B>;
     let device = Default::default();
@@ -162,11 +162,24 @@ fn check_path<B: LemoBackend>(case: Case, options: AttentionOptions, gradients: 
         let grads = (value * Tensor::from_inner(weights.clone()))
             .sum()
             .backward();
-        let (dq, dk, dv) =
-            reference::attention_backward(q, k, v, expected_out, expected_lse, weights, options);
-        assert_close("known dq", q_leaf.grad(&grads).unwrap(), dq);
-        assert_close("known dk", k_leaf.grad(&grads).unwrap(), dk);
-        assert_close("known dv", v_leaf.grad(&grads).unwrap(), dv);
+        let (dq, dk, dv) = reference::attention_backward(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            expected_out.clone(),
+            expected_lse.clone(),
+            weights.clone(),
+            options,
+        );
+        assert_close("known dq", q_leaf.grad(&grads).unwrap(), dq.clone());
+        assert_close("known dk", k_leaf.grad(&grads).unwrap(), dk.clone());
+        assert_close("known dv", v_leaf.grad(&grads).unwrap(), dv.clone());
+        let (out, lse) = (expected_out, expected_lse);
+        let (fq, fk, fv) =
+            shifted_fold::attention_backward(q, k, v, out, lse, weights, options).expect("folds");
+        assert_close("folded backward dq", fq, dq);
+        assert_close("folded backward dk", fk, dk);
+        assert_close("folded backward dv", fv, dv);
     }
 }
 

@@ -6,11 +6,13 @@
 //! Throughput: causal bf16 attention, q `[1, heads, S, head_dim]` and k/v
 //! `[1, kv_heads, S, head_dim]`, for each S and each kv_heads (GQA below `heads`), device-timed
 //! (CubeCL profiling), warm-up then median, FLOPs counted like the SDPA script
-//! (forward `4 * B * H * S^2 * D / 2` with H the query heads, backward 2.5x the forward).
+//! (forward `4 * B * H * S^2 * D / 2` with H the query heads, backward 2.5x the forward; with
+//! `--s2-group G`, S2 attention in groups of G, its FLOPs counted over the groups: on cuDNN it
+//! runs folded into causal attention over the groups).
 //!
 //! Usage: `attention_bench [--parity-dir DIR] [--seqs 4096,16384,65536] [--heads 32]
 //!         [--kv-heads 32,8] [--head-dim 128] [--iterations 5] [--variants plain,tensor-core]
-//!         [--out FILE] [--wgpu]` (`--seqs ''`: parity alone)
+//!         [--s2-group G] [--out FILE] [--wgpu]` (`--seqs ''`: parity alone)
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -19,7 +21,7 @@ use burn::tensor::{DType, Distribution, Tensor, TensorData};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
 use cubecl::prelude::{ComputeClient, Runtime};
 use lemo_kernels::attention::{
-    self, AttentionOptions, FlashKernel, set_flash_kernel, tensor_core_supported,
+    self, AttentionOptions, FlashKernel, set_flash_kernel, shifted_fold, tensor_core_supported,
 };
 use lemo_kernels::{CudaBackend, WgpuBackend};
 use serde_json::{Value, json};
@@ -38,6 +40,8 @@ struct Args {
     /// Kernel variants to check and time (a separate process per variant keeps a crash of one
     /// from losing the other's results).
     variants: Vec<FlashKernel>,
+    /// Time S2 attention with groups of this many tokens instead of plain causal attention.
+    s2_group: Option<usize>,
 }
 
 fn parse_args() -> Args {
@@ -51,6 +55,7 @@ fn parse_args() -> Args {
         out: None,
         wgpu: false,
         variants: vec![FlashKernel::Plain, FlashKernel::TensorCore],
+        s2_group: None,
     };
     let mut raw = std::env::args().skip(1);
     while let Some(flag) = raw.next() {
@@ -76,6 +81,7 @@ fn parse_args() -> Args {
             "--iterations" => args.iterations = value().parse().expect("--iterations: integer"),
             "--out" => args.out = Some(value().into()),
             "--wgpu" => args.wgpu = true,
+            "--s2-group" => args.s2_group = Some(value().parse().expect("--s2-group: integer")),
             "--variants" => {
                 args.variants = value()
                     .split(',')
@@ -275,9 +281,22 @@ fn throughput<R: CubeRuntime, BT: BoolElement>(args: &Args, dtype: DType) -> Vec
                 random(args.heads),
             );
             let client = q.clone().into_primitive().tensor().client.clone();
-            let options = AttentionOptions::causal(args.head_dim);
-            let forward_flops =
-                4.0 * (args.heads * args.head_dim) as f64 * (seq as f64).powi(2) / 2.0;
+            let causal = AttentionOptions::causal(args.head_dim);
+            let (options, forward_flops) = match args.s2_group {
+                None => (
+                    causal,
+                    4.0 * (args.heads * args.head_dim) as f64 * (seq as f64).powi(2) / 2.0,
+                ),
+                // Each half of the heads over its own groups.
+                Some(group) => {
+                    let pairs: f64 = shifted_fold::group_lengths(seq, group)
+                        .iter()
+                        .map(|&len| (len as f64).powi(2) / 2.0)
+                        .sum();
+                    let flops = 4.0 * args.head_dim as f64 * args.heads as f64 / 2.0 * pairs;
+                    (causal.with_shifted_groups(group), flops)
+                }
+            };
 
             let mut timings = Vec::new();
             for &variant in &args.variants {
@@ -318,6 +337,7 @@ fn throughput<R: CubeRuntime, BT: BoolElement>(args: &Args, dtype: DType) -> Vec
                     "batch": 1, "heads": args.heads, "kv_heads": kv_heads, "seq": seq,
                     "head_dim": args.head_dim,
                     "dtype": format!("{dtype:?}").to_lowercase(), "causal": true,
+                    "s2_group": args.s2_group,
                     "median_ms": time.as_secs_f64() * 1e3,
                     "tflops": tflops,
                     "device_bytes_in_use": bytes_in_use,

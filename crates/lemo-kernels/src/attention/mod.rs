@@ -212,6 +212,19 @@ pub fn attention_backward<B: LemoBackend>(
     grad_out: Tensor<B, 4>,
     options: AttentionOptions,
 ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+    if runs_folded(&q, &options)
+        && let Some(grads) = shifted_fold::attention_backward(
+            q.clone(),
+            k.clone(),
+            v.clone(),
+            out.clone(),
+            lse.clone(),
+            grad_out.clone(),
+            options,
+        )
+    {
+        return grads;
+    }
     let (dq, dk, dv) = B::lemo_attention_backward(
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),

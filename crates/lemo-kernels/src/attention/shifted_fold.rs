@@ -259,6 +259,30 @@ pub fn attention_with_value<B: LemoBackend>(
     fold_attention(q, k, v, extra, &options, &f).map(|mut out| out.remove(0))
 }
 
+/// [`super::attention_backward`] with S2 groups, folded; `None` where the fold does not apply.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward<B: LemoBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    out: Tensor<B, 4>,
+    lse: Tensor<B, 3>,
+    grad_out: Tensor<B, 4>,
+    options: AttentionOptions,
+) -> Option<(Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>)> {
+    let plain = causal(&options);
+    let f = |t: Vec<Tensor<B, 4>>| {
+        let [q, k, v, out, lse, grad_out] = <[_; 6]>::try_from(t).expect("6 operands");
+        let lse = lse.squeeze_dim(3);
+        let (dq, dk, dv) = super::attention_backward(q, k, v, out, lse, grad_out, plain);
+        vec![dq, dk, dv]
+    };
+    let extra = vec![out, lse.unsqueeze_dim(3), grad_out];
+    let [dq, dk, dv] =
+        <[_; 3]>::try_from(fold_attention(q, k, v, extra, &options, &f)?).expect("3 gradients");
+    Some((dq, dk, dv))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
