@@ -159,16 +159,7 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         train_embeddings: config.train_embeddings(),
         train_norms: config.train_norms(),
     };
-    if let Some(group) = s2_group {
-        let over = match config.method {
-            Method::Lemo => ", in groups over each layer's kept rows",
-            _ => "",
-        };
-        eprintln!(
-            "{}: S2 attention with groups of {group} tokens while training{over}, dense at evaluation",
-            config.method.name()
-        );
-    }
+    announce_s2(&config, s2_group);
     let val_sequences = corpus.val_sequences(config.val_sequences);
 
     let run_id = match owner || job.start == run_dir::Start::Resume {
@@ -216,6 +207,21 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         info,
         activations: planned.activations,
     })
+}
+
+/// The S2 attention line of the run's start, when it trains with S2 groups of `group`.
+fn announce_s2(config: &TrainConfig, group: Option<usize>) {
+    let Some(group) = group else {
+        return;
+    };
+    let over = match config.method {
+        Method::Lemo => ", in groups over each layer's kept rows",
+        _ => "",
+    };
+    eprintln!(
+        "{}: S2 attention with groups of {group} tokens while training{over}, dense at evaluation",
+        config.method.name()
+    );
 }
 
 /// The training data, read (tokenized once, then cached) and packed into sequences.
