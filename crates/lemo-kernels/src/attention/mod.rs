@@ -106,8 +106,8 @@ impl AttentionOptions {
 /// ([`shifted_fold`]): where the backend has a fused causal path for `q` that takes every
 /// group's length, and the groups fill the sequence. A sequence ending in a shorter group stays
 /// on the S2 kernels: folded on cuDNN, its gradients failed the GPU parity check
-/// (`kernels/results/gpu-test-h200.json`, 1152 tokens in groups of 256: dq off by 200x), while
-/// whole groups passed.
+/// (`kernels/results/gpu-test-h200-4bd704b.json`, 1152 tokens in groups of 256: dq off by
+/// 200x), while whole groups passed.
 fn runs_folded<B: LemoBackend>(q: &Tensor<B, 4>, options: &AttentionOptions) -> bool {
     let Some(group) = options.shifted_group else {
         return false;
