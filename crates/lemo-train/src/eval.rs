@@ -19,10 +19,12 @@ use lemo_models::ModelConfig;
 
 use crate::data::Document;
 use crate::data::chat::LossOn;
+use crate::data::corpus::check_vocabulary;
 use crate::device::{BackendJob, DeviceKind};
 use crate::lemo::{LemoSettings, THRESHOLDS_FILE, read_thresholds, sparse_keep};
 use crate::memory::gib;
 use crate::memory_budget::host_available_memory;
+use crate::memory_plan::host_attention_bytes;
 use crate::task_progress::TaskProgress;
 
 /// Rows of the vocabulary projection computed at once.
@@ -81,10 +83,12 @@ pub fn windows(len: usize, seq_len: usize, stride: usize) -> Vec<(usize, usize)>
 
 impl EvalJob {
     /// Refuses, before the model is loaded, windows past the positions the model addresses
-    /// under this setup, and on the CPU windows whose attention scores alone (which the CPU
-    /// backend materializes, `heads x len x len` floats) exceed the host's available memory.
+    /// under this setup, and on the CPU windows whose attention (which the CPU backend
+    /// materializes, `heads x len x len` scores and their mask) exceeds the host's available
+    /// memory.
     pub fn check_request(&self, device: DeviceKind) -> Result<()> {
         let config = crate::modelio::read_config(&self.model)?;
+        check_vocabulary(&self.documents, config.vocab_size())?;
         if let Some(seq_len) = self.seq_len {
             self.setup.check_seq_len(&config, seq_len)?;
         }
@@ -100,13 +104,13 @@ impl EvalJob {
             ModelConfig::Llama(c) => c.num_attention_heads,
             ModelConfig::Opt(c) => c.num_attention_heads,
         };
-        let scores = (heads * window) as f64 * window as f64 * 4.0;
+        let attention = host_attention_bytes(heads as f64, window, 1);
         if let (DeviceKind::Cpu, Some(available)) = (device, host_available_memory())
-            && scores > available as f64
+            && attention > available as f64
         {
             bail!(
-                "--seq-len {seq_len}: windows of {window} tokens need at least {:.1} GiB of memory for the attention scores on the CPU, more than the {:.1} GiB available: use a shorter --seq-len",
-                scores / (1u64 << 30) as f64,
+                "--seq-len {seq_len}: windows of {window} tokens need about {:.1} GiB of memory for attention on the CPU, more than the {:.1} GiB available: use a shorter --seq-len",
+                attention / (1u64 << 30) as f64,
                 gib(available)
             );
         }
@@ -152,15 +156,6 @@ impl BackendJob for EvalJob {
             }
             None => None,
         };
-        let vocab = config.vocab_size();
-        for (index, document) in self.documents.iter().enumerate() {
-            if let Some(bad) = document.tokens.iter().find(|&&id| id as usize >= vocab) {
-                bail!(
-                    "document {}: token id {bad} is outside the model's vocabulary of {vocab}",
-                    index + 1
-                );
-            }
-        }
         let plan: Vec<(&Document, usize, usize)> = self
             .documents
             .iter()

@@ -213,18 +213,23 @@ fn fixed_parts(input: &PlanInput, dims: &Dims) -> Fixed {
         .projection_bits
         .map_or(frozen_bytes, |bits| bits / 8.0);
     let on_host = input.device == DeviceKind::Cpu;
-    let pairs = dims.q_heads * (input.seq_len as f64).powi(2);
     Fixed {
         fixed: if on_host { HOST_FIXED_GIB } else { FIXED_GIB } * GIB,
         weights: (dims.parameters() - projections) * frozen_bytes + projections * projection_bytes,
         trainable: (lora + extras) * 16.0,
         loss: input.loss_segment.min(input.seq_len) as f64 * dims.vocab * 4.0 * 3.0,
         attention: if on_host {
-            (HOST_MASK_BYTES + HOST_SCORE_BYTES * input.batch_size as f64) * pairs
+            host_attention_bytes(dims.q_heads, input.seq_len, input.batch_size)
         } else {
             0.0
         },
     }
+}
+
+/// Bytes the CPU backend's reference attention holds at its peak for `batch` sequences of
+/// `seq_len` tokens under `q_heads` query heads (one layer at a time).
+pub fn host_attention_bytes(q_heads: f64, seq_len: usize, batch: usize) -> f64 {
+    (HOST_MASK_BYTES + HOST_SCORE_BYTES * batch as f64) * q_heads * (seq_len as f64).powi(2)
 }
 
 /// What each layer costs kept, recomputed or offloaded (see

@@ -17,6 +17,8 @@ use lemo_models::tokenizer::Tokenizer;
 use lemo_models::{CausalLm, ModelConfig};
 use serde::{Deserialize, Serialize};
 
+use crate::data::corpus::{default_cache_dir, read_model_documents};
+use crate::data::{Document, LazyTokenizer};
 use crate::device::{DeviceKind, PrecisionKind, Runtime};
 
 pub const TRAINING_INFO_FILE: &str = "lemo_training.json";
@@ -62,6 +64,19 @@ impl ModelArgs {
         self.tokenizer
             .clone()
             .or_else(|| crate::data::find_tokenizer(&self.model))
+    }
+
+    /// The documents of `data` for this model (tokenized with its tokenizer, chat records with
+    /// its template, cached in the default cache), every id checked against its vocabulary.
+    pub fn read_documents(&self, data: &Path, token_width: u8) -> Result<Vec<Document>> {
+        read_model_documents(
+            data,
+            token_width,
+            &mut LazyTokenizer::new(self.tokenizer_path()),
+            &self.model,
+            default_cache_dir().as_deref(),
+            read_config(&self.model)?.vocab_size(),
+        )
     }
 
     /// The tokenizer of [`Self::tokenizer_path`], loaded.

@@ -5,9 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use lemo_train::data::chat::{LazyChatTemplate, LossOn};
-use lemo_train::data::corpus::{default_cache_dir, read_documents_cached};
-use lemo_train::data::{LazyTokenizer, TokenWidth};
+use lemo_train::data::chat::LossOn;
 use lemo_train::eval::EvalJob;
 use lemo_train::lemo::LemoSettings;
 use lemo_train::longbench::{self, LongBenchJob};
@@ -81,16 +79,7 @@ pub fn run(args: EvalArgs) -> Result<()> {
     }
     let (device, setup) = args.model.resolve()?;
     let data = args.data.clone().context("--data is required")?;
-    let tokenizer_path = args.model.tokenizer_path();
-    let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
-    let documents = read_documents_cached(
-        &data,
-        TokenWidth::from_bytes(args.token_width)?,
-        &mut tokenizer,
-        tokenizer_path.as_deref(),
-        &mut LazyChatTemplate::new(&args.model.model),
-        default_cache_dir().as_deref(),
-    )?;
+    let documents = args.model.read_documents(&data, args.token_width)?;
     let sparsity = (args.method == Method::Lemo).then_some(args.lemo);
     if let Some(settings) = &sparsity {
         settings.validate()?;

@@ -7,7 +7,6 @@ use anyhow::Result;
 use clap::{ArgMatches, Args};
 use lemo_train::memory_budget::MemoryBudgetArgs;
 use lemo_train::train::config::{Preset, TrainConfig};
-use lemo_train::train::run_dir::Start;
 use lemo_train::train::{TrainJob, interrupt};
 
 #[derive(Debug, Args)]
@@ -37,30 +36,13 @@ pub struct TrainArgs {
 
 pub fn run(args: TrainArgs, matches: &ArgMatches) -> Result<()> {
     let overrides = args.settings.given_on_command_line(matches)?;
-    let (config, resume) = match &args.resume {
-        Some(path) => {
-            let (config, checkpoint) = TrainConfig::resumed(path, &overrides)?;
-            if checkpoint.is_none() {
-                eprintln!(
-                    "train: {} holds no checkpoint yet: the run starts over from step 0 with its saved configuration",
-                    path.display()
-                );
-            }
-            (config, checkpoint)
-        }
-        None => {
-            let mut config = args.preset.map(TrainConfig::preset).unwrap_or_default();
-            if let Some(file) = &args.config {
-                config = config.merged(&TrainConfig::from_toml_file(file)?)?;
-            }
-            (config.merged(&overrides)?, None)
-        }
-    };
-    let start = match (&resume, args.overwrite || args.resume.is_some()) {
-        (Some(_), _) => Start::Resume,
-        (None, true) => Start::Overwrite,
-        (None, false) => Start::Fresh,
-    };
+    let (config, resume, start) = TrainConfig::requested(
+        args.preset,
+        args.config.as_deref(),
+        args.resume.as_deref(),
+        args.overwrite,
+        &overrides,
+    )?;
     let mut job = TrainJob::new(config, resume, start)?;
     job.skip_memory_plan = args.skip_memory_plan;
     job.budget = args.budget.resolve(job.device)?;

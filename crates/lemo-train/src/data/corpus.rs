@@ -145,18 +145,53 @@ fn list_files(path: &Path) -> Result<Vec<PathBuf>> {
     }
 }
 
+/// The documents of `data` for a model of `vocab` token ids, read as [`read_documents_cached`]
+/// reads them (chat records rendered with the template beside `model`), every id checked
+/// against the vocabulary.
+pub fn read_model_documents(
+    data: &Path,
+    token_width: u8,
+    tokenizer: &mut LazyTokenizer,
+    model: &Path,
+    cache_dir: Option<&Path>,
+    vocab: usize,
+) -> Result<Vec<Document>> {
+    let documents = read_documents_cached(
+        data,
+        TokenWidth::from_bytes(token_width)?,
+        tokenizer,
+        &mut LazyChatTemplate::new(model),
+        cache_dir,
+    )?;
+    check_vocabulary(&documents, vocab)
+        .with_context(|| format!("{} (wrong tokenizer?)", data.display()))?;
+    Ok(documents)
+}
+
+/// Refuses documents holding a token id past a vocabulary of `vocab` ids.
+pub fn check_vocabulary(documents: &[Document], vocab: usize) -> Result<()> {
+    for (index, document) in documents.iter().enumerate() {
+        if let Some(bad) = document.tokens.iter().find(|&&id| id as usize >= vocab) {
+            bail!(
+                "document {}: token id {bad} is outside the model's vocabulary of {vocab}",
+                index + 1
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Token documents of `path` (a file or a folder of files, in name order). Text is tokenized with
 /// `tokenizer` (chat records rendered with `chat`'s template) and cached in `cache_dir` under a
 /// hash of the file's bytes, the tokenizer's and the chat template.
-pub fn read_documents_cached(
+fn read_documents_cached(
     path: &Path,
     width: TokenWidth,
     tokenizer: &mut LazyTokenizer,
-    tokenizer_path: Option<&Path>,
     chat: &mut LazyChatTemplate,
     cache_dir: Option<&Path>,
 ) -> Result<Vec<Document>> {
-    let tokenizer_hash = match tokenizer_path {
+    let tokenizer_hash = match tokenizer.path() {
         Some(p) => fnv1a(
             &std::fs::read(p).with_context(|| format!("cannot read {}", p.display()))?,
             FNV_OFFSET,

@@ -78,6 +78,11 @@ impl LazyTokenizer {
         Self { path, loaded: None }
     }
 
+    /// The tokenizer file, loaded or not.
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
+    }
+
     pub fn get(&mut self) -> Result<&Tokenizer> {
         if self.loaded.is_none() {
             let path = self.path.as_ref().context(

@@ -3,14 +3,14 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Result, bail};
+use anyhow::Result;
 use clap::Args;
 use lemo_models::ModelConfig;
 
 use super::LemoSettings;
-use crate::data::chat::{LazyChatTemplate, LossOn};
-use crate::data::corpus::{Corpus, PackOptions, default_cache_dir, read_documents_cached};
-use crate::data::{LazyTokenizer, TokenWidth, special_ids};
+use crate::data::chat::LossOn;
+use crate::data::corpus::{Corpus, PackOptions, default_cache_dir, read_model_documents};
+use crate::data::{LazyTokenizer, special_ids};
 use crate::modelio::ModelArgs;
 
 /// What `calibrate`, `profile` and `train-predictors` read.
@@ -44,24 +44,15 @@ pub fn read_sequences(
     seq_len: usize,
     count: usize,
 ) -> Result<Vec<Vec<u32>>> {
-    let tokenizer_path = args.model.tokenizer_path();
-    let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
-    let documents = read_documents_cached(
+    let mut tokenizer = LazyTokenizer::new(args.model.tokenizer_path());
+    let documents = read_model_documents(
         data,
-        TokenWidth::from_bytes(args.token_width)?,
+        args.token_width,
         &mut tokenizer,
-        tokenizer_path.as_deref(),
-        &mut LazyChatTemplate::new(&args.model.model),
+        &args.model.model,
         default_cache_dir().as_deref(),
+        config.vocab_size(),
     )?;
-    let vocab = config.vocab_size();
-    if let Some(bad) = documents
-        .iter()
-        .flat_map(|d| &d.tokens)
-        .find(|&&id| id as usize >= vocab)
-    {
-        bail!("token id {bad} is outside the model's vocabulary of {vocab} (wrong tokenizer?)");
-    }
     let (bos, eos) = special_ids(config, &mut tokenizer);
     let corpus = Corpus::new(
         &documents,

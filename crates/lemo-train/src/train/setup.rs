@@ -16,9 +16,9 @@ use super::checkpoint::{self, CheckpointFiles};
 use super::config::TrainConfig;
 use super::run_dir;
 use super::{TrainJob, plan_input};
-use crate::data::chat::{LazyChatTemplate, LossOn};
-use crate::data::corpus::{Corpus, PackOptions, read_documents_cached};
-use crate::data::{Document, LazyTokenizer, Sequence, TokenWidth, find_tokenizer, special_ids};
+use crate::data::chat::LossOn;
+use crate::data::corpus::{Corpus, PackOptions, read_model_documents};
+use crate::data::{Document, LazyTokenizer, Sequence, find_tokenizer, special_ids};
 use crate::device::PrecisionKind;
 use crate::memory_plan;
 use crate::method::Method;
@@ -239,22 +239,14 @@ fn read_corpus(
     let mut tokenizer = LazyTokenizer::new(tokenizer_path.clone());
     let cache_dir = config.cache_dir();
     let started_reading = Instant::now();
-    let documents = read_documents_cached(
+    let documents = read_model_documents(
         data_path,
-        TokenWidth::from_bytes(config.token_width)?,
+        config.token_width,
         &mut tokenizer,
-        tokenizer_path.as_deref(),
-        &mut LazyChatTemplate::new(model_path),
+        model_path,
         cache_dir.as_deref(),
+        model_config.vocab_size(),
     )?;
-    let vocab = model_config.vocab_size();
-    if let Some(bad) = documents
-        .iter()
-        .flat_map(|d| &d.tokens)
-        .find(|&&id| id as usize >= vocab)
-    {
-        bail!("token id {bad} is outside the model's vocabulary of {vocab} (wrong tokenizer?)");
-    }
     let chats = check_loss_on(config, &documents, data_path, seq_len)?;
     let is_llama2c = matches!(ModelFormat::detect(model_path)?, ModelFormat::Llama2c);
     let (bos, eos) = special_ids(model_config, &mut tokenizer);

@@ -6,7 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use clap::{ArgMatches, Args, parser::ValueSource};
 
-use super::TrainConfig;
+use super::{Preset, TrainConfig};
+use crate::train::run_dir::Start;
 
 impl TrainConfig {
     /// The keys a TOML file may set: the flags' names in snake_case, and `preset`.
@@ -103,6 +104,42 @@ impl TrainConfig {
         let mut config = Self::default().merged(&saved)?;
         config.out = run_dir;
         Ok((config.merged(overrides)?, checkpoint))
+    }
+
+    /// What a `train` command asks for: with `resume`, the resumed run's saved configuration
+    /// under the flags' `overrides` and its checkpoint (none when the run stopped before its
+    /// first); else the defaults under `preset`, the TOML `file` and `overrides`, in a new run
+    /// folder (`overwrite`: replacing the run there).
+    pub fn requested(
+        preset: Option<Preset>,
+        file: Option<&Path>,
+        resume: Option<&Path>,
+        overwrite: bool,
+        overrides: &toml::Table,
+    ) -> Result<(Self, Option<PathBuf>, Start)> {
+        if let Some(path) = resume {
+            let (config, checkpoint) = Self::resumed(path, overrides)?;
+            if checkpoint.is_none() {
+                eprintln!(
+                    "train: {} holds no checkpoint yet: the run starts over from step 0 with its saved configuration",
+                    path.display()
+                );
+            }
+            let start = match checkpoint {
+                Some(_) => Start::Resume,
+                None => Start::Overwrite,
+            };
+            return Ok((config, checkpoint, start));
+        }
+        let mut config = preset.map(Self::preset).unwrap_or_default();
+        if let Some(file) = file {
+            config = config.merged(&Self::from_toml_file(file)?)?;
+        }
+        let start = match overwrite {
+            true => Start::Overwrite,
+            false => Start::Fresh,
+        };
+        Ok((config.merged(overrides)?, None, start))
     }
 
     pub fn to_toml(&self) -> String {
