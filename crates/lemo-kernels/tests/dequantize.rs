@@ -133,10 +133,12 @@ fn dequantize_whole_blocks_matches_reference() {
 }
 
 /// 3 x 100 values: the last block of every format is partial, so the fields hold codes past
-/// the weight (and NF4's block maxima are padded to a whole block of 256).
+/// the weight (and NF4's block maxima are padded to a whole block of 256); 45 values: an odd
+/// count, one value a thread.
 #[test]
 fn dequantize_partial_last_block_matches_reference() {
     kernel_matches_reference([3, 100]);
+    kernel_matches_reference([1, 45]);
 }
 
 /// More NF4 block maxima than one second-level block: several `absmax2` scales.

@@ -1,5 +1,7 @@
-//! CubeCL kernels of dequantization: one thread per output value decodes the fields of its
-//! value and block from their words and writes the value in the output dtype.
+//! CubeCL kernels of dequantization: one thread per vector of `N` consecutive output values
+//! (16 bytes of output; `N` divides every block and sub-block, so the vector's values share their
+//! scales) decodes its block's scales once, then each value's code, and writes the values in the
+//! output dtype.
 
 use burn::tensor::{DType, Shape};
 use burn_cubecl::CubeRuntime;
@@ -10,6 +12,7 @@ use cubecl::calculate_cube_count_elemwise;
 use cubecl::prelude::*;
 
 use super::{BlockFormat, NF4_ABSMAX_BLOCK};
+use crate::fused::vector_size;
 
 /// Value `index` of a field of `bits`-bit values packed from the low bits of each word up.
 #[cube]
@@ -47,10 +50,10 @@ fn f16_field<I: Int>(words: &Tensor<I>, index: usize) -> f32 {
 
 /// Q4_0 and Q8_0: `(q - 2^(bits - 1)) * d`, one f16 `d` per block of 32.
 #[cube(launch_unchecked)]
-fn offset_kernel<I: Int, O: Float>(
+fn offset_kernel<I: Int, O: Float, N: Size>(
     codes: &Tensor<I>,
     scales: &Tensor<I>,
-    out: &mut Tensor<O>,
+    out: &mut Tensor<Vector<O, N>>,
     #[comptime] bits: u32,
     #[define(I, O)] _dtypes: [StorageType; 2],
 ) {
@@ -58,105 +61,137 @@ fn offset_kernel<I: Int, O: Float>(
     if i >= out.len() {
         terminate!();
     }
+    let first = i * out.vector_size();
     let offset = f32::cast_from(comptime!(1u32 << (bits - 1)));
-    let q = f32::cast_from(unpacked::<I>(codes, i, bits));
-    out[i] = O::cast_from((q - offset) * f16_field::<I>(scales, i / 32));
+    let d = f16_field::<I>(scales, first / 32);
+    let mut values = Vector::<O, N>::empty();
+    #[unroll]
+    for k in 0..out.vector_size() {
+        let q = f32::cast_from(unpacked::<I>(codes, first + k, bits));
+        values[k] = O::cast_from((q - offset) * d);
+    }
+    out[i] = values;
 }
 
 /// Q4_1: `q * d + m`, one f16 `d` and `m` per block of 32.
 #[cube(launch_unchecked)]
-fn q4_1_kernel<I: Int, O: Float>(
+fn q4_1_kernel<I: Int, O: Float, N: Size>(
     codes: &Tensor<I>,
     scales: &Tensor<I>,
     minimums: &Tensor<I>,
-    out: &mut Tensor<O>,
+    out: &mut Tensor<Vector<O, N>>,
     #[define(I, O)] _dtypes: [StorageType; 2],
 ) {
     let i = ABSOLUTE_POS;
     if i >= out.len() {
         terminate!();
     }
-    let q = f32::cast_from(unpacked::<I>(codes, i, 4u32));
-    let block = i / 32;
-    out[i] = O::cast_from(q * f16_field::<I>(scales, block) + f16_field::<I>(minimums, block));
+    let first = i * out.vector_size();
+    let d = f16_field::<I>(scales, first / 32);
+    let m = f16_field::<I>(minimums, first / 32);
+    let mut values = Vector::<O, N>::empty();
+    #[unroll]
+    for k in 0..out.vector_size() {
+        let q = f32::cast_from(unpacked::<I>(codes, first + k, 4u32));
+        values[k] = O::cast_from(q * d + m);
+    }
+    out[i] = values;
 }
 
 /// Q4_K: `(scale * d) * q - min * dmin`, f16 `d` and `dmin` per super-block of 256, 8-bit
 /// `scale` and `min` per sub-block of 32.
 #[cube(launch_unchecked)]
-fn q4_k_kernel<I: Int, O: Float>(
+fn q4_k_kernel<I: Int, O: Float, N: Size>(
     codes: &Tensor<I>,
     scales: &Tensor<I>,
     min_scales: &Tensor<I>,
     sub_scales: &Tensor<I>,
     sub_minimums: &Tensor<I>,
-    out: &mut Tensor<O>,
+    out: &mut Tensor<Vector<O, N>>,
     #[define(I, O)] _dtypes: [StorageType; 2],
 ) {
     let i = ABSOLUTE_POS;
     if i >= out.len() {
         terminate!();
     }
-    let (block, sub) = (i / 256, i / 32);
+    let first = i * out.vector_size();
+    let (block, sub) = (first / 256, first / 32);
     let factor =
         f32::cast_from(unpacked::<I>(sub_scales, sub, 8u32)) * f16_field::<I>(scales, block);
     let offset =
         f32::cast_from(unpacked::<I>(sub_minimums, sub, 8u32)) * f16_field::<I>(min_scales, block);
-    let q = f32::cast_from(unpacked::<I>(codes, i, 4u32));
-    out[i] = O::cast_from(factor * q - offset);
+    let mut values = Vector::<O, N>::empty();
+    #[unroll]
+    for k in 0..out.vector_size() {
+        let q = f32::cast_from(unpacked::<I>(codes, first + k, 4u32));
+        values[k] = O::cast_from(factor * q - offset);
+    }
+    out[i] = values;
 }
 
 /// Q6_K: `((scale - 128) * d) * (low + 16 high - 32)`, f16 `d` per super-block of 256, 8-bit
 /// `scale` per sub-block of 16.
 #[cube(launch_unchecked)]
-fn q6_k_kernel<I: Int, O: Float>(
+fn q6_k_kernel<I: Int, O: Float, N: Size>(
     low: &Tensor<I>,
     high: &Tensor<I>,
     scales: &Tensor<I>,
     sub_scales: &Tensor<I>,
-    out: &mut Tensor<O>,
+    out: &mut Tensor<Vector<O, N>>,
     #[define(I, O)] _dtypes: [StorageType; 2],
 ) {
     let i = ABSOLUTE_POS;
     if i >= out.len() {
         terminate!();
     }
-    let q = unpacked::<I>(low, i, 4u32) + unpacked::<I>(high, i, 2u32) * 16;
-    let sub_scale = f32::cast_from(unpacked::<I>(sub_scales, i / 16, 8u32)) - 128.0;
-    let scale = sub_scale * f16_field::<I>(scales, i / 256);
-    out[i] = O::cast_from(scale * (f32::cast_from(q) - 32.0));
+    let first = i * out.vector_size();
+    let sub_scale = f32::cast_from(unpacked::<I>(sub_scales, first / 16, 8u32)) - 128.0;
+    let scale = sub_scale * f16_field::<I>(scales, first / 256);
+    let mut values = Vector::<O, N>::empty();
+    #[unroll]
+    for k in 0..out.vector_size() {
+        let q = unpacked::<I>(low, first + k, 4u32) + unpacked::<I>(high, first + k, 2u32) * 16;
+        values[k] = O::cast_from(scale * (f32::cast_from(q) - 32.0));
+    }
+    out[i] = values;
 }
 
 /// NF4: `code[q4] * (map[q8] * absmax2 + mean)`, `q8` per block of 64, `absmax2` per block of
 /// 256 of those.
 #[cube(launch_unchecked)]
 #[allow(clippy::too_many_arguments)]
-fn nf4_kernel<I: Int, O: Float>(
+fn nf4_kernel<I: Int, O: Float, N: Size>(
     codes: &Tensor<I>,
     absmax_codes: &Tensor<I>,
     code: &Tensor<f32>,
     map: &Tensor<f32>,
     absmax_scales: &Tensor<f32>,
     mean: &Tensor<f32>,
-    out: &mut Tensor<O>,
+    out: &mut Tensor<Vector<O, N>>,
     #[define(I, O)] _dtypes: [StorageType; 2],
 ) {
     let i = ABSOLUTE_POS;
     if i >= out.len() {
         terminate!();
     }
-    let block = i / 64;
+    let first = i * out.vector_size();
+    let block = first / 64;
     let q8 = unpacked::<I>(absmax_codes, block, 8u32) as usize;
     let absmax = map[q8] * absmax_scales[block / NF4_ABSMAX_BLOCK] + mean[0];
-    let q4 = unpacked::<I>(codes, i, 4u32) as usize;
-    out[i] = O::cast_from(code[q4] * absmax);
+    let mut values = Vector::<O, N>::empty();
+    #[unroll]
+    for k in 0..out.vector_size() {
+        let q4 = unpacked::<I>(codes, first + k, 4u32) as usize;
+        values[k] = O::cast_from(code[q4] * absmax);
+    }
+    out[i] = values;
 }
 
 /// The `[rows, cols]` weight of `format`'s `fields` (words as the backend's integers) and f32
-/// `tables`, in `dtype`. One thread per value decodes its code and its block's scales (a few
-/// words, each shared by the threads of its block, so read from cache) and writes the value:
-/// a pass reads the packed weight once and writes the dense one once, O(rows * cols * (bits / 8
-/// + dtype bytes)) bytes of memory traffic and no intermediate tensor.
+/// `tables`, in `dtype`. One thread per 16-byte vector of output values decodes its block's
+/// scales once (words shared by the threads of the block, so read from cache) and each value's
+/// code: a pass reads the packed weight once and writes the dense one once, O(rows * cols *
+/// (bits / 8 + dtype bytes)) bytes of memory traffic and no intermediate tensor.
 pub(crate) fn dequantize<R: CubeRuntime>(
     format: BlockFormat,
     [rows, cols]: [usize; 2],
@@ -179,10 +214,13 @@ pub(crate) fn dequantize<R: CubeRuntime>(
         Shape::from([rows, cols]),
         dtype,
     );
-    let units = rows * cols;
-    if units == 0 {
+    let values = rows * cols;
+    if values == 0 {
         return out;
     }
+    // At most 16 values a vector: every block and sub-block (16 values or more) holds whole ones.
+    let vector = vector_size(&out, values).min(16);
+    let units = values / vector;
     let cube_dim = CubeDim::new(&client, units);
     let count = calculate_cube_count_elemwise(&client, units, cube_dim);
     let dtypes = [fields[0].dtype.into(), dtype.into()];
@@ -199,6 +237,7 @@ pub(crate) fn dequantize<R: CubeRuntime>(
                     &client,
                     count,
                     cube_dim,
+                    vector,
                     field(0),
                     field(1),
                     out_arg,
@@ -210,6 +249,7 @@ pub(crate) fn dequantize<R: CubeRuntime>(
                 &client,
                 count,
                 cube_dim,
+                vector,
                 field(0),
                 field(1),
                 field(2),
@@ -220,6 +260,7 @@ pub(crate) fn dequantize<R: CubeRuntime>(
                 &client,
                 count,
                 cube_dim,
+                vector,
                 field(0),
                 field(1),
                 field(2),
@@ -232,6 +273,7 @@ pub(crate) fn dequantize<R: CubeRuntime>(
                 &client,
                 count,
                 cube_dim,
+                vector,
                 field(0),
                 field(1),
                 field(2),
@@ -243,6 +285,7 @@ pub(crate) fn dequantize<R: CubeRuntime>(
                 &client,
                 count,
                 cube_dim,
+                vector,
                 field(0),
                 field(1),
                 table(0),
