@@ -1,7 +1,7 @@
 //! Quantized weights on the device. Their dequantization is `lemo_kernels::dequantize`: one
 //! kernel on CubeCL backends, plain Burn tensor operations elsewhere, both giving exactly what the
-//! host dequantizers ([`crate::gguf::GgmlType::dequantize`], [`Nf4::dequantize`]) give (where the
-//! backend does not contract `a * b + c`).
+//! host dequantizers ([`crate::gguf::GgmlType::dequantize`], [`Nf4::dequantize`]) give (NF4's
+//! block maxima within an f32 rounding where the backend contracts `a * b + c`).
 //!
 //! [`Nf4::dequantize`]: super::nf4::Nf4::dequantize
 
