@@ -7,9 +7,10 @@
 //! formats are ggml's block types and QLoRA's NF4; each value is computed in f32 in the same order
 //! of operations as the host dequantizers (ggml's reference code, bitsandbytes' NF4 algorithm), so
 //! the device gives the host's values exactly. A compiler that contracts `a * b + c` into one
-//! rounding (CUDA does by default) changes nothing for the ggml types, whose products of a code
-//! and f16 scales are exact in f32 (at most 23 significant bits); NF4's block maximum
-//! `map[q8] * absmax2 + mean` is the one sum it can round differently (by one f32 rounding):
+//! rounding (CUDA does by default) changes nothing for the ggml types: only Q4_1 and Q4_K add,
+//! and the products they add are of codes and f16 scales, exact in f32 (at most 23 significant
+//! bits). NF4's block maximum `map[q8] * absmax2 + mean` is the one sum it can round differently
+//! (by one f32 rounding):
 //!
 //! | format | fields (bits) | value |
 //! |---|---|---|
