@@ -30,6 +30,7 @@ pub mod cache;
 pub mod compute;
 #[cfg(feature = "cuda")]
 mod cuda_interop;
+pub mod dequantize;
 mod extension;
 pub mod fused;
 pub mod gemm;
@@ -47,7 +48,7 @@ pub use attention::backend::AttentionBackend;
 pub use backend::CudaBackend;
 pub use backend::{CpuBackend, WgpuBackend};
 pub use compute::{
-    ComputeBackend, FusedBackend, GemmBackend, MemoryBackend, OptimizerBackend,
+    ComputeBackend, DequantizeBackend, FusedBackend, GemmBackend, MemoryBackend, OptimizerBackend,
     TokenMovementBackend,
 };
 pub use extension::LemoBackend;

@@ -68,7 +68,7 @@ const KEPT_TYPES: [GgmlType; 5] = [
     GgmlType::Q6_K,
 ];
 
-fn check_ggml_on<Bk: Backend>(tolerance: f32) {
+fn check_ggml_on<Bk: LemoBackend>(tolerance: f32) {
     let mut rng = HostRng::new(seed());
     let device = Default::default();
     for t in KEPT_TYPES {

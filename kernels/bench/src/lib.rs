@@ -1,4 +1,6 @@
-//! Timing shared by the benchmark binaries.
+//! Timing and test inputs shared by the benchmark binaries.
+
+pub mod dequantize_cases;
 
 use std::time::Duration;
 

@@ -1,17 +1,17 @@
-//! Quantized weights on the device and their dequantization there, in plain Burn tensor
-//! operations (so every backend runs it: CPU and wgpu in tests, CUDA in training). Each field is
-//! unpacked from its 32-bit words by shifts and masks, f16 scales are decoded from their bits,
-//! and each format applies its own affine (or code-book) map in f32, in the same order of
-//! operations as the host dequantizers ([`crate::gguf::GgmlType::dequantize`], [`Nf4::dequantize`]):
-//! the device gives the host's values exactly (where the backend does not contract `a * b + c`).
+//! Quantized weights on the device. Their dequantization is `lemo_kernels::dequantize`: one
+//! kernel on CubeCL backends, plain Burn tensor operations elsewhere, both giving exactly what the
+//! host dequantizers ([`crate::gguf::GgmlType::dequantize`], [`Nf4::dequantize`]) give (NF4's
+//! block maxima within an f32 rounding where the backend contracts `a * b + c`).
 //!
 //! [`Nf4::dequantize`]: super::nf4::Nf4::dequantize
 
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, ElementConversion, Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
+use lemo_kernels::DequantizeBackend;
+use lemo_kernels::dequantize::{BlockFormat, FieldWords, PackedBlocks, dequantize};
 
-use super::nf4::{ABSMAX_BLOCK, BLOCK as NF4_BLOCK, NF4_CODE, dynamic_map};
+use super::nf4::{NF4_CODE, dynamic_map};
 use super::packed::{PackedWeight, QuantFormat};
 use crate::gguf::quant::GgmlType;
 
@@ -54,9 +54,15 @@ impl<B: Backend> QuantizedWeight<B> {
                 })
             })
             .collect();
-        let tables = packed
-            .tables
+        // NF4's code book and dynamic map lead its tables: the kernel reads them from the device.
+        let constants = match packed.format {
+            QuantFormat::Nf4 => vec![NF4_CODE.to_vec(), dynamic_map().to_vec()],
+            QuantFormat::Ggml(_) => Vec::new(),
+        };
+        let constant_bytes: usize = constants.iter().map(|t| 4 * t.len()).sum();
+        let tables = constants
             .iter()
+            .chain(&packed.tables)
             .map(|t| {
                 let data = TensorData::new(t.clone(), [t.len()]);
                 B::memory_persistent_allocations(device, data, |data| {
@@ -72,7 +78,7 @@ impl<B: Backend> QuantizedWeight<B> {
                 shape: packed.shape,
                 fields: packed.fields.iter().map(|f| (f.bits, f.count)).collect(),
                 dtype,
-                bytes: packed.bytes(),
+                bytes: packed.bytes() + constant_bytes,
             },
         }
     }
@@ -85,139 +91,42 @@ impl<B: Backend> QuantizedWeight<B> {
         self.fields[0].device()
     }
 
-    /// Field `index` unpacked, one integer per value.
-    fn field(&self, index: usize) -> Tensor<B, 1, Int> {
-        let (bits, count) = self.layout.fields[index];
-        unpack(self.fields[index].clone(), bits, count)
-    }
-
-    fn float_field(&self, index: usize) -> Tensor<B, 1> {
-        self.field(index).float()
-    }
-
-    fn f16_field(&self, index: usize) -> Tensor<B, 1> {
-        f16_values(self.field(index))
-    }
-
-    /// The weight `[rows, cols]` in the frozen dtype.
-    pub fn dequantize(&self) -> Tensor<B, 2> {
-        let [rows, cols] = self.layout.shape;
-        let values = match self.layout.format {
-            QuantFormat::Ggml(t) => self.ggml(t),
-            QuantFormat::Nf4 => self.nf4(),
+    /// The fields and tables as the dequantize kernel reads them.
+    fn blocks(&self) -> PackedBlocks<B> {
+        let format = match self.layout.format {
+            QuantFormat::Ggml(GgmlType::Q4_0) => BlockFormat::Q4_0,
+            QuantFormat::Ggml(GgmlType::Q4_1) => BlockFormat::Q4_1,
+            QuantFormat::Ggml(GgmlType::Q8_0) => BlockFormat::Q8_0,
+            QuantFormat::Ggml(GgmlType::Q4_K) => BlockFormat::Q4_K,
+            QuantFormat::Ggml(GgmlType::Q6_K) => BlockFormat::Q6_K,
+            QuantFormat::Nf4 => BlockFormat::Nf4,
+            QuantFormat::Ggml(t) => unreachable!("{t:?} is loaded dense"),
         };
-        let count: usize = values.dims().iter().product();
-        values
-            .reshape([count])
-            .slice(0..rows * cols)
-            .reshape([rows, cols])
-            .cast(self.layout.dtype)
-    }
-
-    /// `[blocks, values per block]` as [`GgmlType::dequantize`] computes them.
-    fn ggml(&self, t: GgmlType) -> Tensor<B, 2> {
-        let per_group = |v: Tensor<B, 1>, group: usize| {
-            let groups = v.dims()[0] / group;
-            v.reshape([groups, group])
-        };
-        let column = |v: Tensor<B, 1>| {
-            let n = v.dims()[0];
-            v.reshape([n, 1])
-        };
-        match t {
-            GgmlType::Q4_0 => {
-                (per_group(self.float_field(0), 32) - 8.0) * column(self.f16_field(1))
-            }
-            GgmlType::Q4_1 => {
-                per_group(self.float_field(0), 32) * column(self.f16_field(1))
-                    + column(self.f16_field(2))
-            }
-            GgmlType::Q8_0 => {
-                (per_group(self.float_field(0), 32) - 128.0) * column(self.f16_field(1))
-            }
-            GgmlType::Q4_K => {
-                // Sub-block j of super-block s: d_s * scale_j * q - dmin_s * min_j.
-                let sub = |super_scale: Tensor<B, 1>, field: usize| {
-                    let per_super = per_group(self.float_field(field), 8) * column(super_scale);
-                    let n = per_super.dims()[0] * 8;
-                    per_super.reshape([n, 1])
-                };
-                let factor = sub(self.f16_field(1), 3);
-                let offset = sub(self.f16_field(2), 4);
-                factor * per_group(self.float_field(0), 32) - offset
-            }
-            GgmlType::Q6_K => {
-                // d * scale_j * (q - 32), q = low | high << 4, signed scales stored + 128.
-                let codes = self.field(0) + self.field(1).mul_scalar(16.elem::<B::IntElem>());
-                let scales = per_group(self.float_field(3) - 128.0, 16) * column(self.f16_field(2));
-                let n = scales.dims()[0] * 16;
-                scales.reshape([n, 1]) * per_group(codes.float() - 32.0, 16)
-            }
-            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
-                unreachable!("float types are loaded dense")
-            }
+        let bits = self.layout.fields.iter().map(|&(bits, _)| bits);
+        debug_assert!(bits.eq(format.field_bits().iter().copied()));
+        let fields = self
+            .fields
+            .iter()
+            .zip(&self.layout.fields)
+            .map(|(words, &(_, count))| FieldWords {
+                words: words.clone(),
+                count,
+            })
+            .collect();
+        PackedBlocks {
+            format,
+            shape: self.layout.shape,
+            fields,
+            tables: self.tables.clone(),
         }
     }
+}
 
-    /// `[blocks, 64]`: `NF4_CODE[q4] * (map[q8] * absmax2 + mean)`.
-    fn nf4(&self) -> Tensor<B, 2> {
-        let device = self.device();
-        let map = Tensor::<B, 1>::from_floats(dynamic_map().as_slice(), &device);
-        let absmax_codes = self.field(1);
-        let padded = absmax_codes.dims()[0];
-        let scaled = map
-            .select(0, absmax_codes)
-            .reshape([padded / ABSMAX_BLOCK, ABSMAX_BLOCK])
-            * self.tables[0].clone().reshape([padded / ABSMAX_BLOCK, 1]);
-        let absmax = scaled + self.tables[1].clone().reshape([1, 1]);
-        let code = Tensor::<B, 1>::from_floats(NF4_CODE.as_slice(), &device);
-        let codes = self.field(0);
-        let blocks = codes.dims()[0] / NF4_BLOCK;
-        let absmax = absmax
-            .reshape([padded])
-            .slice(0..blocks)
-            .reshape([blocks, 1]);
-        code.select(0, codes).reshape([blocks, NF4_BLOCK]) * absmax
+impl<B: DequantizeBackend> QuantizedWeight<B> {
+    /// The weight `[rows, cols]` in the frozen dtype, in one kernel where the backend has it.
+    pub fn dequantize(&self) -> Tensor<B, 2> {
+        dequantize(self.blocks(), self.layout.dtype)
     }
-}
-
-/// `count` fields of `bits` bits from `words`, lowest bits first.
-fn unpack<B: Backend>(words: Tensor<B, 1, Int>, bits: u32, count: usize) -> Tensor<B, 1, Int> {
-    let per_word = 32 / bits;
-    let mask = (1i64 << bits) - 1;
-    let n = words.dims()[0];
-    let parts = (0..per_word)
-        .map(|k| {
-            // An arithmetic shift brings copies of the sign bit down, which the mask drops.
-            words
-                .clone()
-                .bitwise_right_shift_scalar((k * bits).elem())
-                .bitwise_and_scalar(mask.elem())
-        })
-        .collect();
-    Tensor::stack::<2>(parts, 1)
-        .reshape([n * per_word as usize])
-        .slice(0..count)
-}
-
-/// IEEE half-precision values from their bits: `(-1)^s * m * 2^(e - 25)` with the implicit
-/// leading 1 (1024) for `e > 0`, `m * 2^-24` for subnormals; exact in f32 (scales are finite).
-fn f16_values<B: Backend>(bits: Tensor<B, 1, Int>) -> Tensor<B, 1> {
-    let field = |shift: i64, mask: i64| {
-        bits.clone()
-            .bitwise_right_shift_scalar(shift.elem())
-            .bitwise_and_scalar(mask.elem())
-    };
-    let (exponent, mantissa, sign) = (field(10, 31), field(0, 1023), field(15, 1));
-    let implicit = exponent
-        .clone()
-        .greater_elem(0)
-        .int()
-        .mul_scalar(1024.elem::<B::IntElem>());
-    let powers: Vec<f32> = (0..32).map(|e: i32| 2f32.powi(e.max(1) - 25)).collect();
-    let power = Tensor::<B, 1>::from_floats(powers.as_slice(), &bits.device()).select(0, exponent);
-    let sign = sign.float().mul_scalar(-2.0).add_scalar(1.0);
-    (mantissa + implicit).float() * power * sign
 }
 
 /// A projection's frozen weight `[out, in]`: dense in the frozen dtype, or kept quantized and
@@ -234,7 +143,7 @@ impl<B: Backend> From<Tensor<B, 2>> for FrozenWeight<B> {
     }
 }
 
-impl<B: Backend> FrozenWeight<B> {
+impl<B: DequantizeBackend> FrozenWeight<B> {
     /// The weight as a tensor: a quantized one is dequantized into a fresh buffer each call,
     /// which the memory pool reuses once the product that reads it is done.
     pub fn val(&self) -> Tensor<B, 2> {
@@ -243,7 +152,9 @@ impl<B: Backend> FrozenWeight<B> {
             FrozenWeight::Quantized(q) => q.dequantize(),
         }
     }
+}
 
+impl<B: Backend> FrozenWeight<B> {
     pub fn dims(&self) -> [usize; 2] {
         match self {
             FrozenWeight::Dense(w) => w.dims(),

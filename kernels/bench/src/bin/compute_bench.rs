@@ -4,7 +4,8 @@
 //! Parity (on the GPU, fresh random inputs): each GEMM form against an f32 CPU product of the
 //! same bf16 inputs; a chain of dependent cubecl kernels and GEMMs with buffer reuse against
 //! the same chain through Burn's matmul (a missing stream join shows as a large error); f32
-//! GEMMs (ours and Burn's) against the CPU; fused kernels against their Burn references;
+//! GEMMs (ours and Burn's) against the CPU; fused kernels against their Burn references; the
+//! dequantize kernel (every format, f32 and bf16 output) against its Burn reference;
 //! the segment-based loss against the plain full-logits loss (loss and gradients).
 //! Throughput: each kernel timed as a loop of back-to-back calls between two device
 //! synchronizations (cubecl's profiler), after warm-up, median of repeats; the PyTorch script
@@ -18,9 +19,9 @@ use std::time::Duration;
 use burn::backend::Autodiff;
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use cubecl::prelude::{ComputeClient, Runtime};
-use lemo_kernel_bench::time_calls;
+use lemo_kernel_bench::{dequantize_cases, time_calls};
 use lemo_kernels::memory::{memory_cleanup, memory_stats};
-use lemo_kernels::{CpuBackend, CudaBackend, fused, gemm, loss, precision};
+use lemo_kernels::{CpuBackend, CudaBackend, dequantize, fused, gemm, loss, precision};
 use serde_json::{Value, json};
 
 type B = CudaBackend;
@@ -408,6 +409,33 @@ fn gemm_timings(args: &Args, client: &Client) -> Vec<Value> {
     results
 }
 
+/// The dequantize kernel against its Burn reference on the GPU, every format, writing f32 and
+/// bf16: a weight of whole blocks and one whose last block is partial.
+fn dequantize_parity() -> Vec<Value> {
+    let mut results = Vec::new();
+    for (seed, shape) in [[512, 4096], [3, 100]].into_iter().enumerate() {
+        for format in dequantize_cases::FORMATS {
+            let blocks =
+                dequantize_cases::random_blocks::<B>(format, shape, seed as u64, &device());
+            for dtype in [DType::F32, DType::BF16] {
+                let ours = dequantize::dequantize(blocks.clone(), dtype);
+                let expected = dequantize::reference::dequantize(&blocks, dtype);
+                let error = gpu_relative(ours, expected);
+                let name = format!("dequantize_{format:?}_{dtype:?}_{}x{}", shape[0], shape[1]);
+                let ok = error < 1e-2;
+                println!(
+                    "parity {name}: {error:.2e} {}",
+                    if ok { "ok" } else { "FAIL" }
+                );
+                results.push(
+                    json!({"check": name, "relative_error": error, "tolerance": 1e-2, "ok": ok}),
+                );
+            }
+        }
+    }
+    results
+}
+
 fn fused_timings(args: &Args, client: &Client) -> Vec<Value> {
     let (rows, hidden) = (16384, 4096);
     let numel = (rows * hidden) as f64;
@@ -476,6 +504,20 @@ fn fused_timings(args: &Args, client: &Client) -> Vec<Value> {
         <B as lemo_kernels::FusedBackend>::lemo_swiglu_backward(prim(&x), prim(&g), prim(&x))
     });
     record("swiglu_backward", vec![rows, hidden], 10.0 * numel, t);
+
+    // A Llama-3-8B MLP weight dequantized to bf16: the packed words read, the weight written.
+    for format in [dequantize::BlockFormat::Nf4, dequantize::BlockFormat::Q4_K] {
+        let shape = [14336, 4096];
+        let blocks = dequantize_cases::random_blocks::<B>(format, shape, 7, &device());
+        let packed: usize = blocks.fields.iter().map(|f| 4 * f.words.dims()[0]).sum();
+        let t = time_calls(client, args.repeats, 10, || {
+            dequantize::dequantize(blocks.clone(), DType::BF16)
+                .into_primitive()
+                .tensor()
+        });
+        let bytes = packed as f64 + 2.0 * (shape[0] * shape[1]) as f64;
+        record(&format!("dequantize_{format:?}"), shape.to_vec(), bytes, t);
+    }
 
     let (chunk, vocab) = (2048, 128256);
     let logits = random([chunk, vocab], DType::BF16) * 3.0;
@@ -651,6 +693,7 @@ fn main() {
     // Most important first; the report is rewritten after every section. The first section
     // compiles the fused kernels: its wall time shows what the kernel cache saves.
     parity.extend(section("fused_parity", &mut errors, fused_parity).unwrap_or_default());
+    parity.extend(section("dequantize_parity", &mut errors, dequantize_parity).unwrap_or_default());
     let first_section_seconds = process.elapsed().as_secs_f64();
     println!("start-up + first section: {first_section_seconds:.1} s");
     let startup = json!({"startup_and_fused_parity_seconds": first_section_seconds});
