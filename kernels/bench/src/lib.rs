@@ -1,6 +1,4 @@
-//! Timing and test inputs shared by the benchmark binaries.
-
-pub mod dequantize_cases;
+//! Timing shared by the benchmark binaries.
 
 use std::time::Duration;
 

@@ -32,7 +32,7 @@ pub(crate) mod kernel;
 pub mod reference;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{DType, Int, Tensor, TensorPrimitive};
+use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
 
 pub use backend::DequantizeBackend;
 
@@ -52,6 +52,16 @@ pub enum BlockFormat {
 pub const NF4_ABSMAX_BLOCK: usize = 256;
 
 impl BlockFormat {
+    /// Every format, in the module table's order.
+    pub const ALL: [BlockFormat; 6] = [
+        BlockFormat::Q4_0,
+        BlockFormat::Q4_1,
+        BlockFormat::Q8_0,
+        BlockFormat::Q4_K,
+        BlockFormat::Q6_K,
+        BlockFormat::Nf4,
+    ];
+
     /// The bits of each field, in the order the fields are passed.
     pub fn field_bits(self) -> &'static [u32] {
         match self {
@@ -121,6 +131,51 @@ pub struct PackedBlocks<B: Backend> {
 }
 
 impl<B: Backend> PackedBlocks<B> {
+    /// A `[rows, cols]` weight of `format` for parity checks and benchmarks: every word drawn
+    /// from `next_word` (codes, and the bits past the last value the decoder must ignore), the
+    /// f16 scales kept finite (bit 14 of each half cleared: exponents below 16), standard normal
+    /// tables.
+    pub fn random(
+        format: BlockFormat,
+        shape: [usize; 2],
+        mut next_word: impl FnMut() -> u64,
+        device: &B::Device,
+    ) -> Self {
+        let values = shape[0] * shape[1];
+        let fields = format
+            .field_bits()
+            .iter()
+            .zip(format.field_counts(values))
+            .map(|(&bits, count)| {
+                let len = count.div_ceil((32 / bits) as usize);
+                let words: Vec<i32> = (0..len)
+                    .map(|_| {
+                        let word = next_word() as u32;
+                        match bits {
+                            16 => (word & !0x4000_4000) as i32,
+                            _ => word as i32,
+                        }
+                    })
+                    .collect();
+                FieldWords {
+                    words: Tensor::from_data(TensorData::new(words, [len]), device),
+                    count,
+                }
+            })
+            .collect();
+        let tables = format
+            .table_lens(values)
+            .into_iter()
+            .map(|len| Tensor::random([len], Distribution::Normal(0.0, 1.0), device))
+            .collect();
+        Self {
+            format,
+            shape,
+            fields,
+            tables,
+        }
+    }
+
     /// Panics unless the fields and tables are what the format needs for the shape.
     pub fn check(&self) {
         let values = self.shape[0] * self.shape[1];

@@ -19,9 +19,11 @@ use std::time::Duration;
 use burn::backend::Autodiff;
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use cubecl::prelude::{ComputeClient, Runtime};
-use lemo_kernel_bench::{dequantize_cases, time_calls};
+use lemo_kernel_bench::time_calls;
+use lemo_kernels::dequantize::PackedBlocks;
 use lemo_kernels::memory::{memory_cleanup, memory_stats};
 use lemo_kernels::{CpuBackend, CudaBackend, dequantize, fused, gemm, loss, precision};
+use lemo_test_support::HostRng;
 use serde_json::{Value, json};
 
 type B = CudaBackend;
@@ -414,9 +416,9 @@ fn gemm_timings(args: &Args, client: &Client) -> Vec<Value> {
 fn dequantize_parity() -> Vec<Value> {
     let mut results = Vec::new();
     for (seed, shape) in [[512, 4096], [3, 100]].into_iter().enumerate() {
-        for format in dequantize_cases::FORMATS {
-            let blocks =
-                dequantize_cases::random_blocks::<B>(format, shape, seed as u64, &device());
+        for format in dequantize::BlockFormat::ALL {
+            let mut words = HostRng::new(seed as u64);
+            let blocks = PackedBlocks::<B>::random(format, shape, || words.next_u64(), &device());
             for dtype in [DType::F32, DType::BF16] {
                 let ours = dequantize::dequantize(blocks.clone(), dtype);
                 let expected = dequantize::reference::dequantize(&blocks, dtype);
@@ -508,7 +510,8 @@ fn fused_timings(args: &Args, client: &Client) -> Vec<Value> {
     // A Llama-3-8B MLP weight dequantized to bf16: the packed words read, the weight written.
     for format in [dequantize::BlockFormat::Nf4, dequantize::BlockFormat::Q4_K] {
         let shape = [14336, 4096];
-        let blocks = dequantize_cases::random_blocks::<B>(format, shape, 7, &device());
+        let mut words = HostRng::new(7);
+        let blocks = PackedBlocks::<B>::random(format, shape, || words.next_u64(), &device());
         let packed: usize = blocks.fields.iter().map(|f| 4 * f.words.dims()[0]).sum();
         let t = time_calls(client, args.repeats, 10, || {
             dequantize::dequantize(blocks.clone(), DType::BF16)
