@@ -10,11 +10,48 @@ Run lemo-train in a folder holding a `cubecl.toml` with
 then `python3 bench/pool_log.py mem.log`: the dynamic reservations by size (those of 256 MB or
 more listed) and, at the moment the pools held the most, each pool's pages, reserved and
 in-use bytes (the persistent pool's slices by size).
+
+`python3 bench/pool_log.py --timeline mem.log` prints instead, for the main GPU pools, every new
+page (the request that made it, then reserved / in-use bytes of all pools and of each) and every
+explicit cleanup, in order: where in the step the pools grow (in-use rising: the forward pass).
 """
 import re, sys, collections
 unit = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12}
 def size(text):
     m = re.match(r"([\d.]+) (\w+)", text.strip()); return float(m.group(1)) * unit[m.group(2)]
+
+def timeline(path):
+    request = 0; dump = None; cleanups = 0; events = 0
+    def show(dump):
+        pools = []; pool = None; in_use = 0
+        for l in dump:
+            if l.startswith("## Persistent"): pool = "persistent"
+            m = re.match(r"\s*- Sliced Pool page_size=([\d.]+ \w+)", l)
+            if m: pool = m.group(1).replace(" ", "")
+            if l.startswith("## Summary"): pool = "all"
+            m = re.search(r"Bytes in use: (.*)", l)
+            if m: in_use = size(m.group(1))
+            m = re.search(r"Total bytes reserved: (.*)", l)
+            if m and pool and size(m.group(1)) > 0:
+                pools.append(f"{pool} {size(m.group(1)) / 1e9:.1f}/{in_use / 1e9:.1f}")
+        print(f"{events:>7} request {request / 1e6:9.1f} MB: GB reserved/in use: {', '.join(reversed(pools))}")
+    for line in open(path, errors="replace"):
+        if line.startswith("["):
+            if dump is not None: show(dump); dump = None
+            if not line.startswith("[Main GPU Memory]"): continue
+            events += 1
+            m = re.search(r"Reserved memory ([\d.]+ \w+) using dynamic pool", line)
+            if m: request = size(m.group(1))
+            m = re.search(r"Reserved memory (\d+) using persistent memory", line)
+            if m: request = float(m.group(1))
+            if "Allocated a new memory page" in line: dump = []
+            if "Manual memory cleanup" in line: cleanups += 1; print(f"{events:>7} cleanup {cleanups}")
+        elif dump is not None:
+            dump.append(line)
+    if dump is not None: show(dump)
+
+if sys.argv[1] == "--timeline":
+    timeline(sys.argv[2]); sys.exit()
 big = collections.Counter(); small = 0; pages = 0
 best = (0, []); dump = None
 def close(dump):

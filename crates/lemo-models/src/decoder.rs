@@ -15,7 +15,7 @@ use burn::tensor::{ElementConversion, Int, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::known_value::with_value;
 use lemo_kernels::loss::segment_cross_entropy;
-use lemo_kernels::memory::exact_size_buffers;
+use lemo_kernels::memory::LayerBuffers;
 use lemo_kernels::recomputed_rows::{FrozenMlp, with_recomputed_rows};
 use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
 
@@ -230,7 +230,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
 /// Exact-size buffers for the per-token activations of a pass whose residual stream is `h`
 /// (see [`lemo_kernels::memory::exact_size_buffers`]), the MLP's intermediate both whole (the
 /// token-sparse passes) and in the row slices of a dense block (see [`slice_len`]).
-fn row_buffers<B: LemoBackend, D: Decoder<B>>(decoder: &D, h: &Tensor<B, 3>) {
+fn row_buffers<B: LemoBackend, D: Decoder<B>>(decoder: &D, h: &Tensor<B, 3>) -> LayerBuffers<B> {
     let [batch, len, _] = h.dims();
     let (device, dtype) = (h.device(), h.dtype());
     let RowWidths { stream, mlp } = decoder.row_widths();
@@ -247,7 +247,7 @@ fn row_buffers<B: LemoBackend, D: Decoder<B>>(decoder: &D, h: &Tensor<B, 3>) {
         .map(|width| [batch, len, width])
         .chain(sliced)
         .collect();
-    exact_size_buffers::<B>(&device, dtype, &shapes);
+    LayerBuffers::new(&device, dtype, shapes)
 }
 
 /// Final normalized hidden states of `tokens` at `positions`; with a cache, the tokens continue
@@ -338,16 +338,26 @@ enum Stored<B: AutodiffBackend> {
     Host(HostCopy<B::InnerBackend>),
 }
 
+/// What the forward pass of [`planned_loss_backward`] leaves for its backward pass.
+struct StoredForward<B: AutodiffBackend> {
+    /// What each layer stored.
+    layers: Vec<Stored<B>>,
+    /// `h_L`.
+    last: Tensor<B::InnerBackend, 3>,
+    /// The pass's exact-size buffers (see [`row_buffers`]).
+    buffers: LayerBuffers<B::InnerBackend>,
+}
+
 /// The forward pass of [`planned_loss_backward`]: each layer's graph from a leaf copy of its
 /// input where `plan` keeps it, else the layer without a graph and its input kept on the device
-/// or copied to host memory. Returns what each layer stored and `h_L`.
+/// or copied to host memory.
 fn forward_storing<B, D>(
     decoder: &D,
     tokens: Tensor<B, 2, Int>,
     shared: &D::Shared,
     sparsity: &mut TokenSparsity,
     plan: &ActivationPlan,
-) -> (Vec<Stored<B>>, Tensor<B::InnerBackend, 3>)
+) -> StoredForward<B>
 where
     B: AutodiffBackend + LemoBackend,
     B::InnerBackend: LemoBackend,
@@ -358,9 +368,11 @@ where
     let inner = decoder.valid();
     let inner_shared = inner.shared(0..len, batch);
     let mut h = inner.embed(tokens.inner(), 0..len);
-    row_buffers(&inner, &h);
+    let mut buffers = row_buffers(&inner, &h);
     let mut stored = Vec::with_capacity(plan.num_layers());
     for (index, mode) in plan.layers().iter().enumerate() {
+        // What the layers below left idle must not sit beside what this one saves.
+        buffers.between_layers();
         let saved = match mode {
             LayerActivations::Kept => {
                 let input = Tensor::<B, 3>::from_inner(h).require_grad();
@@ -391,7 +403,11 @@ where
             MlpGraph::Saved,
         );
     }
-    (stored, h)
+    StoredForward {
+        layers: stored,
+        last: h,
+        buffers,
+    }
 }
 
 /// [`next_token_loss`] of `tokens` (positions from 0) and the gradients of `scale` times it,
@@ -433,7 +449,11 @@ where
     let positions = 0..len;
 
     let shared = decoder.shared(positions.clone(), batch);
-    let (mut stored, h) = forward_storing(decoder, tokens.clone(), &shared, sparsity, plan);
+    let StoredForward {
+        layers: mut stored,
+        last: h,
+        mut buffers,
+    } = forward_storing(decoder, tokens.clone(), &shared, sparsity, plan);
 
     let last = Tensor::<B, 3>::from_inner(h).require_grad();
     let (loss, predictions) = next_token_loss(
@@ -477,6 +497,8 @@ where
         (input, output)
     };
     while let Some(saved) = stored.pop() {
+        // What the layers above left idle must not sit beside what this one asks for.
+        buffers.between_layers();
         let index = stored.len();
         if let Some(Stored::Host(below)) = stored.last_mut() {
             below.prefetch();

@@ -508,6 +508,7 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                     None
                 };
                 B::memory_cleanup(&device);
+                lemo_kernels::memory::set_pool_budget::<B>(&device, planned.pool_budget());
                 if let Some(watch) = &job.device_watch {
                     watch.take_peak();
                 }

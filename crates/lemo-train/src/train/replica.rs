@@ -53,6 +53,7 @@ impl<B: LemoBackend> Replica<B> {
     pub fn load(setup: &Setup, device: B::Device, rank: usize) -> Result<Self> {
         let config = &setup.config;
         AB::<B>::seed(&device, config.seed);
+        lemo_kernels::memory::set_pool_budget::<B>(&device, setup.pool_budget);
         let (mut model, _, frozen) = CausalLm::<AB<B>>::from_path_quantized(
             &setup.model_path,
             &device,

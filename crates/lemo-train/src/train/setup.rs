@@ -43,6 +43,8 @@ pub struct Setup {
     pub info: TrainingInfo,
     /// Which layers keep, recompute or offload their activations.
     pub activations: ActivationPlan,
+    /// What each device's memory pools may reserve (see [`memory_plan::Planned::pool_budget`]).
+    pub pool_budget: Option<u64>,
 }
 
 impl Setup {
@@ -205,6 +207,7 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         run_id,
         resumed,
         info,
+        pool_budget: planned.pool_budget(),
         activations: planned.activations,
     })
 }
