@@ -127,6 +127,14 @@ pub fn set_pool_budget<B: ComputeBackend>(device: &B::Device, bytes: Option<u64>
     };
 }
 
+/// `device`'s pool budget, if one was set.
+fn pool_budget(device: &impl std::fmt::Debug) -> Option<u64> {
+    let budgets = POOL_BUDGETS
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    budgets.get(&format!("{device:?}")).copied()
+}
+
 /// The exact-size buffers of a pass down a model's layers (see [`exact_size_buffers`]), and the
 /// idle memory it returns to the device between layers near the pool budget
 /// ([`set_pool_budget`]).
@@ -153,10 +161,13 @@ impl<B: ComputeBackend> LayerBuffers<B> {
     /// Serves `shapes` in `dtype` from exact-size buffers (see [`exact_size_buffers`]).
     pub fn new(device: &B::Device, dtype: DType, shapes: Vec<[usize; 3]>) -> Self {
         exact_size_buffers::<B>(device, dtype, &shapes);
+        // Growth is measured only where a budget asks for releases: a pass without one (each
+        // token of `generate`) reads no memory figures.
+        let reserved = pool_budget(device).map_or(0, |_| memory_stats::<B>(device).bytes_reserved);
         Self {
             device: device.clone(),
             dtype,
-            reserved: memory_stats::<B>(device).bytes_reserved,
+            reserved,
             largest_growth: 0,
             shapes,
         }
@@ -168,13 +179,10 @@ impl<B: ComputeBackend> LayerBuffers<B> {
     /// the idle memory to the device and registers the shapes again. Says whether it released
     /// anything.
     pub fn between_layers(&mut self) -> bool {
-        let budget = {
-            let budgets = POOL_BUDGETS
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            budgets.get(&format!("{:?}", self.device)).copied()
-        };
-        let (Some(budget), Some(limit)) = (budget, pooled_buffer_limit::<B>(&self.device)) else {
+        let (Some(budget), Some(limit)) = (
+            pool_budget(&self.device),
+            pooled_buffer_limit::<B>(&self.device),
+        ) else {
             return false;
         };
         let page = 16 * limit;
