@@ -352,7 +352,7 @@ impl Planned {
     /// What the device's memory pools may reserve: the budget less the plan's fixed part (the
     /// device context and library workspaces, which are not the pools'); `None` without a
     /// budget. Near it, the layers return idle buffers to the device (see
-    /// [`lemo_kernels::memory::release_idle_buffers`]).
+    /// [`lemo_kernels::memory::LayerBuffers`]).
     pub fn pool_budget(&self) -> Option<u64> {
         self.budget
             .map(|budget| budget.device.saturating_sub(self.memory.fixed as u64))
