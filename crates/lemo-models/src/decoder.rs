@@ -20,6 +20,7 @@ use lemo_kernels::recomputed_rows::{FrozenMlp, with_recomputed_rows};
 use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
 
 use lemo_sparsity::calibration::Block;
+use lemo_sparsity::informativeness::BlockScoring;
 
 use crate::activation_plan::{ActivationPlan, LayerActivations};
 use crate::block_pass::BlockPass;
@@ -71,23 +72,23 @@ pub trait Decoder<B: Backend> {
     ) -> Tensor<B, 3>;
 
     /// The attention block of layer `index` on every row of `h` outside the graph, with its
-    /// exact token-block informativeness when `block_size` is given.
+    /// token-block informativeness (from its queries and keys) when `scoring` is given.
     fn attention_pass(
         &self,
         index: usize,
         h: Tensor<B, 3>,
         shared: &Self::Shared,
-        block_size: Option<usize>,
+        scoring: Option<BlockScoring>,
     ) -> BlockPass<B, Self::AttentionProducts>;
 
     /// The MLP block of layer `index` on every row of `a` outside the graph, with its
-    /// token-block informativeness (from its intermediate activations) when `block_size` is
+    /// token-block informativeness (from its intermediate activations) when `scoring` is
     /// given.
     fn mlp_pass(
         &self,
         index: usize,
         a: Tensor<B, 3>,
-        block_size: Option<usize>,
+        scoring: Option<BlockScoring>,
     ) -> BlockPass<B, Self::MlpProducts>;
 
     /// The MLP block of layer `index` as constants, when nothing in it trains (no adapters on
@@ -197,16 +198,16 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
 ) -> Tensor<B, 3> {
     let input = h.clone().detach();
     let sparse = sparsity
-        .block(index, Block::Attention, &input, |block_size| {
-            decoder.attention_pass(index, input.clone(), shared, block_size)
+        .block(index, Block::Attention, &input, |scoring| {
+            decoder.attention_pass(index, input.clone(), shared, scoring)
         })
         .map(|(kept, pass)| SparseBlock::new(&kept, pass));
     drop(input);
     let a = decoder.attention_block(index, h, shared, sparse, cache);
     let input = a.clone().detach();
     let sparse = sparsity
-        .block(index, Block::Mlp, &input, |block_size| {
-            decoder.mlp_pass(index, input.clone(), block_size)
+        .block(index, Block::Mlp, &input, |scoring| {
+            decoder.mlp_pass(index, input.clone(), scoring)
         })
         .map(|(kept, pass)| SparseBlock::new(&kept, pass));
     drop(input);

@@ -17,7 +17,7 @@ use lemo_kernels::attention::{attention, attention_with_lse, attention_with_valu
 use lemo_kernels::fused::swiglu;
 use lemo_kernels::recomputed_rows::{FrozenMlp, MlpActivation};
 use lemo_kernels::{AttentionOptions, LemoBackend};
-use lemo_sparsity::informativeness;
+use lemo_sparsity::informativeness::{self, BlockScoring};
 
 use crate::Result;
 use crate::block_pass::BlockPass;
@@ -117,12 +117,12 @@ impl<B: LemoBackend> LlamaAttention<B> {
     }
 
     /// The block on every row of `x` outside the graph, with the token-block informativeness
-    /// of its rotated queries and keys when `block_size` is given.
+    /// of its rotated queries and keys when `scoring` is given.
     fn pass(
         &self,
         x: Tensor<B, 3>,
         rotation: &Rotation<B>,
-        block_size: Option<usize>,
+        scoring: Option<BlockScoring>,
     ) -> BlockPass<B, AttentionProducts<B>> {
         let x = x.detach();
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
@@ -131,7 +131,8 @@ impl<B: LemoBackend> LlamaAttention<B> {
         let q = rotation.apply(self.heads(q, self.num_heads));
         let k = rotation.apply(self.heads(k, self.num_kv_heads));
         let v = self.heads(v, self.num_kv_heads);
-        let scores = block_size.map(|size| informativeness::attention(q.clone(), k.clone(), size));
+        let scores =
+            scoring.map(|scoring| informativeness::attention(q.clone(), k.clone(), scoring));
         let (out, lse) = attention_with_lse(q, k, v, self.options());
         let out = self.merge_heads(out);
         let (output, o_product) = self.o_proj.pass(out.clone());
@@ -225,13 +226,14 @@ impl<B: LemoBackend> LlamaMlp<B> {
     }
 
     /// The block on every row of `x` outside the graph, with the token-block informativeness
-    /// of `silu(gate) * up` when `block_size` is given.
-    fn pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B, MlpProducts<B>> {
+    /// of `silu(gate) * up` when `scoring` is given.
+    fn pass(&self, x: Tensor<B, 3>, scoring: Option<BlockScoring>) -> BlockPass<B, MlpProducts<B>> {
         let x = x.detach();
         let (gate, gate_product) = self.gate_proj.pass(x.clone());
         let (up, up_product) = self.up_proj.pass(x);
         let activations = swiglu(gate, up);
-        let scores = block_size.map(|size| informativeness::mlp(activations.clone(), size));
+        let scores =
+            scoring.map(|scoring| informativeness::mlp(activations.clone(), scoring.block_size));
         let (output, down_product) = self.down_proj.pass(activations);
         BlockPass {
             output,
@@ -460,22 +462,22 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         index: usize,
         h: Tensor<B, 3>,
         rotation: &Rotation<B>,
-        block_size: Option<usize>,
+        scoring: Option<BlockScoring>,
     ) -> BlockPass<B, AttentionProducts<B>> {
         let layer = &self.layers[index];
         let x = layer.input_layernorm.forward(h).detach();
-        layer.self_attn.pass(x, rotation, block_size)
+        layer.self_attn.pass(x, rotation, scoring)
     }
 
     fn mlp_pass(
         &self,
         index: usize,
         a: Tensor<B, 3>,
-        block_size: Option<usize>,
+        scoring: Option<BlockScoring>,
     ) -> BlockPass<B, MlpProducts<B>> {
         let layer = &self.layers[index];
         let x = layer.post_attention_layernorm.forward(a).detach();
-        layer.mlp.pass(x, block_size)
+        layer.mlp.pass(x, scoring)
     }
 
     fn frozen_mlp(&self, index: usize) -> Option<FrozenMlp<B>> {

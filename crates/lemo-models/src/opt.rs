@@ -15,7 +15,7 @@ use burn::tensor::activation::relu;
 use burn::tensor::{Int, Tensor, backend::Backend};
 use lemo_kernels::token_movement::gather_rows;
 use lemo_kernels::{AttentionOptions, LemoBackend, attention::attention};
-use lemo_sparsity::informativeness;
+use lemo_sparsity::informativeness::{self, BlockScoring};
 
 use crate::Result;
 use crate::block_pass::BlockPass;
@@ -86,18 +86,19 @@ impl<B: LemoBackend> OptAttention<B> {
     }
 
     /// The block on every row of `x` outside the graph, with the token-block informativeness
-    /// of its queries and keys when `block_size` is given.
+    /// of its queries and keys when `scoring` is given.
     fn pass(
         &self,
         x: Tensor<B, 3>,
-        block_size: Option<usize>,
+        scoring: Option<BlockScoring>,
     ) -> BlockPass<B, AttentionProducts<B>> {
         let x = x.detach();
         let (q, q_product) = self.q_proj.pass(x.clone());
         let (k, k_product) = self.k_proj.pass(x.clone());
         let (v, v_product) = self.v_proj.pass(x);
         let (q, k, v) = (self.heads(q), self.heads(k), self.heads(v));
-        let scores = block_size.map(|size| informativeness::attention(q.clone(), k.clone(), size));
+        let scores =
+            scoring.map(|scoring| informativeness::attention(q.clone(), k.clone(), scoring));
         let out = self.attend(q, k, v);
         let (output, out_product) = self.out_proj.pass(out);
         BlockPass {
@@ -220,12 +221,17 @@ impl<B: LemoBackend> OptLayer<B> {
     }
 
     /// The MLP on every row of `x` outside the graph, with the informativeness of its ReLU
-    /// output when `block_size` is given.
-    fn mlp_pass(&self, x: Tensor<B, 3>, block_size: Option<usize>) -> BlockPass<B, MlpProducts<B>> {
+    /// output when `scoring` is given.
+    fn mlp_pass(
+        &self,
+        x: Tensor<B, 3>,
+        scoring: Option<BlockScoring>,
+    ) -> BlockPass<B, MlpProducts<B>> {
         let x = x.detach();
         let (fc1, fc1_product) = self.fc1.pass(x);
         let activations = relu(fc1);
-        let scores = block_size.map(|size| informativeness::mlp(activations.clone(), size));
+        let scores =
+            scoring.map(|scoring| informativeness::mlp(activations.clone(), scoring.block_size));
         let (output, fc2_product) = self.fc2.pass(activations);
         BlockPass {
             output,
@@ -422,10 +428,10 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
         index: usize,
         h: Tensor<B, 3>,
         _shared: &(),
-        block_size: Option<usize>,
+        scoring: Option<BlockScoring>,
     ) -> BlockPass<B, AttentionProducts<B>> {
         let layer = &self.layers[index];
-        layer.self_attn.pass(layer.attention_input(h), block_size)
+        layer.self_attn.pass(layer.attention_input(h), scoring)
     }
 
     /// Scores from OPT's ReLU output.
@@ -433,10 +439,10 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
         &self,
         index: usize,
         a: Tensor<B, 3>,
-        block_size: Option<usize>,
+        scoring: Option<BlockScoring>,
     ) -> BlockPass<B, MlpProducts<B>> {
         let layer = &self.layers[index];
-        layer.mlp_pass(layer.mlp_input(a), block_size)
+        layer.mlp_pass(layer.mlp_input(a), scoring)
     }
 
     fn frozen_mlp(&self, index: usize) -> Option<FrozenMlp<B>> {

@@ -18,6 +18,7 @@ use lemo_predictor::Predictors;
 use lemo_predictor::scorer::block_token_rows;
 use lemo_sparsity::best_blocks::{best_block_count, best_block_rows};
 use lemo_sparsity::calibration::Block;
+use lemo_sparsity::informativeness::BlockScoring;
 use lemo_sparsity::{KeptRows, PerBlock, Selection, Thresholds};
 
 use crate::block_pass::BlockPass;
@@ -221,12 +222,14 @@ pub enum TokenSparsity<'a> {
     /// `None` threshold keeps the block dense), exact scores; or, for attention blocks that
     /// `predictors` score, the layer's fixed fraction of predicted ones
     /// ([`Thresholds::selection`]). The choice is recorded in `plan`, with what `record` asks
-    /// for.
+    /// for. Attention scores read every `query_stride`-th query row
+    /// ([`lemo_kernels::block_scores::sampled_query_rows`]).
     Select {
         thresholds: &'a Thresholds,
         predictors: Option<&'a Predictors>,
         plan: TokenPlan,
         record: Record,
+        query_stride: usize,
     },
     /// The rows a previous pass chose.
     Replay(&'a TokenPlan),
@@ -245,6 +248,7 @@ impl<'a> TokenSparsity<'a> {
             predictors: None,
             plan: TokenPlan::default(),
             record,
+            query_stride: 1,
         }
     }
 
@@ -255,7 +259,17 @@ impl<'a> TokenSparsity<'a> {
             predictors: Some(predictors),
             plan: TokenPlan::default(),
             record: Record::Nothing,
+            query_stride: 1,
         }
+    }
+
+    /// This selection with the attention blocks it scores from their queries and keys reading
+    /// every `stride`-th query row (1: the exact scores).
+    pub fn with_query_stride(mut self, stride: usize) -> Self {
+        if let TokenSparsity::Select { query_stride, .. } = &mut self {
+            *query_stride = stride.max(1);
+        }
+        self
     }
 
     /// This selection with the MLP blocks' dropped rows treated as `dropped_rows` (recorded in
@@ -277,16 +291,16 @@ impl<'a> TokenSparsity<'a> {
 
     /// The kept rows of `block` of `layer` for the block input `input: [batch, seq, hidden]`
     /// (outside the graph), and the block's pass over every row that they come with; `None`:
-    /// the block runs dense. `pass` computes the block outside the graph, with its exact
-    /// token-block scores when given a block size, and is called only when the block is sparse
-    /// or its scores are recorded. A block that keeps its best blocks selects on the device; one
+    /// the block runs dense. `pass` computes the block outside the graph, with its token-block
+    /// scores when given a [`BlockScoring`], and is called only when the block is sparse or its
+    /// scores are recorded. A block that keeps its best blocks selects on the device; one
     /// with a threshold relative to its scores, or whose scores are recorded, reads them.
     pub(crate) fn block<B: ComputeBackend, P>(
         &mut self,
         layer: usize,
         block: Block,
         input: &Tensor<B, 3>,
-        pass: impl FnOnce(Option<usize>) -> BlockPass<B, P>,
+        pass: impl FnOnce(Option<BlockScoring>) -> BlockPass<B, P>,
     ) -> Option<(BlockRows, BlockPass<B, P>)> {
         let [_, seq, _] = input.dims();
         match self {
@@ -300,6 +314,7 @@ impl<'a> TokenSparsity<'a> {
                 predictors,
                 plan,
                 record,
+                query_stride,
             } => {
                 *plan.layer_mut(layer).get_mut(block) = None;
                 if thresholds.layers[layer].block(block).is_none() && *record == Record::Nothing {
@@ -326,7 +341,10 @@ impl<'a> TokenSparsity<'a> {
                 let (pass, scores) = match predicted {
                     Some(scores) => (pass(None), scores),
                     None => {
-                        let mut pass = pass(Some(block_size));
+                        let mut pass = pass(Some(BlockScoring {
+                            block_size,
+                            query_stride: *query_stride,
+                        }));
                         let scores = pass
                             .scores
                             .take()

@@ -377,3 +377,41 @@ fn predicted_attention_scores_choose_a_fixed_fraction_and_the_pass_stays_exact()
         "the predictors chose the exact rows everywhere"
     );
 }
+
+#[test]
+fn a_query_stride_scores_attention_blocks_over_the_sampled_rows_alone() {
+    use lemo_models::token_plan::Record;
+    type B = CpuBackend;
+    let device = Default::default();
+    let model =
+        trainable_model::<Autodiff<B>>("llama_gqa_tied", &LLAMA_PROJECTIONS, false, &device);
+    let model = burn::module::AutodiffModule::valid(&model);
+    let [vocab, _] = model.lm_head_weight().dims();
+    let tokens = random_tokens::<B>(vocab, [1, 96], &device);
+    let thresholds = half_kept(&model, 8);
+    let scores = |query_stride| {
+        let mut recording =
+            TokenSparsity::recording(&thresholds, Record::Scores).with_query_stride(query_stride);
+        model.hidden_states(tokens.clone(), None, &mut recording);
+        recording.into_plan().unwrap().scores
+    };
+    let (exact, sampled) = (scores(1), scores(4));
+    // A block pair's largest score among a quarter of its query rows is at most its largest
+    // among all of them, and a key block averages over the same query blocks either way.
+    let mut lower_somewhere = false;
+    for (layer, (exact, sampled)) in exact.iter().zip(&sampled).enumerate() {
+        let attention =
+            |s: &lemo_models::token_plan::LayerScores| s.attention.as_ref().unwrap().scores.clone();
+        for (e, s) in attention(exact).iter().zip(attention(sampled)) {
+            assert!(
+                s <= e + 1e-6 * e.abs(),
+                "layer {layer}: sampled {s} over exact {e}"
+            );
+            lower_somewhere |= s < e - 1e-6 * e.abs();
+        }
+        // The MLP blocks' scores read no queries.
+        let mlp = |s: &lemo_models::token_plan::LayerScores| s.mlp.as_ref().unwrap().scores.clone();
+        assert_eq!(mlp(exact), mlp(sampled), "layer {layer}");
+    }
+    assert!(lower_somewhere, "the sampled scores equal the exact ones");
+}

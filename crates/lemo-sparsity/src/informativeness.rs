@@ -28,16 +28,36 @@ pub fn seen_by<B: Backend>(blocks: usize, device: &B::Device) -> Tensor<B, 1> {
         .add_scalar(blocks as f32)
 }
 
+/// How a block's pass scores its token blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockScoring {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Attention blocks' scores read every `query_stride`-th query row
+    /// ([`lemo_kernels::block_scores::sampled_query_rows`]); 1 reads every row, the exact scores.
+    pub query_stride: usize,
+}
+
+impl BlockScoring {
+    /// Exact scores of blocks of `block_size` tokens.
+    pub fn exact(block_size: usize) -> Self {
+        Self {
+            block_size,
+            query_stride: 1,
+        }
+    }
+}
+
 /// Attention token-block informativeness from the rotated queries and keys of every token,
 /// `q: [batch, q_heads, seq, head_dim]`, `k: [batch, kv_heads, seq, head_dim]` (GQA allowed):
-/// the exact block scores of [`lemo_kernels::block_scores`] reduced by
-/// [`token_block_informativeness`]. f32 `[batch, blocks]`.
+/// the block scores of [`lemo_kernels::block_scores`] (exact, or over sampled query rows)
+/// reduced by [`token_block_informativeness`]. f32 `[batch, blocks]`.
 pub fn attention<B: LemoBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
-    block_size: usize,
+    scoring: BlockScoring,
 ) -> Tensor<B, 2> {
-    token_block_informativeness(block_scores(q, k, block_size))
+    token_block_informativeness(block_scores(q, k, scoring.block_size, scoring.query_stride))
 }
 
 /// Rows whose absolute activations are summed at once by [`mlp`].

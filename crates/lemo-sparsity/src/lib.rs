@@ -38,7 +38,7 @@
 //! #     f: impl Fn(Tensor<B, 3>) -> Tensor<B, 3>) -> Tensor<B, 3> {
 //! let [batch, seq, _] = h.dims();
 //! // q, k: [batch, heads, seq, head_dim] of every token, computed without a graph.
-//! let scores = informativeness::attention(q, k, 64);
+//! let scores = informativeness::attention(q, k, informativeness::BlockScoring::exact(64));
 //! let kept = KeptRows::select(&scores, 64, seq, 0.5, 0.25);
 //! let rows = kept.to_tensor::<B>(&h.device());
 //! let y = gather_rms_norm(h.clone(), rows.clone(), w, 1e-5, NormSaves::Input); // only the kept rows

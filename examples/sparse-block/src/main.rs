@@ -51,7 +51,7 @@ impl<B: LemoBackend> Block<B> {
             lemo_kernels::fused::rms_norm(h.detach(), self.norm.clone(), 1e-5, NormSaves::Input);
         let q = self.split(x.clone().matmul(self.wq.clone().unsqueeze()));
         let k = self.split(x.matmul(self.wk.clone().unsqueeze()));
-        informativeness::attention(q, k, block_size)
+        informativeness::attention(q, k, informativeness::BlockScoring::exact(block_size))
     }
 
     /// The block on the kept rows `rows: [batch, kept]` of `h` only.

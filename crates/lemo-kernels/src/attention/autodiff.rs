@@ -113,12 +113,14 @@ impl<B: LemoBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> 
         k: FloatTensor<Self>,
         block_size: usize,
         scale: f32,
+        query_stride: usize,
     ) -> FloatTensor<Self> {
         Self::from_inner(B::lemo_block_scores(
             Self::inner(q),
             Self::inner(k),
             block_size,
             scale,
+            query_stride,
         ))
     }
 }

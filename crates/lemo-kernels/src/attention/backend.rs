@@ -74,13 +74,16 @@ pub trait AttentionBackend: ComputeBackend {
         None
     }
 
-    /// Block informativeness `[batch, q_blocks, k_blocks]`; see [`block_scores::block_scores`].
+    /// Block informativeness `[batch, q_blocks, k_blocks]` over the query rows `query_stride`
+    /// samples; see [`block_scores::block_scores`].
     fn lemo_block_scores(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         block_size: usize,
         scale: f32,
+        query_stride: usize,
     ) -> FloatTensor<Self> {
+        let q = sampled::<Self>(q, query_stride);
         block_scores::reference::block_scores_primitive::<Self>(q, k, block_size, scale)
     }
 }
@@ -147,26 +150,32 @@ where
     }
 
     /// On tensor-core devices the tensor-core tile kernel ([`block_scores::mma`], blocks of a
-    /// multiple of its 64-token tiles), else the GEMM strips of [`block_scores::chunked`]
-    /// (cuBLASLt, `S x strip` scores at a time); elsewhere the tile kernel, which reads each Q/K
-    /// tile once per head without tensor cores.
+    /// multiple of its 64-token tiles, reading only the sampled query rows), else the GEMM
+    /// strips of [`block_scores::chunked`] (cuBLASLt, `S x strip` scores at a time); elsewhere
+    /// the tile kernel, which reads each Q/K tile once per head without tensor cores. The last
+    /// two read every row, the rows a stride leaves out set to 0.
     fn lemo_block_scores(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
         block_size: usize,
         scale: f32,
+        query_stride: usize,
     ) -> FloatTensor<Self> {
         let head_dim = q.meta.shape()[3];
         let tensor_cores = attention::tensor_core_supported(&q.client, q.dtype, head_dim);
-        if tensor_cores && block_size.is_multiple_of(block_scores::mma::TILE) {
+        if tensor_cores
+            && block_size.is_multiple_of(block_scores::mma::TILE)
+            && block_scores::mma::QUERY_STRIDES.contains(&query_stride)
+        {
             let tiles_per_block = block_size / block_scores::mma::TILE;
             let tiles = q.meta.shape()[2].div_ceil(block_size) * tiles_per_block;
-            let tile_max = block_scores::mma::tile_maxima(q, k, scale, tiles);
+            let tile_max = block_scores::mma::tile_maxima(q, k, scale, tiles, query_stride);
             return block_scores::kernel::pool_tile_maxima::<R, F, I, BT>(
                 tile_max,
                 tiles_per_block,
             );
         }
+        let q = sampled::<Self>(q, query_stride);
         if tensor_cores {
             let wrap = |t| Tensor::<Self, 4>::from_primitive(TensorPrimitive::Float(t));
             return block_scores::chunked::block_scores(wrap(q), wrap(k), block_size, scale)
@@ -175,4 +184,13 @@ where
         }
         block_scores::kernel::block_scores::<R, F, I, BT>(q, k, block_size, scale)
     }
+}
+
+/// `q` with the query rows `query_stride` leaves out set to 0
+/// ([`block_scores::only_sampled_query_rows`]).
+fn sampled<B: ComputeBackend>(q: FloatTensor<B>, query_stride: usize) -> FloatTensor<B> {
+    let q = Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(q));
+    block_scores::only_sampled_query_rows(q, query_stride)
+        .into_primitive()
+        .tensor()
 }

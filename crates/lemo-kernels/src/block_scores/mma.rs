@@ -4,6 +4,9 @@
 //! added into a head sum that stays in registers; the cube then writes one number, the largest
 //! visible head sum. q and k are read once per tile and head (double-buffered `cp.async`), and
 //! no score leaves the registers: work is the causal half of `Q K^T`, memory the tile maxima.
+//! With a query stride `s` (1, 2 or 4) a cube's 64 query rows are every `s`-th row of `s`
+//! consecutive 64-row tiles, read in place through a strided row layout: the work is `1 / s` of
+//! the exact scores'.
 
 use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
@@ -14,7 +17,7 @@ use cubecl::prelude::*;
 
 use crate::attention::flash::empty_like;
 use crate::attention::flash::mma::{
-    BLOCK, CHUNK, STREAM, STRIP, WARP, WARPS, commit_stage, cube_dim, prefetch_tile, rows_of,
+    BLOCK, CHUNK, Rows, STREAM, STRIP, WARP, WARPS, commit_stage, cube_dim, prefetch_tile, rows_of,
     strip_times_tile_t, vector_ready, wait_stage, zeros,
 };
 
@@ -23,7 +26,11 @@ use crate::attention::flash::mma::{
 pub(crate) const TILE: usize = BLOCK;
 const _: () = assert!(BLOCK == STREAM, "one tile size for queries and keys");
 
-/// One cube per (key tile, query tile, batch); tiles above the diagonal write 0.
+/// Query strides the kernel takes: a warp's 16 read rows then stay within one 64-row tile.
+pub(crate) const QUERY_STRIDES: [usize; 3] = [1, 2, 4];
+
+/// One cube per (key tile, group of `query_stride` query tiles, batch); tiles above the diagonal
+/// write 0.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 fn block_scores_mma_kernel<F: Float, N: Size>(
@@ -32,29 +39,38 @@ fn block_scores_mma_kernel<F: Float, N: Size>(
     tile_max: &mut Tensor<f32>,
     scale: f32,
     #[comptime] head_dim: usize,
+    #[comptime] query_stride: usize,
     #[define(F)] _dtype: StorageType,
 ) {
     let chunks = comptime!(head_dim / CHUNK);
+    // Warps per query tile, and query tiles per cube.
+    let warps_per_tile = comptime!(WARPS / query_stride);
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
     let thread = warp * WARP + lane;
     let key_tile = CUBE_POS_X as usize;
-    let query_tile = CUBE_POS_Y as usize;
+    let first_query_tile = CUBE_POS_Y as usize * query_stride;
     let batch = CUBE_POS_Z as usize;
-    let out_index = batch * tile_max.stride(0)
-        + query_tile * tile_max.stride(1)
-        + key_tile * tile_max.stride(2);
-    if key_tile > query_tile {
-        if thread == 0 {
-            tile_max[out_index] = 0.0;
+    let tiles = tile_max.shape(1);
+    let out_start = batch * tile_max.stride(0) + key_tile * tile_max.stride(2);
+    if key_tile >= first_query_tile + query_stride {
+        if thread < query_stride && first_query_tile + thread < tiles {
+            tile_max[out_start + (first_query_tile + thread) * tile_max.stride(1)] = 0.0;
         }
         terminate!();
     }
     let q_heads = q.shape(1);
     let heads_per_kv = q_heads / k.shape(1);
-    let q_rows = rows_of(q, batch);
+    // Read rows `query_stride - 1`, `2 query_stride - 1`, ... as a dense sequence of rows.
+    let every_row = rows_of(q, batch);
+    let q_rows = Rows {
+        start: every_row.start + (query_stride - 1) * every_row.row_stride,
+        head_stride: every_row.head_stride,
+        row_stride: every_row.row_stride * query_stride,
+        len: every_row.len / query_stride,
+    };
     let k_rows = rows_of(k, batch);
-    let (q_start, key_start) = (query_tile * TILE, key_tile * TILE);
+    let (q_start, key_start) = (CUBE_POS_Y as usize * TILE, key_tile * TILE);
 
     // Two stages of each: the next head's tiles are copied while this head's are multiplied.
     let mut q_tiles = SharedMemory::<Vector<F, N>>::new(comptime!(2 * TILE * chunks));
@@ -114,21 +130,22 @@ fn block_scores_mma_kernel<F: Float, N: Size>(
     }
 
     // Accumulator 2n + h holds row h * 8 + lane / 4 of the warp's strip and columns
-    // 8n + 2 (lane % 4) + {0, 1}; on the diagonal tile a key after the query is hidden.
-    let row_lo = warp * STRIP + lane / 4;
-    let diagonal = key_tile == query_tile;
+    // 8n + 2 (lane % 4) + {0, 1}; a key after the query's position is hidden.
+    let row_lo = q_start + warp * STRIP + lane / 4;
+    let position_lo = row_lo * query_stride + query_stride - 1;
+    let position_hi = position_lo + 8 * query_stride;
     let mut largest = 0.0f32;
     #[unroll]
     for n in 0..comptime!(TILE / 8) {
         #[unroll]
         for j in 0..2usize {
-            let key = 8 * n + 2 * (lane % 4) + j;
+            let key = key_start + 8 * n + 2 * (lane % 4) + j;
             let lo = sums[2 * n];
             let hi = sums[2 * n + 1];
-            if !diagonal || key <= row_lo {
+            if key <= position_lo {
                 largest = max(largest, lo[j]);
             }
-            if !diagonal || key <= row_lo + 8 {
+            if key <= position_hi {
                 largest = max(largest, hi[j]);
             }
         }
@@ -138,42 +155,56 @@ fn block_scores_mma_kernel<F: Float, N: Size>(
         warp_max[warp] = largest;
     }
     sync_cube();
-    if thread == 0 {
-        let mut cube_max = 0.0f32;
+    // Thread t writes query tile `first_query_tile + t`, the largest of its warps.
+    if thread < query_stride && first_query_tile + thread < tiles {
+        let mut tile_largest = 0.0f32;
         #[unroll]
-        for w in 0..WARPS {
-            cube_max = max(cube_max, warp_max[w]);
+        for w in 0..warps_per_tile {
+            tile_largest = max(tile_largest, warp_max[thread * warps_per_tile + w]);
         }
         // relu(scale * s) = scale * relu(s) for scale > 0.
-        tile_max[out_index] = cube_max * scale / f32::cast_from(q_heads);
+        tile_max[out_start + (first_query_tile + thread) * tile_max.stride(1)] =
+            tile_largest * scale / f32::cast_from(q_heads);
     }
 }
 
 /// The largest visible head-mean ReLU score of every [`TILE`] x [`TILE`] tile pair, f32
 /// `[batch, tiles, tiles]` (0 above the diagonal; tiles past the end hold zero rows), of
-/// `q: [batch, q_heads, seq, head_dim]` and `k: [batch, kv_heads, seq, head_dim]` (GQA), on the
-/// tensor cores (the caller checks [`crate::attention::flash::mma::supports`]).
+/// `q: [batch, q_heads, seq, head_dim]` and `k: [batch, kv_heads, seq, head_dim]` (GQA), over
+/// the query rows `query_stride` samples (one of [`QUERY_STRIDES`]; see
+/// [`super::sampled_query_rows`]), on the tensor cores (the caller checks
+/// [`crate::attention::flash::mma::supports`]).
 pub(crate) fn tile_maxima<R: CubeRuntime>(
     q: CubeTensor<R>,
     k: CubeTensor<R>,
     scale: f32,
     tiles: usize,
+    query_stride: usize,
 ) -> CubeTensor<R> {
     let [batch, _, seq, head_dim] = q.meta.shape().dims();
     assert!(
         tiles * TILE >= seq,
         "{tiles} tiles of {TILE} rows hold {seq} rows"
     );
+    assert!(
+        QUERY_STRIDES.contains(&query_stride),
+        "the tensor-core block scores read every 1st, 2nd or 4th query row, not every {query_stride}th"
+    );
     let tile_max = empty_like(&q, [batch, tiles, tiles], DType::F32);
     let client = q.client.clone();
     let dtype = q.dtype;
     // SAFETY: every global read is bounds-checked against the tensor shapes in the kernel (rows
     // past the end are zero-filled), the inputs are dense along the head dim (`vector_ready`),
-    // and each cube writes its own output element.
+    // and each cube writes its own output elements (its `query_stride` query tiles' entries of
+    // its key tile).
     unsafe {
         block_scores_mma_kernel::launch_unchecked::<R>(
             &client,
-            CubeCount::Static(tiles as u32, tiles as u32, batch as u32),
+            CubeCount::Static(
+                tiles as u32,
+                tiles.div_ceil(query_stride) as u32,
+                batch as u32,
+            ),
             cube_dim(),
             CHUNK,
             vector_ready(q).into_tensor_arg(),
@@ -181,6 +212,7 @@ pub(crate) fn tile_maxima<R: CubeRuntime>(
             tile_max.clone().into_tensor_arg(),
             scale,
             head_dim,
+            query_stride,
             dtype.into(),
         );
     }

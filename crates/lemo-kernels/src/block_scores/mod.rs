@@ -4,30 +4,65 @@
 //! with the heads summed before the max and hidden (future) pairs counting as 0; blocks above
 //! the diagonal (`n > m`) are 0. Token-block informativeness is reduced from these by
 //! `lemo-sparsity`.
+//!
+//! With a query stride `s > 1` the maximum runs over the sampled query rows alone
+//! ([`sampled_query_rows`]: the last row of every `s`), the others counting as 0: `1 / s` of the
+//! work, and an estimate of the exact scores from below (a block's largest pair is often found
+//! again among a quarter of its queries, and a token block's informativeness averages over
+//! every query block that sees it).
 
 pub mod chunked;
 pub(crate) mod kernel;
 pub(crate) mod mma;
 pub mod reference;
 
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use crate::LemoBackend;
 
 /// Block scores `[batch, q_blocks, k_blocks]` of `q: [batch, q_heads, seq, head_dim]` and
 /// `k: [batch, kv_heads, seq, head_dim]` (GQA: query head `h` reads key head
-/// `h / (q_heads / kv_heads)`), with the `1 / sqrt(head_dim)` scale. A last partial block holds
-/// the remaining tokens. Computed tile by tile on the kernel backends: O(S) memory.
+/// `h / (q_heads / kv_heads)`), with the `1 / sqrt(head_dim)` scale, over the query rows
+/// `query_stride` samples (1: every row, the exact scores). A last partial block holds the
+/// remaining tokens. Computed tile by tile on the kernel backends: O(S) memory.
 pub fn block_scores<B: LemoBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     block_size: usize,
+    query_stride: usize,
 ) -> Tensor<B, 3> {
+    assert!(query_stride >= 1, "a query stride of 0 reads no row");
     let scale = (q.dims()[3] as f32).powf(-0.5);
     Tensor::from_primitive(TensorPrimitive::Float(B::lemo_block_scores(
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),
         block_size,
         scale,
+        query_stride,
     )))
+}
+
+/// The query rows block scores read with `query_stride` among `seq`: `s - 1, 2 s - 1, ...`, the
+/// last row of every `s`, so that a block's last row, which sees all of the block's keys, is
+/// read (every row for a stride of 1).
+pub fn sampled_query_rows(seq: usize, query_stride: usize) -> impl Iterator<Item = usize> {
+    (query_stride - 1..seq).step_by(query_stride)
+}
+
+/// `q: [batch, heads, seq, head_dim]` with every row [`sampled_query_rows`] leaves out set to 0:
+/// such a row's scores are 0 and change no maximum, so exact block scores of the result are the
+/// sampled scores of `q` (how the paths without a strided kernel compute them).
+pub fn only_sampled_query_rows<B: Backend>(q: Tensor<B, 4>, query_stride: usize) -> Tensor<B, 4> {
+    if query_stride == 1 {
+        return q;
+    }
+    let seq = q.dims()[2];
+    let mut keep = vec![0.0f32; seq];
+    for row in sampled_query_rows(seq, query_stride) {
+        keep[row] = 1.0;
+    }
+    let keep = Tensor::<B, 4>::from_data(TensorData::new(keep, [1, 1, seq, 1]), &q.device())
+        .cast(q.dtype());
+    q * keep
 }

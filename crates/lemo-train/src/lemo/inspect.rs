@@ -142,7 +142,7 @@ fn write_profile<B: LemoBackend>(
     out: &Path,
 ) -> Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
-    let profiles = profile(model, config, sequences, settings.block_size, true);
+    let profiles = profile(model, config, sequences, settings.scoring(), true);
     let thresholds = match &settings.thresholds {
         Some(path) => read_thresholds(path, config)?,
         None => {
@@ -157,7 +157,8 @@ fn write_profile<B: LemoBackend>(
     };
     let device = model.lm_head_weight().device();
     let tokens = int_tokens::<B>(&sequences[..1], &device);
-    let mut sparsity = TokenSparsity::select(&thresholds);
+    let mut sparsity =
+        TokenSparsity::select(&thresholds).with_query_stride(settings.scoring().query_stride);
     model.hidden_states(tokens, None, &mut sparsity);
     let plan = sparsity.into_plan().unwrap_or_default();
     let layers: Vec<serde_json::Value> = profiles

@@ -20,6 +20,7 @@ use lemo_kernels::LemoBackend;
 use lemo_models::token_plan::{Record, TokenPlan, TokenSparsity};
 use lemo_models::{CausalLm, ModelConfig};
 use lemo_sparsity::calibration::{Block, Calibrator, LayerProfile, objective};
+use lemo_sparsity::informativeness::BlockScoring;
 use lemo_sparsity::thresholds::Measured;
 use lemo_sparsity::{LayerThresholds, Thresholds};
 use serde::{Deserialize, Serialize};
@@ -34,7 +35,8 @@ mod predictors;
 pub mod threshold_cache;
 
 pub use elimination::{
-    Elimination, MlpDroppedRows, ScoreSource, bench_elimination, elimination, token_sparsity,
+    Elimination, MlpDroppedRows, SAMPLED_QUERY_STRIDE, ScoreSource, bench_elimination, elimination,
+    token_sparsity,
 };
 pub use inputs::InspectArgs;
 pub use inspect::{run_calibrate, run_profile, run_train_predictors};
@@ -106,7 +108,8 @@ pub struct LemoSettings {
     /// thresholds too unless --thresholds is given.
     #[arg(long)]
     pub predictors: Option<PathBuf>,
-    /// Token-block scores: exact, or predicted [default: predicted with --predictors, else exact].
+    /// Token-block scores: exact, sampled (attention over every 4th query row), or predicted
+    /// [default: predicted with --predictors, else sampled].
     #[arg(long, value_enum)]
     pub scores: Option<ScoreSource>,
     /// The backward pass of an MLP block on the rows it drops: the MLP's exact input gradient,
@@ -141,6 +144,18 @@ impl LemoSettings {
             Block::Mlp => self
                 .mlp_keep
                 .unwrap_or((MLP_SHARE * target).max(2.0 * target - 1.0)),
+        }
+    }
+
+    /// How this run scores token blocks where it computes the scores: blocks of `block_size`,
+    /// attention over every [`SAMPLED_QUERY_STRIDE`]-th query row unless `--scores exact`.
+    pub fn scoring(&self) -> BlockScoring {
+        BlockScoring {
+            block_size: self.block_size,
+            query_stride: match self.scores {
+                Some(ScoreSource::Exact) => 1,
+                _ => SAMPLED_QUERY_STRIDE,
+            },
         }
     }
 
@@ -265,18 +280,21 @@ pub fn sparse_keep(plan: &TokenPlan, block: Block) -> f64 {
 }
 
 /// Mean next-token loss of `sequences` and the kept fractions under `thresholds` (dense with
-/// `None`).
+/// `None`), attention scored over every `query_stride`-th query row.
 pub fn evaluate<B: LemoBackend>(
     model: &CausalLm<B>,
     sequences: &[Vec<u32>],
     thresholds: Option<&Thresholds>,
+    query_stride: usize,
 ) -> Evaluation {
     let device = model.lm_head_weight().device();
     let (mut loss, mut count) = (0.0, 0usize);
     let (mut keep_attention, mut keep_mlp) = (0.0, 0.0);
     for sequence in sequences {
         let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
-        let mut sparsity = thresholds.map_or(TokenSparsity::Dense, TokenSparsity::select);
+        let mut sparsity = thresholds.map_or(TokenSparsity::Dense, |thresholds| {
+            TokenSparsity::select(thresholds).with_query_stride(query_stride)
+        });
         let (sum, n) = model.next_token_loss_sum(tokens, None, LOSS_SEGMENT, &mut sparsity);
         loss += sum.into_scalar().elem::<f64>();
         count += n;
@@ -308,18 +326,18 @@ fn relative_to_mean(scores: Option<Vec<f32>>) -> Vec<f32> {
         .collect()
 }
 
-/// Token-block scores of every block of every layer on `sequences`, from dense passes, each
-/// divided by the mean of its sequence's scores in that layer and block.
+/// Token-block scores of every block of every layer on `sequences`, scored as `scoring` says,
+/// from dense passes, each divided by the mean of its sequence's scores in that layer and block.
 pub fn profile<B: LemoBackend>(
     model: &CausalLm<B>,
     config: &ModelConfig,
     sequences: &[Vec<u32>],
-    block_size: usize,
+    scoring: BlockScoring,
     report: bool,
 ) -> Vec<LayerProfile> {
     let device = model.lm_head_weight().device();
     let observe = Thresholds {
-        block_size,
+        block_size: scoring.block_size,
         ..Thresholds::keep_all(
             config.architecture(),
             config.num_layers(),
@@ -334,7 +352,8 @@ pub fn profile<B: LemoBackend>(
     );
     for sequence in sequences {
         let tokens = int_tokens::<B>(std::slice::from_ref(sequence), &device);
-        let mut sparsity = TokenSparsity::recording(&observe, Record::Scores);
+        let mut sparsity = TokenSparsity::recording(&observe, Record::Scores)
+            .with_query_stride(scoring.query_stride);
         model.hidden_states(tokens, None, &mut sparsity);
         let plan = sparsity.into_plan().unwrap_or_default();
         for (profile, scores) in profiles.iter_mut().zip(plan.scores) {
@@ -359,7 +378,7 @@ fn profiled_calibrator<B: LemoBackend>(
     settings: &LemoSettings,
     report: bool,
 ) -> Calibrator {
-    let profiles = profile(model, config, sequences, settings.block_size, report);
+    let profiles = profile(model, config, sequences, settings.scoring(), report);
     Calibrator::new(
         profiles,
         &settings.dense_layers,
@@ -384,6 +403,7 @@ pub fn calibrate<B: LemoBackend>(
         bail!("calibration needs at least one sequence of data");
     }
     let started = Instant::now();
+    let query_stride = settings.scoring().query_stride;
     let mut calibrator = profiled_calibrator(model, config, sequences, settings, report);
     let sparse: Vec<(usize, Block)> = (0..calibrator.num_layers())
         .flat_map(|l| [(l, Block::Attention), (l, Block::Mlp)])
@@ -397,11 +417,11 @@ pub fn calibrate<B: LemoBackend>(
     }
     // The refinement's baseline; without rounds the measured pass below gives the dense loss
     // (the forward pass of a token-sparse model is exact).
-    let dense = (settings.calibration_rounds > 0).then(|| evaluate(model, sequences, None));
+    let dense = (settings.calibration_rounds > 0).then(|| evaluate(model, sequences, None, 1));
     let dense_loss = || dense.as_ref().expect("evaluated when refining").loss;
     let cost = |calibrator_thresholds: Vec<LayerThresholds>| {
         let thresholds = thresholds_for_model(config, model_name, settings, calibrator_thresholds);
-        let e = evaluate(model, sequences, Some(&thresholds));
+        let e = evaluate(model, sequences, Some(&thresholds), query_stride);
         objective(e.loss, dense_loss(), e.keep(), settings.mean_keep())
     };
     let mut bar = progress(
@@ -435,7 +455,7 @@ pub fn calibrate<B: LemoBackend>(
     }
     let mut thresholds =
         thresholds_for_model(config, model_name, settings, calibrator.thresholds());
-    let measured = evaluate(model, sequences, Some(&thresholds));
+    let measured = evaluate(model, sequences, Some(&thresholds), query_stride);
     let dense_loss = dense.map_or(measured.loss, |dense| dense.loss);
     thresholds.measured = Some(Measured {
         dense_loss,

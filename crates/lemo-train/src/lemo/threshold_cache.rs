@@ -2,8 +2,8 @@
 //! the same settings gives the same thresholds, so a second run (another learning rate, more
 //! steps, a run started over) reads them back instead of profiling again. An entry is named by a
 //! hash of everything calibration reads: the model file(s) (path, size, modification time), the
-//! RoPE frequencies training runs at, the precision, the LeMo settings and the calibration
-//! sequences' token ids. A corrupt or unreadable entry is calibrated again and rewritten.
+//! RoPE frequencies training runs at, the precision, the LeMo settings (with the query rows the
+//! attention scores read) and the calibration sequences' token ids. A corrupt or unreadable entry is calibrated again and rewritten.
 
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
@@ -53,6 +53,9 @@ pub fn entry(
     let mut hash = fnv1a(file_identity(model).as_bytes(), 0xcbf2_9ce4_8422_2325);
     hash = fnv1a(serde_json::to_string(&settings).ok()?.as_bytes(), hash);
     hash = fnv1a(context.as_bytes(), hash);
+    // The scores calibration profiles, which the settings leave to a default.
+    let query_stride = settings.scoring().query_stride;
+    hash = fnv1a(format!("query stride {query_stride}").as_bytes(), hash);
     for sequence in sequences {
         let bytes: Vec<u8> = sequence.iter().flat_map(|t| t.to_le_bytes()).collect();
         hash = fnv1a(&bytes, hash);

@@ -4,14 +4,16 @@
 //! Parity (fresh random inputs, seed printed, `--seed` overrides): the dispatched path (the
 //! tensor-core tile kernel for blocks of a multiple of 64 tokens) and the GEMM strips it
 //! replaced, each against the plain Burn reference in f32 of the same bf16 inputs (it
-//! materializes `S x S`, so small lengths only), MHA and GQA.
-//! Throughput: for each S and kv-head count, the dispatched block scores, the GEMM strips and
-//! the attention forward (`lemo_kernels::attention::attention_with_lse`, cuDNN where it takes
+//! materializes `S x S`, so small lengths only), MHA and GQA; sampled scores (a query stride
+//! over 1) against the reference on the query rows the stride reads, the others zeroed.
+//! Throughput: for each S and kv-head count, the dispatched block scores at each query stride,
+//! the GEMM strips and the attention forward (`lemo_kernels::attention::attention_with_lse`, cuDNN where it takes
 //! the shape), each timed as a loop of back-to-back calls between two device synchronizations
 //! after warm-up, median of repeats.
 //!
 //! Usage: `block_scores_bench [--out FILE] [--seqs 4096,16384,65536] [--kv-heads 32,8]
-//!         [--heads 32] [--head-dim 128] [--block 64] [--repeats 5] [--seed N]`
+//!         [--query-strides 1,4] [--heads 32] [--head-dim 128] [--block 64] [--repeats 5]
+//!         [--seed N]`
 
 use std::time::Duration;
 
@@ -20,7 +22,7 @@ use cubecl::prelude::Runtime;
 use lemo_kernel_bench::time_calls;
 use lemo_kernels::CudaBackend;
 use lemo_kernels::attention::{AttentionOptions, attention_with_lse};
-use lemo_kernels::block_scores::{block_scores, chunked, reference};
+use lemo_kernels::block_scores::{block_scores, chunked, only_sampled_query_rows, reference};
 use lemo_kernels::memory::memory_cleanup;
 use serde_json::{Value, json};
 
@@ -30,6 +32,7 @@ struct Args {
     out: Option<String>,
     seqs: Vec<usize>,
     kv_heads: Vec<usize>,
+    query_strides: Vec<usize>,
     heads: usize,
     head_dim: usize,
     block: usize,
@@ -42,6 +45,7 @@ fn parse_args() -> Args {
         out: None,
         seqs: vec![4096, 16384, 65536],
         kv_heads: vec![32, 8],
+        query_strides: vec![1, 4],
         heads: 32,
         head_dim: 128,
         block: 64,
@@ -61,6 +65,7 @@ fn parse_args() -> Args {
             "--out" => args.out = Some(value.clone()),
             "--seqs" => args.seqs = list(value.clone()),
             "--kv-heads" => args.kv_heads = list(value.clone()),
+            "--query-strides" => args.query_strides = list(value.clone()),
             "--heads" => args.heads = number(),
             "--head-dim" => args.head_dim = number(),
             "--block" => args.block = number(),
@@ -103,15 +108,22 @@ fn parity(args: &Args) -> Vec<Value> {
             let [q, k, _] = inputs(args.heads, kv_heads, seq, args.head_dim);
             let scale = (args.head_dim as f32).powf(-0.5);
             let f32_of = |t: &Tensor<B, 4>| t.clone().cast(DType::F32);
-            let expected = reference::block_scores(f32_of(&q), f32_of(&k), args.block, scale);
-            let dispatched = block_scores(q.clone(), k.clone(), args.block);
-            let strips = chunked::block_scores(q, k, args.block, scale);
-            rows.push(json!({
-                "heads": args.heads, "kv_heads": kv_heads, "seq": seq, "block": args.block,
-                "dispatched_rel_max_error": relative_max(dispatched, expected.clone()),
-                "strips_rel_max_error": relative_max(strips, expected),
-            }));
-            eprintln!("parity: {}", rows.last().unwrap());
+            for &stride in &args.query_strides {
+                let read = only_sampled_query_rows(f32_of(&q), stride);
+                let expected = reference::block_scores(read, f32_of(&k), args.block, scale);
+                let dispatched = block_scores(q.clone(), k.clone(), args.block, stride);
+                let mut row = json!({
+                    "heads": args.heads, "kv_heads": kv_heads, "seq": seq, "block": args.block,
+                    "query_stride": stride,
+                    "dispatched_rel_max_error": relative_max(dispatched, expected.clone()),
+                });
+                if stride == 1 {
+                    let strips = chunked::block_scores(q.clone(), k.clone(), args.block, scale);
+                    row["strips_rel_max_error"] = json!(relative_max(strips, expected));
+                }
+                eprintln!("parity: {row}");
+                rows.push(row);
+            }
         }
     }
     rows
@@ -128,9 +140,20 @@ fn throughput(args: &Args) -> Vec<Value> {
             let scale = (args.head_dim as f32).powf(-0.5);
             let options = AttentionOptions::causal(args.head_dim);
             let (repeats, calls) = (args.repeats, 3);
-            let dispatched = ms(time_calls(&client, repeats, calls, || {
-                block_scores(q.clone(), k.clone(), args.block)
-            }));
+            let strided: Vec<(usize, f64)> = args
+                .query_strides
+                .iter()
+                .map(|&stride| {
+                    let time = ms(time_calls(&client, repeats, calls, || {
+                        block_scores(q.clone(), k.clone(), args.block, stride)
+                    }));
+                    (stride, time)
+                })
+                .collect();
+            let dispatched = strided
+                .iter()
+                .find(|(stride, _)| *stride == 1)
+                .map_or(f64::NAN, |(_, ms)| *ms);
             let strips = ms(time_calls(&client, repeats, calls, || {
                 chunked::block_scores(q.clone(), k.clone(), args.block, scale)
             }));
@@ -146,6 +169,10 @@ fn throughput(args: &Args) -> Vec<Value> {
                 "block_scores_over_attention_forward": dispatched / attention,
                 "strips_over_block_scores": strips / dispatched,
                 "block_scores_tflops": flops / dispatched / 1e9,
+                "by_query_stride": strided.iter().map(|(stride, ms)| json!({
+                    "query_stride": stride, "ms": ms,
+                    "over_attention_forward": ms / attention,
+                })).collect::<Vec<_>>(),
             });
             eprintln!("timing: {row}");
             rows.push(row);
@@ -161,7 +188,7 @@ fn main() {
     eprintln!("block_scores_bench: seed {} (--seed overrides)", args.seed);
     <B as burn::tensor::backend::Backend>::seed(&Default::default(), args.seed);
     let report = json!({
-        "implementation": "lemo-kernels exact block scores: tensor-core tile kernel (blocks of a multiple of 64 tokens), GEMM strips for comparison",
+        "implementation": "lemo-kernels block scores, exact and over sampled query rows: tensor-core tile kernel (blocks of a multiple of 64 tokens), GEMM strips for comparison",
         "seed": args.seed,
         "parity": parity(&args),
         "timings": throughput(&args),

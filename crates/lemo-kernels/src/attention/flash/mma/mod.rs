@@ -17,7 +17,7 @@ mod tiles;
 pub(crate) use backward::{BackwardTensors, launch_backward};
 pub(crate) use forward::launch_forward;
 pub(crate) use fragments::{strip_times_tile_t, zeros};
-pub(crate) use tiles::{commit_stage, prefetch_tile, rows_of, wait_stage};
+pub(crate) use tiles::{Rows, commit_stage, prefetch_tile, rows_of, wait_stage};
 
 use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
