@@ -28,6 +28,12 @@ fn loss_and_gradients<B: burn::tensor::backend::AutodiffBackend + LemoBackend>(
     (loss.into_scalar().elem(), sums)
 }
 
+/// The tied GQA Llama fixture with adapters, outside autodiff.
+fn gqa_model<B: LemoBackend>(device: &B::Device) -> CausalLm<B> {
+    let model = trainable_model::<Autodiff<B>>("llama_gqa_tied", &LLAMA_PROJECTIONS, false, device);
+    burn::module::AutodiffModule::valid(&model)
+}
+
 /// With `shifted_group`, S2 attention (`longlora`) against token elimination whose S2 groups
 /// over the kept rows are then the same groups (`lemo --s2`).
 fn keep_all_equals_dense<B: burn::tensor::backend::AutodiffBackend + LemoBackend>(
@@ -247,9 +253,7 @@ fn a_sparse_mlp_block_back_propagates_the_dense_input_gradient_on_every_row() {
 fn each_sequence_of_a_batch_keeps_its_own_rows() {
     type B = CpuBackend;
     let device = Default::default();
-    let model =
-        trainable_model::<Autodiff<B>>("llama_gqa_tied", &LLAMA_PROJECTIONS, false, &device);
-    let model = burn::module::AutodiffModule::valid(&model);
+    let model = gqa_model::<B>(&device);
     let [vocab, _] = model.lm_head_weight().dims();
     // Twelve token blocks per sequence: each block keeps the first, the last and four of the
     // ten between, so two sequences keep the same rows everywhere only by a rare accident.
@@ -317,9 +321,7 @@ fn predicted_attention_scores_choose_a_fixed_fraction_and_the_pass_stays_exact()
     use lemo_predictor::{Predictors, PredictorsHeader, QueryKey};
     type B = CpuBackend;
     let device = Default::default();
-    let model =
-        trainable_model::<Autodiff<B>>("llama_gqa_tied", &LLAMA_PROJECTIONS, false, &device);
-    let model = burn::module::AutodiffModule::valid(&model);
+    let model = gqa_model::<B>(&device);
     let [vocab, hidden] = model.lm_head_weight().dims();
     let tokens = random_tokens::<B>(vocab, [1, 96], &device);
     // Exact scores select at the mean score; predicted attention scores keep a quarter.
@@ -383,9 +385,7 @@ fn a_query_stride_scores_attention_blocks_over_the_sampled_rows_alone() {
     use lemo_models::token_plan::Record;
     type B = CpuBackend;
     let device = Default::default();
-    let model =
-        trainable_model::<Autodiff<B>>("llama_gqa_tied", &LLAMA_PROJECTIONS, false, &device);
-    let model = burn::module::AutodiffModule::valid(&model);
+    let model = gqa_model::<B>(&device);
     let [vocab, _] = model.lm_head_weight().dims();
     let tokens = random_tokens::<B>(vocab, [1, 96], &device);
     let thresholds = half_kept(&model, 8);
