@@ -43,7 +43,7 @@ fn block_scores_mma_kernel<F: Float, N: Size>(
     #[define(F)] _dtype: StorageType,
 ) {
     let chunks = comptime!(head_dim / CHUNK);
-    // Warps per query tile, and query tiles per cube.
+    // Warps per query tile (the cube holds `query_stride` query tiles).
     let warps_per_tile = comptime!(WARPS / query_stride);
     let lane = UNIT_POS_X as usize;
     let warp = UNIT_POS_Y as usize;
