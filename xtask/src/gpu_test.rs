@@ -13,10 +13,10 @@
 //! The checks, each against a reference nobody here wrote or a plain f32 computation:
 //! - `kernels`: `compute_bench --quick` (its parity checks): cuBLASLt GEMMs (bf16 and f32, every
 //!   training form, batched and shared weights) against f32 CPU products, the stream ordering of
-//!   GEMMs between CubeCL kernels, the fused bf16 kernels (RMSNorm, RoPE, SwiGLU, LoRA linear,
-//!   AdamW) against their Burn references, the dequantize kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K
-//!   and NF4 weights written in bf16 and f32) against its Burn reference, the segment-based loss
-//!   against the full-logits loss;
+//!   GEMMs between CubeCL kernels and of copies to page-locked host memory and back, the fused
+//!   bf16 kernels (RMSNorm, RoPE, SwiGLU, LoRA linear, AdamW) against their Burn references, the
+//!   dequantize kernel (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K and NF4 weights written in bf16 and f32)
+//!   against its Burn reference, the segment-based loss against the full-logits loss;
 //! - `attention`: `attention_bench` on the bf16 cases PyTorch writes
 //!   (`kernels/reference/attention_sdpa.py --parity-dir`), forward and backward, for the plain
 //!   and tensor-core flash kernels and cuDNN, against float32 materialized attention;

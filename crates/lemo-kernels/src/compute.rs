@@ -1,13 +1,15 @@
 //! The dense compute families of the backend extension, each its own trait next to its
 //! kernels: GEMM ([`GemmBackend`]), fused element-wise kernels ([`FusedBackend`]), token movement
 //! ([`TokenMovementBackend`]), the optimizer ([`OptimizerBackend`]), device memory
-//! ([`MemoryBackend`]) and the dequantization of frozen weights ([`DequantizeBackend`]).
+//! ([`MemoryBackend`]), copies to host memory and back ([`HostCopyBackend`]) and the
+//! dequantization of frozen weights ([`DequantizeBackend`]).
 //! [`ComputeBackend`] is all of them; the loss and attention families build on it.
 
 pub use crate::dequantize::backend::DequantizeBackend;
 pub use crate::fused::adamw::backend::OptimizerBackend;
 pub use crate::fused::backend::FusedBackend;
 pub use crate::gemm::backend::GemmBackend;
+pub use crate::host_copy::backend::HostCopyBackend;
 pub use crate::memory::backend::MemoryBackend;
 pub use crate::token_movement::backend::TokenMovementBackend;
 
@@ -18,6 +20,7 @@ pub trait ComputeBackend:
     + TokenMovementBackend
     + OptimizerBackend
     + MemoryBackend
+    + HostCopyBackend
     + DequantizeBackend
 {
 }
@@ -28,6 +31,7 @@ impl<B> ComputeBackend for B where
         + TokenMovementBackend
         + OptimizerBackend
         + MemoryBackend
+        + HostCopyBackend
         + DequantizeBackend
 {
 }

@@ -89,13 +89,27 @@ impl SideStream {
     /// As [`Self::join_inputs`].
     pub unsafe fn join_output(&mut self, context: driver_sys::CUcontext) -> Result<(), String> {
         unsafe {
+            driver::event::record(self.work_done, self.stream).map_err(|e| e.to_string())?;
+            self.context_waits(context, self.work_done)
+        }
+    }
+
+    /// All work submitted to `context` from now on waits for `event` (recorded on this stream).
+    ///
+    /// # Safety
+    /// As [`Self::join_inputs`]; `event` belongs to `context`.
+    pub unsafe fn context_waits(
+        &mut self,
+        context: driver_sys::CUcontext,
+        event: driver_sys::CUevent,
+    ) -> Result<(), String> {
+        unsafe {
             if self.context_events {
-                driver::event::record(self.work_done, self.stream).map_err(|e| e.to_string())?;
-                return driver_sys::cuCtxWaitEvent(context, self.work_done)
+                return driver_sys::cuCtxWaitEvent(context, event)
                     .result()
                     .map_err(|e| e.to_string());
             }
-            driver::stream::synchronize(self.stream).map_err(|e| e.to_string())
+            driver::event::synchronize(event).map_err(|e| e.to_string())
         }
     }
 }

@@ -34,6 +34,7 @@ pub mod dequantize;
 mod extension;
 pub mod fused;
 pub mod gemm;
+pub mod host_copy;
 pub mod host_reads;
 pub mod known_value;
 pub mod loss;
@@ -48,8 +49,8 @@ pub use attention::backend::AttentionBackend;
 pub use backend::CudaBackend;
 pub use backend::{CpuBackend, WgpuBackend};
 pub use compute::{
-    ComputeBackend, DequantizeBackend, FusedBackend, GemmBackend, MemoryBackend, OptimizerBackend,
-    TokenMovementBackend,
+    ComputeBackend, DequantizeBackend, FusedBackend, GemmBackend, HostCopyBackend, MemoryBackend,
+    OptimizerBackend, TokenMovementBackend,
 };
 pub use extension::LemoBackend;
 pub use loss::LossBackend;

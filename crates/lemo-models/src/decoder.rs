@@ -372,8 +372,10 @@ where
     let mut buffers = row_buffers(&inner, &h);
     let mut stored = Vec::with_capacity(plan.num_layers());
     for (index, mode) in plan.layers().iter().enumerate() {
-        // What the layers below left idle must not sit beside what this one saves.
+        // What the layers below left idle must not sit beside what this one saves, nor the
+        // inputs already copied to the host.
         buffers.between_layers();
+        lemo_kernels::host_copy::release_copied::<B::InnerBackend>(&h.device());
         let saved = match mode {
             LayerActivations::Kept => {
                 let input = Tensor::<B, 3>::from_inner(h).require_grad();

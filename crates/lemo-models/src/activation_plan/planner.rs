@@ -4,13 +4,15 @@
 //! - `base_bytes` are live throughout (weights, trainable state, the loss head, CUDA context,
 //!   pool slack);
 //! - a layer stores its graph on the device (`kept_bytes`, kept), its input (`input_bytes`,
-//!   recomputed) or what its copies hold on the device (`offloaded_bytes`, offloaded, besides
-//!   `input_bytes` of host memory), so the forward pass ends with every layer's stored part;
+//!   recomputed) or nothing (offloaded: `input_bytes` of host memory), so the forward pass ends
+//!   with every layer's stored part;
 //! - the backward pass runs from the last layer down and frees each layer's stored part when
 //!   done with it: while layer l's runs, the layers below hold their stored part and layer l its
 //!   graph (kept), or its input and its rebuilt graph (`rebuilt_bytes`), and beside either the
 //!   gradients' working memory (`backward_bytes`);
-//! - offloading reserves two layer inputs on the device: one in use, the next being fetched;
+//! - offloading reserves two layer inputs on the device: in the forward pass one being copied to
+//!   the host (held until its copy is done), in the backward pass one in use and the next being
+//!   fetched;
 //! - a plan that mixes kept and other layers also holds `mixed_bytes`: the device pool keeps the
 //!   working memory of the layers that run without a graph reserved beside the kept graphs,
 //!   which cannot reuse it (a plan of one kind reuses it, and its figures include it).
@@ -50,8 +52,6 @@ pub struct CostTable {
     pub base_bytes: u64,
     /// One layer's input (the residual stream, the same width in every layer).
     pub input_bytes: u64,
-    /// What an offloaded layer's copies still hold on the device (transfer buffers).
-    pub offloaded_bytes: u64,
     /// What a plan mixing kept and other layers holds besides (see the module's notes).
     pub mixed_bytes: u64,
     pub layers: Vec<LayerCost>,
@@ -133,7 +133,7 @@ impl CostTable {
         match mode {
             LayerActivations::Kept => cost.kept_bytes,
             LayerActivations::Recomputed => self.input_bytes,
-            LayerActivations::Offloaded => self.offloaded_bytes,
+            LayerActivations::Offloaded => 0,
         }
     }
 

@@ -3,7 +3,8 @@
 //!
 //! Parity (on the GPU, fresh random inputs): each GEMM form against an f32 CPU product of the
 //! same bf16 inputs; a chain of dependent cubecl kernels and GEMMs with buffer reuse against
-//! the same chain through Burn's matmul (a missing stream join shows as a large error); f32
+//! the same chain through Burn's matmul (a missing stream join shows as a large error); a chain
+//! of tensors copied to page-locked host memory and back against the same values read plainly; f32
 //! GEMMs (ours and Burn's) against the CPU; fused kernels against their Burn references; the
 //! dequantize kernel (every format, f32 and bf16 output) against its Burn reference;
 //! the segment-based loss against the plain full-logits loss (loss and gradients).
@@ -22,7 +23,7 @@ use cubecl::prelude::{ComputeClient, Runtime};
 use lemo_kernel_bench::time_calls;
 use lemo_kernels::dequantize::PackedBlocks;
 use lemo_kernels::memory::{memory_cleanup, memory_stats};
-use lemo_kernels::{CpuBackend, CudaBackend, dequantize, fused, gemm, loss, precision};
+use lemo_kernels::{CpuBackend, CudaBackend, dequantize, fused, gemm, host_copy, loss, precision};
 use lemo_test_support::HostRng;
 use serde_json::{Value, json};
 
@@ -192,6 +193,56 @@ fn ordering_check() -> Value {
         if ok { "ok" } else { "FAIL" }
     );
     json!({"check": "gemm_stream_ordering_chain", "relative_error": error, "tolerance": 0.0, "ok": ok})
+}
+
+/// Tensors through page-locked host memory and back (`lemo_kernels::host_copy`), as an offloaded
+/// activation plan moves layer inputs: each link of a dependent chain is copied to the host and
+/// dropped at once (its memory goes to the next links and to scratch buffers as soon as its copy
+/// is done), then the links come back in reverse, each fetched while the one above is used by a
+/// kernel. Against the same links read after a full synchronization each; the copies are exact,
+/// so any difference is a missing join.
+fn host_copy_check() -> Value {
+    let weights: Vec<Tensor<B, 2>> = (0..6)
+        .map(|_| random([2048, 2048], DType::BF16) * (1.0 / 45.0))
+        .collect();
+    let start = random([8192, 2048], DType::BF16);
+    let link = |y: Tensor<B, 2>, w: &Tensor<B, 2>| gemm::matmul(y * 0.5 + 0.1, w.clone());
+    let mut expected = Vec::new();
+    let mut y = start.clone();
+    for w in &weights {
+        y = link(y, w);
+        lemo_kernels::memory::synchronize::<B>(&device());
+        expected.push(to_cpu(y.clone()));
+    }
+    let mut copies = Vec::new();
+    let mut y = start;
+    for w in &weights {
+        y = link(y, w);
+        copies.push(host_copy::to_host(y.clone()));
+        let _scratch = random([4096, 4096], DType::BF16);
+    }
+    drop(y);
+    let fetch = |copies: &mut Vec<host_copy::HostTensor>| {
+        copies.pop().map(|host| {
+            let upload = host_copy::upload::<B>(&host, &device());
+            (host, upload)
+        })
+    };
+    let mut error = 0f64;
+    let mut next = fetch(&mut copies);
+    while let Some((_host, upload)) = next.take() {
+        next = fetch(&mut copies);
+        let used = upload.arrived::<2>() * 1.0;
+        let _scratch = random([4096, 4096], DType::BF16);
+        let expected = expected.pop().expect("one expected value per link");
+        error = error.max(relative(to_cpu(used), expected));
+    }
+    let ok = error == 0.0;
+    println!(
+        "parity host copy chain: {error:.2e} {}",
+        if ok { "ok" } else { "FAIL" }
+    );
+    json!({"check": "host_copy_round_trip_chain", "relative_error": error, "tolerance": 0.0, "ok": ok})
 }
 
 /// Burn's own f32 matmul against the CPU: what precision it really computes in.
@@ -702,6 +753,7 @@ fn main() {
     let startup = json!({"startup_and_fused_parity_seconds": first_section_seconds});
     parity.extend(section("gemm_parity", &mut errors, gemm_parity).unwrap_or_default());
     parity.extend(section("gemm_ordering", &mut errors, ordering_check));
+    parity.extend(section("host_copy", &mut errors, host_copy_check));
     if !args.parity_only {
         timings.extend(
             section("gemm_timings", &mut errors, || gemm_timings(&args, &client))

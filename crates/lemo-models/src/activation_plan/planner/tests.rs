@@ -11,7 +11,6 @@ fn equal_layers(layers: usize) -> CostTable {
     CostTable {
         base_bytes: 100 * MIB,
         input_bytes: MIB,
-        offloaded_bytes: 0,
         mixed_bytes: 3 * MIB,
         layers: vec![
             LayerCost {
@@ -31,7 +30,6 @@ fn random_table(random: &mut HostRng, layers: usize) -> CostTable {
     CostTable {
         base_bytes: 50 * MIB + below(50 * MIB),
         input_bytes: MIB + below(2 * MIB),
-        offloaded_bytes: below(MIB),
         mixed_bytes: below(5 * MIB),
         layers: (0..layers)
             .map(|_| LayerCost {

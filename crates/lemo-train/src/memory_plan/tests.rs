@@ -1,0 +1,190 @@
+use super::*;
+
+fn llama_2_7b(seq_len: usize, method: Method, checkpointing: bool) -> PlanInput {
+    let path = lemo_test_support::repo_root().join("bench/configs/llama-2-7b.json");
+    PlanInput {
+        model: ModelConfig::from_file(&path).unwrap(),
+        device: DeviceKind::Cuda,
+        seq_len,
+        batch_size: 1,
+        method,
+        checkpointing,
+        precision: PrecisionKind::Bf16,
+        lora_rank: 8,
+        lora_targets: ["q_proj", "k_proj", "v_proj", "o_proj"]
+            .map(String::from)
+            .to_vec(),
+        train_extras: false,
+        loss_segment: 1024,
+        target_keep: 0.5,
+        dense_layers: 1,
+        projection_bits: None,
+    }
+}
+
+/// Projections kept quantized count at their quantized size, plus one layer's projections
+/// dense while a recomputed layer is rebuilt for its backward pass.
+#[test]
+fn quantized_projections_count_their_quantized_bytes() {
+    let dense = llama_2_7b(8192, Method::Lora, true);
+    let bits = lemo_models::quantized::nf4::BITS;
+    let nf4 = PlanInput {
+        projection_bits: Some(bits),
+        ..dense.clone()
+    };
+    let predict = |input: &PlanInput| predict_plan(input, &uniform_plan(input));
+    let (dense_plan, nf4_plan) = (predict(&dense), predict(&nf4));
+    let dims = Dims::of(&dense.model);
+    let projections = dims.layers * dims.layer_projections();
+    let saved = dense_plan.weights - nf4_plan.weights;
+    assert!(
+        (saved - projections * (2.0 - bits / 8.0)).abs() < 1.0,
+        "{saved}"
+    );
+    let buffer = nf4_plan.activations - dense_plan.activations;
+    assert!(
+        (buffer - 2.0 * dims.layer_projections()).abs() < 1.0,
+        "one layer's dense projections: {buffer}"
+    );
+}
+
+/// The prediction is within 10% of every device-level peak measured on the H200.
+#[test]
+fn predictions_match_the_measured_h200_peaks() {
+    let path = lemo_test_support::repo_root().join("bench/results/h200-device-peaks.json");
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let mut checked = 0;
+    for row in results["results"].as_array().unwrap() {
+        let method = match row["method"].as_str().unwrap() {
+            "lemo" => Method::Lemo,
+            _ => Method::Lora,
+        };
+        let input = llama_2_7b(
+            row["seq_len"].as_u64().unwrap() as usize,
+            method,
+            row["checkpointing"].as_bool().unwrap(),
+        );
+        let predicted = predict_plan(&input, &uniform_plan(&input)).total / GIB;
+        let measured = row["device_peak_gib"].as_f64().unwrap();
+        println!(
+            "{} {} checkpointing {}: predicted {predicted:.1} GiB, measured {measured:.1}",
+            row["method"], input.seq_len, input.checkpointing
+        );
+        lemo_test_support::assert_close_scalar("peak", predicted, measured, 0.10);
+        checked += 1;
+    }
+    assert!(checked >= 3);
+}
+
+/// `lemo` plans that mix kept and recomputed layers, as measured on the H100 with `bench`
+/// and its default elimination settings: the plan at most 1% under the device peak and at
+/// most 5% over it.
+#[test]
+fn mixed_lemo_plans_match_the_measured_h100_peaks() {
+    let path = lemo_test_support::repo_root().join("bench/results/h100-idle-buffers.json");
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    for label in ["new64-68", "new32-48"] {
+        let row = &results["rows"][label];
+        let settings = crate::lemo::LemoSettings::default();
+        let input = PlanInput {
+            target_keep: settings.mean_keep(),
+            dense_layers: settings.dense_layers.len(),
+            ..llama_2_7b(
+                row["seq_len"].as_u64().unwrap() as usize,
+                Method::Lemo,
+                false,
+            )
+        };
+        let activations: ActivationPlan = row["activation_plan"].as_str().unwrap().parse().unwrap();
+        let predicted = predict_plan(&input, &activations).total / GIB;
+        let measured = row["device_peak_gib"].as_f64().unwrap();
+        println!("{label} {activations}: predicted {predicted:.2} GiB, measured {measured:.2}");
+        assert!(
+            predicted >= 0.99 * measured && predicted <= 1.05 * measured,
+            "{label}: predicted {predicted:.2} GiB, measured {measured:.2}"
+        );
+        if label == "new64-68" {
+            // The 12 kept layers planned under 76 GiB before ran out of memory on the card.
+            let roomy = plan(&input, budget(76)).unwrap();
+            assert!(roomy.activations.count(LayerActivations::Kept) <= 9);
+        }
+    }
+}
+
+fn budget(device_gib: u64) -> Option<Budget> {
+    Some(Budget {
+        device: device_gib << 30,
+        host: 0,
+    })
+}
+
+#[test]
+fn a_run_over_the_budget_names_the_length_that_fits() {
+    let input = llama_2_7b(131072, Method::Lora, false);
+    let message = plan(&input, budget(40)).unwrap_err().to_string();
+    assert!(message.contains("--seq-len 131072"), "{message}");
+    assert!(message.contains("try --seq-len"), "{message}");
+    assert!(!message.contains('\n'));
+    let message = plan(&input, budget(10)).unwrap_err().to_string();
+    assert!(message.contains("weights"), "{message}");
+}
+
+/// 16K dense does not fit 60 GiB with every layer kept: the plan recomputes some layers,
+/// keeps the rest, and stays within the budget; more budget keeps more layers.
+#[test]
+fn the_plan_keeps_what_the_budget_holds() {
+    let input = llama_2_7b(16384, Method::Lora, false);
+    assert!(predict_plan(&input, &uniform_plan(&input)).total > 60.0 * GIB);
+    let tight = plan(&input, budget(60)).unwrap();
+    let kept = tight.activations.count(LayerActivations::Kept);
+    assert!(kept > 0 && kept < 32, "{}", tight.line());
+    assert!(tight.memory.total <= 60.0 * GIB);
+    let roomy = plan(&input, budget(70)).unwrap();
+    assert!(roomy.activations.count(LayerActivations::Kept) > kept);
+    assert!(tight.line().starts_with("plan: "), "{}", tight.line());
+    // --checkpointing recomputes every layer whatever the budget.
+    let forced = plan(&llama_2_7b(16384, Method::Lora, true), budget(70)).unwrap();
+    assert_eq!(forced.activations.count(LayerActivations::Recomputed), 32);
+}
+
+/// Dense plans that offload layer inputs, as measured on the H200 with `bench`: the plan within
+/// 5% of the device peak.
+#[test]
+fn offloading_plans_match_the_measured_h200_peaks() {
+    let path = lemo_test_support::repo_root().join("bench/results/h200-offload.json");
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    for (call, label) in [("call3", "lora32k-off24"), ("call4", "lora32k-off22")] {
+        let row = &results["calls"][call][label];
+        let input = llama_2_7b(
+            row["seq_len"].as_u64().unwrap() as usize,
+            Method::Lora,
+            false,
+        );
+        let activations: ActivationPlan = row["activation_plan"].as_str().unwrap().parse().unwrap();
+        assert!(activations.count(LayerActivations::Offloaded) >= 22);
+        let predicted = predict_plan(&input, &activations).total / GIB;
+        let measured = row["device_peak_gib"].as_f64().unwrap();
+        println!("{label} {activations}: predicted {predicted:.2} GiB, measured {measured:.2}");
+        lemo_test_support::assert_close_scalar("peak", predicted, measured, 0.05);
+    }
+}
+
+/// Offloading lowers the leanest plan by the inputs it moves to the host: dense 32K fits 22 GiB
+/// with host memory for 30 inputs and not without it.
+#[test]
+fn host_memory_lowers_the_leanest_plan() {
+    let input = llama_2_7b(32768, Method::Lora, false);
+    let device_only = plan(&input, budget(22)).unwrap_err().to_string();
+    assert!(device_only.contains("leanest plan"), "{device_only}");
+    let with_host = Some(Budget {
+        device: 22 << 30,
+        host: 32 << 30,
+    });
+    let planned = plan(&input, with_host).unwrap();
+    assert!(planned.memory.total <= 22.0 * GIB);
+    assert!(planned.activations.count(LayerActivations::Offloaded) >= 20);
+    assert!(planned.line().contains("on the host"), "{}", planned.line());
+}
