@@ -4,7 +4,7 @@
 //! own, its tests one at a time, so that nothing else allocates on the device while the pool is
 //! read.
 
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use burn::tensor::{DType, Device, Distribution, Tensor};
 use lemo_kernels::WgpuBackend;
@@ -15,7 +15,13 @@ use lemo_kernels::memory::{
 
 type B = WgpuBackend;
 
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+/// Held by each test: the pools are read, so nothing else may allocate meanwhile.
+fn alone() -> MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    ONE_AT_A_TIME
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 fn reserved(device: &Device<B>) -> u64 {
     synchronize::<B>(device);
@@ -33,9 +39,7 @@ fn fill(shape: [usize; 3], count: usize, device: &Device<B>) {
 
 #[test]
 fn registered_buffers_are_reused_and_returned_when_the_shapes_change() {
-    let _alone = ONE_AT_A_TIME
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _alone = alone();
     let device = Default::default();
     let first = [1, 1024, 512]; // 2 MiB in f32
     let bytes = (first.iter().product::<usize>() * 4) as u64;
@@ -64,9 +68,7 @@ fn registered_buffers_are_reused_and_returned_when_the_shapes_change() {
 
 #[test]
 fn idle_buffers_go_back_between_layers_near_the_pool_budget() {
-    let _alone = ONE_AT_A_TIME
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let _alone = alone();
     let device = Default::default();
     let Some(limit) = pooled_buffer_limit::<B>(&device) else {
         println!("skipped: this wgpu build gives every buffer its own allocation");

@@ -7,6 +7,7 @@ pub mod backend;
 pub(crate) mod cudnn;
 pub(crate) mod flash;
 pub mod reference;
+pub mod ring;
 pub mod shifted_fold;
 
 pub use flash::{FlashKernel, flash_kernel, set_flash_kernel, tensor_core_supported};

@@ -82,10 +82,8 @@ pub fn exact_size_buffers<B: ComputeBackend>(
     shapes: &[[usize; 3]],
 ) {
     const SMALLEST: usize = 1 << 20;
-    /// The dtype and shapes a device was last given.
-    type Registration = (DType, Vec<[usize; 3]>);
-    /// Each device's last registration, by the device's name.
-    static REGISTERED: Mutex<BTreeMap<String, Registration>> = Mutex::new(BTreeMap::new());
+    /// Each device's last dtype and shapes.
+    static REGISTERED: PerDevice<(DType, Vec<[usize; 3]>)> = PerDevice::new();
     let shapes: Vec<[usize; 3]> = shapes
         .iter()
         .filter(|shape| shape.iter().product::<usize>() * dtype.size() >= SMALLEST)
@@ -94,14 +92,8 @@ pub fn exact_size_buffers<B: ComputeBackend>(
     if shapes.is_empty() || pooled_buffer_limit::<B>(device).is_none() {
         return;
     }
-    let changed = {
-        let mut registered = REGISTERED
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let last = registered.insert(format!("{device:?}"), (dtype, shapes.clone()));
-        last.is_some_and(|last| last != (dtype, shapes.clone()))
-    };
-    if changed {
+    let last = REGISTERED.insert(device, Some((dtype, shapes.clone())));
+    if last.is_some_and(|last| last != (dtype, shapes.clone())) {
         memory_cleanup::<B>(device);
     }
     B::memory_persistent_allocations(device, shapes, |shapes| {
@@ -111,28 +103,46 @@ pub fn exact_size_buffers<B: ComputeBackend>(
     });
 }
 
-/// Each device's pool budget (see [`set_pool_budget`]), by the device's name.
-static POOL_BUDGETS: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
+/// A value per device, by the device's name: what the process set for each device it uses.
+struct PerDevice<T>(Mutex<BTreeMap<String, T>>);
+
+impl<T: Clone> PerDevice<T> {
+    const fn new() -> Self {
+        Self(Mutex::new(BTreeMap::new()))
+    }
+
+    fn entries(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, T>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Sets (`Some`) or clears (`None`) `device`'s value and returns the one it had.
+    fn insert(&self, device: &impl std::fmt::Debug, value: Option<T>) -> Option<T> {
+        let key = format!("{device:?}");
+        match value {
+            Some(value) => self.entries().insert(key, value),
+            None => self.entries().remove(&key),
+        }
+    }
+
+    fn get(&self, device: &impl std::fmt::Debug) -> Option<T> {
+        self.entries().get(&format!("{device:?}")).cloned()
+    }
+}
+
+/// Each device's pool budget (see [`set_pool_budget`]).
+static POOL_BUDGETS: PerDevice<u64> = PerDevice::new();
 
 /// The bytes `device`'s pools may reserve in a step whose plan was made for a memory budget
 /// (`None`: no budget, nothing is ever released early); see [`LayerBuffers`].
 pub fn set_pool_budget<B: ComputeBackend>(device: &B::Device, bytes: Option<u64>) {
-    let mut budgets = POOL_BUDGETS
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    let key = format!("{device:?}");
-    match bytes {
-        Some(bytes) => budgets.insert(key, bytes),
-        None => budgets.remove(&key),
-    };
+    POOL_BUDGETS.insert(device, bytes);
 }
 
 /// `device`'s pool budget, if one was set.
 fn pool_budget(device: &impl std::fmt::Debug) -> Option<u64> {
-    let budgets = POOL_BUDGETS
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    budgets.get(&format!("{device:?}")).copied()
+    POOL_BUDGETS.get(device)
 }
 
 /// The exact-size buffers of a pass down a model's layers (see [`exact_size_buffers`]), and the
