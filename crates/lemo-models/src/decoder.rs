@@ -93,7 +93,7 @@ pub trait Decoder<B: Backend> {
 
     /// The MLP block of layer `index` as constants, when nothing in it trains (no adapters on
     /// its projections, a frozen norm) and it is pre-norm: its backward pass can then be
-    /// recomputed from its input rows alone (see [`MlpGraph::Recomputed`]).
+    /// recomputed from its input rows alone (see [`LayerRun::Rebuild`]).
     fn frozen_mlp(&self, index: usize) -> Option<FrozenMlp<B>>;
 
     /// What output projection reads, from `h_L`.
@@ -115,20 +115,30 @@ pub struct RowWidths {
 /// drops `[batch, seq - kept]` where its backward pass reaches them.
 pub struct SparseBlock<B: Backend, P> {
     pub rows: Tensor<B, 2, Int>,
-    pub pass: BlockPass<B, P>,
+    /// `None` where nothing reads the block's value ([`LayerRun::Rebuild`] of an MLP block):
+    /// its kept rows then compute their products themselves.
+    pub pass: Option<BlockPass<B, P>>,
     /// The dropped rows, when the block's backward pass recomputes them (MLP blocks with
     /// [`crate::token_plan::DroppedRows::Exact`]) and there are any.
     pub dropped: Option<Tensor<B, 2, Int>>,
 }
 
 impl<B: Backend, P> SparseBlock<B, P> {
-    /// A block of `kept` rows (and the dropped rows its backward pass reaches, if any).
-    pub fn new(kept: &BlockRows, pass: BlockPass<B, P>) -> Self {
+    /// A block of `kept` rows (and the dropped rows its backward pass reaches, if any) with its
+    /// pass over every row, when it has one.
+    pub fn new(kept: &BlockRows, pass: Option<BlockPass<B, P>>) -> Self {
         Self {
             rows: kept.rows(),
             dropped: kept.dropped(),
             pass,
         }
+    }
+
+    /// The block's pass over every row, which an attention block always has.
+    pub fn every_row(&self) -> &BlockPass<B, P> {
+        self.pass
+            .as_ref()
+            .expect("only a rebuilt MLP block runs without its pass")
     }
 }
 
@@ -136,18 +146,30 @@ impl<B: LemoBackend, P> SparseBlock<B, P> {
     /// `x + pass.output` (exact, every row), with the backward pass of `x` plus `graph`, the
     /// block's output on the kept rows, added into those rows: the gradient reaches the block
     /// through its kept rows only.
+    /// Without a pass, the value is the graph's alone, which differs from the block's on the
+    /// dropped rows: nothing reads it ([`LayerRun::Rebuild`]).
     pub fn residual(&self, x: Tensor<B, 3>, graph: Tensor<B, 3>) -> Tensor<B, 3> {
-        let value = x.clone().detach() + self.pass.output.clone();
-        with_value(scatter_add_rows(x, self.rows.clone(), graph), value)
+        let value = self
+            .pass
+            .as_ref()
+            .map(|pass| x.clone().detach() + pass.output.clone());
+        let graph = scatter_add_rows(x, self.rows.clone(), graph);
+        match value {
+            Some(value) => with_value(graph, value),
+            None => graph,
+        }
     }
 
     /// The block with `kept`, the graph's output on its kept rows, as the pass's output there:
     /// for kept rows that compute differently from the pass (S2 attention over the kept rows
     /// alone), so the value the layer passes on is the one the graph differentiates.
     pub fn with_kept_output(mut self, kept: Tensor<B, 3>) -> Self {
-        let passed = gather_rows(self.pass.output.clone(), self.rows.clone());
-        let change = kept.detach() - passed;
-        self.pass.output = scatter_add_rows(self.pass.output, self.rows.clone(), change);
+        let rows = self.rows.clone();
+        if let Some(pass) = &mut self.pass {
+            let passed = gather_rows(pass.output.clone(), rows.clone());
+            let change = kept.detach() - passed;
+            pass.output = scatter_add_rows(pass.output.clone(), rows, change);
+        }
         self
     }
 
@@ -166,27 +188,41 @@ impl<B: LemoBackend, P> SparseBlock<B, P> {
         self.residual(x, graph)
     }
 
-    /// The kept rows of the pass's product that `select` names, `[batch, kept, width]`.
-    pub fn product_rows(&self, select: fn(&P) -> &Tensor<B, 3>) -> Tensor<B, 3> {
-        gather_rows(select(&self.pass.products).clone(), self.rows.clone())
+    /// The kept rows of the pass's product that `select` names, `[batch, kept, width]`; `None`
+    /// without a pass.
+    pub fn product_rows(&self, select: fn(&P) -> &Tensor<B, 3>) -> Option<Tensor<B, 3>> {
+        let pass = self.pass.as_ref()?;
+        Some(gather_rows(
+            select(&pass.products).clone(),
+            self.rows.clone(),
+        ))
     }
 }
 
-/// What the graph of a dense MLP block holds for its backward pass.
+/// What a layer runs for, which decides what its MLP block computes and holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MlpGraph {
-    /// Its activations, as any block's.
-    Saved,
-    /// Where the block is frozen ([`Decoder::frozen_mlp`]), only its input: the backward pass
-    /// recomputes the input projections from it ([`lemo_kernels::recomputed_rows`], two more
-    /// GEMMs of `seq x hidden x ffn`), so a checkpointed layer's recomputation does not hold the
-    /// MLP's activations (Llama-2-7B at 32K tokens on the H200: device peak 29.7 -> 28.6 GiB,
-    /// step 4.90 -> 5.07 s).
-    Recomputed,
+pub enum LayerRun {
+    /// Its graph, for a backward pass through the whole step, or its output where nothing is
+    /// differentiated (evaluation, generation, profiling): every block as it is.
+    Graph,
+    /// Its output alone, outside any graph: the forward pass of a layer whose backward pass
+    /// rebuilds it. A token-sparse MLP block's value is its pass over every row, which runs a
+    /// slice of rows at a time ([`mlp_pass_by_slices`]); its kept rows are not computed again.
+    Value,
+    /// Its graph again, for its backward pass: nothing reads the output's value, only its
+    /// gradient's way back to the input. So the MLP block computes no value:
+    /// - frozen ([`Decoder::frozen_mlp`]), it saves only its input, and the backward pass
+    ///   recomputes the input projections from it ([`lemo_kernels::recomputed_rows`], two
+    ///   GEMMs of `rows x hidden x ffn`) on every row its gradient reaches (token-sparse with
+    ///   exact dropped rows: every row);
+    /// - adapted and token-sparse, its kept rows compute their own products, without the pass
+    ///   over every row (no full-width products, and the dropped rows' share of the work less);
+    /// - adapted and dense, it is its graph.
+    Rebuild,
 }
 
 /// `h_{index+1}` from `h_index`: the attention block then the MLP block, each on the rows
-/// `sparsity` gives it; a dense MLP block keeps what `mlp_graph` says.
+/// `sparsity` gives it, computing what `run` needs.
 pub fn layer<B: LemoBackend, D: Decoder<B>>(
     decoder: &D,
     index: usize,
@@ -194,37 +230,99 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
     shared: &D::Shared,
     cache: Option<&mut LayerCache<B>>,
     sparsity: &mut TokenSparsity,
-    mlp_graph: MlpGraph,
+    run: LayerRun,
 ) -> Tensor<B, 3> {
     let input = h.clone().detach();
     let sparse = sparsity
         .block(index, Block::Attention, &input, |scoring| {
             decoder.attention_pass(index, input.clone(), shared, scoring)
         })
-        .map(|(kept, pass)| SparseBlock::new(&kept, pass));
+        .map(|(kept, pass)| SparseBlock::new(&kept, Some(pass)));
     drop(input);
     let a = decoder.attention_block(index, h, shared, sparse, cache);
-    let input = a.clone().detach();
-    let sparse = sparsity
-        .block(index, Block::Mlp, &input, |scoring| {
-            decoder.mlp_pass(index, input.clone(), scoring)
-        })
-        .map(|(kept, pass)| SparseBlock::new(&kept, pass));
-    drop(input);
-    let frozen = match (&sparse, mlp_graph) {
-        (None, MlpGraph::Recomputed) => decoder.frozen_mlp(index),
-        _ => None,
-    };
-    match frozen {
-        Some(frozen) => {
-            let value = decoder.mlp_block(index, a.clone().detach(), None);
-            let [batch, seq, _] = a.dims();
-            let rows = Tensor::<B, 1, Int>::arange(0..seq as i64, &a.device())
-                .unsqueeze::<2>()
-                .repeat_dim(0, batch);
-            with_value(with_recomputed_rows(a, rows, frozen), value)
+    match run {
+        LayerRun::Graph => {
+            let input = a.clone().detach();
+            let sparse = sparsity
+                .block(index, Block::Mlp, &input, |scoring| {
+                    decoder.mlp_pass(index, input.clone(), scoring)
+                })
+                .map(|(kept, pass)| SparseBlock::new(&kept, Some(pass)));
+            drop(input);
+            decoder.mlp_block(index, a, sparse)
         }
-        None => decoder.mlp_block(index, a, sparse),
+        LayerRun::Value => {
+            let [batch, seq, _] = a.dims();
+            let width = decoder.row_widths().mlp.unwrap_or(0);
+            let slice_rows = slice_len::<B>(&a.device(), a.dtype(), [batch, seq], width);
+            let input = a.clone().detach();
+            let pass = sparsity.block(index, Block::Mlp, &input, |scoring| {
+                mlp_pass_by_slices(decoder, index, input.clone(), scoring, slice_rows)
+            });
+            drop(input);
+            match pass {
+                Some((_, pass)) => a + pass.output,
+                None => decoder.mlp_block(index, a, None),
+            }
+        }
+        LayerRun::Rebuild => {
+            let kept = sparsity.replayed(index, Block::Mlp);
+            match (decoder.frozen_mlp(index), kept) {
+                (Some(frozen), kept) => {
+                    let rows = match kept {
+                        // Without exact dropped rows the gradient reaches the kept rows alone.
+                        Some(kept) if kept.dropped::<B>().is_none() => kept.rows(),
+                        _ => {
+                            let [batch, seq, _] = a.dims();
+                            Tensor::<B, 1, Int>::arange(0..seq as i64, &a.device())
+                                .unsqueeze::<2>()
+                                .repeat_dim(0, batch)
+                        }
+                    };
+                    with_recomputed_rows(a, rows, frozen)
+                }
+                (None, kept) => {
+                    let sparse = kept.map(|kept| SparseBlock::new(&kept, None));
+                    decoder.mlp_block(index, a, sparse)
+                }
+            }
+        }
+    }
+}
+
+/// [`Decoder::mlp_pass`] of layer `index` on `a: [batch, seq, hidden]`, without the products
+/// the graph of its kept rows would reuse, over slices of about `slice_rows` rows (whole token
+/// blocks when scored), so that the MLP's full-width intermediates (`rows x ffn`) never exist
+/// for every row at once: the output and the scores are those of the whole pass.
+pub fn mlp_pass_by_slices<B: LemoBackend, D: Decoder<B>>(
+    decoder: &D,
+    index: usize,
+    a: Tensor<B, 3>,
+    scoring: Option<BlockScoring>,
+    slice_rows: usize,
+) -> BlockPass<B, ()> {
+    let seq = a.dims()[1];
+    let block = scoring.map_or(1, |scoring| scoring.block_size);
+    let rows = (slice_rows / block).max(1) * block;
+    let passes: Vec<_> = if rows >= seq {
+        vec![a]
+    } else {
+        a.split(rows, 1)
+    }
+    .into_iter()
+    .map(|slice| {
+        let pass = decoder.mlp_pass(index, slice, scoring);
+        (pass.output, pass.scores)
+    })
+    .collect();
+    let (outputs, scores): (Vec<_>, Vec<_>) = passes.into_iter().unzip();
+    BlockPass {
+        output: Tensor::cat(outputs, 1),
+        scores: scores
+            .into_iter()
+            .collect::<Option<Vec<_>>>()
+            .map(|scores| Tensor::cat(scores, 1)),
+        products: (),
     }
 }
 
@@ -273,7 +371,7 @@ pub fn hidden_states<B: LemoBackend, D: Decoder<B>>(
             &shared,
             layer_cache,
             sparsity,
-            MlpGraph::Saved,
+            LayerRun::Graph,
         );
     }
     decoder.output_norm(h)
@@ -386,7 +484,7 @@ where
                     shared,
                     None,
                     sparsity,
-                    MlpGraph::Saved,
+                    LayerRun::Graph,
                 );
                 h = output.clone().inner();
                 stored.push(Stored::Graph { input, output });
@@ -403,7 +501,7 @@ where
             &inner_shared,
             None,
             sparsity,
-            MlpGraph::Saved,
+            LayerRun::Value,
         );
     }
     StoredForward {
@@ -420,8 +518,8 @@ where
 /// back-propagating the gradient of each layer's output through its kept graph or through one
 /// rebuilt from its input (an offloaded input is fetched back while the layer above runs).
 /// Memory is the kept layers' activations, the other layers' inputs and one rebuilt layer's
-/// activations, less a frozen dense MLP block's ([`MlpGraph::Recomputed`]); a rebuilt layer costs
-/// its forward pass again and, there, two GEMMs more.
+/// activations, less a frozen MLP block's; a rebuilt layer costs its attention block's forward
+/// pass again and its MLP block's input projections (see [`LayerRun::Rebuild`]).
 ///
 /// Each partial backward pass's gradients go to `on_gradients` (the loss head's first, then the
 /// layers' from the last, then the embedding's when it is trainable): a trainable parameter gets
@@ -495,7 +593,7 @@ where
             &shared,
             None,
             &mut replay,
-            MlpGraph::Recomputed,
+            LayerRun::Rebuild,
         );
         (input, output)
     };

@@ -16,6 +16,7 @@ use burn::tensor::{DType, Int, Tensor, backend::Backend};
 use lemo_kernels::attention::{attention, attention_with_lse, attention_with_value};
 use lemo_kernels::fused::swiglu;
 use lemo_kernels::recomputed_rows::{FrozenMlp, MlpActivation};
+use lemo_kernels::token_movement::gather_rows;
 use lemo_kernels::{AttentionOptions, LemoBackend};
 use lemo_sparsity::informativeness::{self, BlockScoring};
 
@@ -75,7 +76,7 @@ impl<B: LemoBackend> LlamaAttention<B> {
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let product = |select: fn(&AttentionProducts<B>) -> &Tensor<B, 3>| {
-            sparse.map(|s| s.product_rows(select))
+            sparse.and_then(|s| s.product_rows(select))
         };
         let [batch, len, _] = x.dims();
         let q = self
@@ -92,15 +93,17 @@ impl<B: LemoBackend> LlamaAttention<B> {
         let (out, o_product) = match (sparse, self.shifted_group) {
             (None, _) => (attention(q, k, v, self.options()), None),
             (Some(sparse), Some(_)) => {
-                let seq = sparse.pass.output.dims()[1];
+                let seq = sparse.every_row().output.dims()[1];
                 let options = self.options().over_kept_rows(seq, len);
                 let [q_value, k_value, v_value] = [&q, &k, &v].map(|t| t.clone().detach());
                 let known = attention_with_lse(q_value, k_value, v_value, options);
                 (attention_with_value(q, k, v, known, options), None)
             }
             (Some(sparse), None) => {
-                let out = self.heads(sparse.product_rows(|p| &p.out), self.num_heads);
-                let lse = sparse.pass.products.lse.clone().gather(
+                let products = &sparse.every_row().products;
+                let out = gather_rows(products.out.clone(), sparse.rows.clone());
+                let out = self.heads(out, self.num_heads);
+                let lse = products.lse.clone().gather(
                     2,
                     sparse
                         .rows
@@ -195,8 +198,9 @@ impl<B: LemoBackend> LlamaMlp<B> {
         x: Tensor<B, 3>,
         sparse: Option<&SparseBlock<B, MlpProducts<B>>>,
     ) -> Tensor<B, 3> {
-        let product =
-            |select: fn(&MlpProducts<B>) -> &Tensor<B, 3>| sparse.map(|s| s.product_rows(select));
+        let product = |select: fn(&MlpProducts<B>) -> &Tensor<B, 3>| {
+            sparse.and_then(|s| s.product_rows(select))
+        };
         let gate = self
             .gate_proj
             .forward_with_product(x.clone(), product(|p| &p.gate));

@@ -69,7 +69,7 @@ impl<B: LemoBackend> OptAttention<B> {
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let product = |select: fn(&AttentionProducts<B>) -> &Tensor<B, 3>| {
-            sparse.map(|s| s.product_rows(select))
+            sparse.and_then(|s| s.product_rows(select))
         };
         let q = self.heads(
             self.q_proj
@@ -204,8 +204,9 @@ impl<B: LemoBackend> OptLayer<B> {
         x: Tensor<B, 3>,
         sparse: Option<&SparseBlock<B, MlpProducts<B>>>,
     ) -> Tensor<B, 3> {
-        let product =
-            |select: fn(&MlpProducts<B>) -> &Tensor<B, 3>| sparse.map(|s| s.product_rows(select));
+        let product = |select: fn(&MlpProducts<B>) -> &Tensor<B, 3>| {
+            sparse.and_then(|s| s.product_rows(select))
+        };
         let hidden = relu(self.fc1.forward_with_product(x, product(|p| &p.fc1)));
         self.fc2.forward_with_product(hidden, product(|p| &p.fc2))
     }

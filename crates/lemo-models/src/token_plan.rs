@@ -289,6 +289,17 @@ impl<'a> TokenSparsity<'a> {
         }
     }
 
+    /// The kept rows a replayed plan gives `block` of `layer`, for a block that needs no pass
+    /// over every row (an MLP block rebuilt for its backward pass, see
+    /// [`crate::decoder::LayerRun::Rebuild`]); `None`: the block runs dense, as it does in any
+    /// pass that does not replay a plan.
+    pub(crate) fn replayed(&self, layer: usize, block: Block) -> Option<BlockRows> {
+        match self {
+            TokenSparsity::Replay(plan) => plan.layers.get(layer)?.get(block).clone(),
+            _ => None,
+        }
+    }
+
     /// The kept rows of `block` of `layer` for the block input `input: [batch, seq, hidden]`
     /// (outside the graph), and the block's pass over every row that they come with; `None`:
     /// the block runs dense. `pass` computes the block outside the graph, with its token-block

@@ -10,7 +10,7 @@ use lemo_models::CausalLm;
 use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
 use lemo_models::decoder::{Batch, Decoder};
 use lemo_models::lora::LLAMA_PROJECTIONS;
-use lemo_models::token_plan::TokenSparsity;
+use lemo_models::token_plan::{DroppedRows, TokenSparsity};
 use lemo_sparsity::Thresholds;
 use lemo_test_support::random_tokens;
 
@@ -38,6 +38,15 @@ fn plans(num_layers: usize) -> Vec<ActivationPlan> {
 /// token elimination by `thresholds` (the recomputation replays the rows the forward pass chose).
 fn assert_recomputation_matches(model: &CausalLm<B>, len: usize, thresholds: Option<&Thresholds>) {
     let sparsity = || thresholds.map_or(TokenSparsity::Dense, TokenSparsity::select);
+    assert_recomputation_matches_under(model, len, &sparsity);
+}
+
+/// [`assert_recomputation_matches`] with each pass's token sparsity made by `sparsity`.
+fn assert_recomputation_matches_under<'a>(
+    model: &CausalLm<B>,
+    len: usize,
+    sparsity: &dyn Fn() -> TokenSparsity<'a>,
+) {
     let [vocab, _] = model.lm_head_weight().dims();
     let tokens = random_tokens::<B>(vocab, [1, len], &Default::default());
     let (chunk_rows, scale) = (7, 0.25);
@@ -190,4 +199,41 @@ fn recomputed_lemo_layers_with_a_dense_frozen_mlp_block_match() {
     let mut thresholds = common::half_kept(&model, 8);
     thresholds.layers[0].mlp = None;
     assert_recomputation_matches(&model, 61, Some(&thresholds));
+}
+
+/// A rebuilt frozen MLP block recomputes its backward pass from its input on the rows its
+/// gradient reaches: every row with exact dropped rows, the kept rows without.
+#[test]
+fn recomputed_lemo_layers_with_frozen_sparse_mlp_blocks_match() {
+    let attention_only: [(&str, &[&str]); 2] = [
+        ("llama_gqa_tied", &LLAMA_PROJECTIONS[..4]),
+        ("opt_prenorm_proj", &["q_proj", "v_proj"]),
+    ];
+    for (fixture, targets) in attention_only {
+        let model = trainable_model(fixture, targets, false, &Default::default());
+        assert!(
+            frozen_mlp(&model, 0),
+            "{fixture}: the MLP blocks are frozen"
+        );
+        let thresholds = common::half_kept(&model, 8);
+        for dropped_rows in [DroppedRows::Exact, DroppedRows::Residual] {
+            println!("{fixture}, {dropped_rows:?} dropped rows");
+            assert_recomputation_matches_under(&model, 61, &|| {
+                TokenSparsity::select(&thresholds).with_dropped_rows(dropped_rows)
+            });
+        }
+    }
+}
+
+/// OPT's rebuilt token-sparse MLP block with an adapter computes its kept rows alone.
+#[test]
+fn recomputed_lemo_gradients_match_opt() {
+    let model = trainable_model(
+        "opt_prenorm_proj",
+        &["q_proj", "v_proj", "fc1"],
+        false,
+        &Default::default(),
+    );
+    let thresholds = common::half_kept(&model, 8);
+    assert_recomputation_matches(&model, 45, Some(&thresholds));
 }

@@ -133,7 +133,7 @@ fn a_sparse_layer_computes_the_dense_values_and_back_propagates_through_its_kept
     let CausalLm::Llama(llama) = &model else {
         unreachable!()
     };
-    use lemo_models::decoder::{Decoder, MlpGraph, layer};
+    use lemo_models::decoder::{Decoder, LayerRun, layer};
     let shared = llama.shared(0..40, 1);
     let h = llama.embed(tokens, 0..40).detach().require_grad();
     let run = |sparsity: &mut TokenSparsity| {
@@ -144,7 +144,7 @@ fn a_sparse_layer_computes_the_dense_values_and_back_propagates_through_its_kept
             &shared,
             None,
             sparsity,
-            MlpGraph::Saved,
+            LayerRun::Graph,
         )
     };
     let sparse = run(&mut TokenSparsity::Replay(&plan));
@@ -213,7 +213,7 @@ fn check_exact_dropped_rows<D: lemo_models::decoder::Decoder<Ad>>(decoder: &D, h
     let sparse = gradient_of(&|input| {
         let pass = decoder.mlp_pass(0, input.clone(), None);
         let kept = BlockRows::from_host::<Ad>(kept.clone(), true, &device);
-        decoder.mlp_block(0, input, Some(SparseBlock::new(&kept, pass)))
+        decoder.mlp_block(0, input, Some(SparseBlock::new(&kept, Some(pass))))
     });
     let dense = gradient_of(&|input| decoder.mlp_block(0, input, None));
     let max = |t: Tensor<CpuBackend, 3>| -> f32 { t.abs().max().into_scalar().elem() };
@@ -414,4 +414,50 @@ fn a_query_stride_scores_attention_blocks_over_the_sampled_rows_alone() {
         assert_eq!(mlp(exact), mlp(sampled), "layer {layer}");
     }
     assert!(lower_somewhere, "the sampled scores equal the exact ones");
+}
+
+/// The MLP pass of a layer whose graph is rebuilt later runs over slices of whole token blocks:
+/// its output and scores are the whole pass's. 45 rows in blocks of 8 with slices of 20 rows:
+/// slices of two blocks, the last one partial.
+fn check_pass_by_slices<D: lemo_models::decoder::Decoder<CpuBackend>>(decoder: &D, hidden: usize) {
+    use lemo_models::decoder::mlp_pass_by_slices;
+    use lemo_sparsity::informativeness::BlockScoring;
+    let a = Tensor::<CpuBackend, 3>::random(
+        [2, 45, hidden],
+        Distribution::Normal(0.0, 1.0),
+        &Default::default(),
+    );
+    let scoring = Some(BlockScoring::exact(8));
+    let sliced = mlp_pass_by_slices(decoder, 0, a.clone(), scoring, 20);
+    let whole = decoder.mlp_pass(0, a, scoring);
+    let max = |t: Tensor<CpuBackend, 3>| -> f32 { t.abs().max().into_scalar().elem() };
+    let difference = max(sliced.output - whole.output.clone());
+    assert!(
+        difference <= 1e-5 * max(whole.output),
+        "outputs differ by {difference}"
+    );
+    let [sliced, whole] = [sliced.scores, whole.scores].map(|s| s.expect("scored").unsqueeze());
+    assert_eq!(sliced.dims(), [1, 2, 6]);
+    let difference = max(sliced - whole.clone());
+    assert!(
+        difference <= 1e-5 * max(whole),
+        "scores differ by {difference}"
+    );
+}
+
+#[test]
+fn an_mlp_pass_by_slices_gives_the_whole_pass() {
+    let device = Default::default();
+    let CausalLm::Llama(llama) = gqa_model::<CpuBackend>(&device) else {
+        unreachable!()
+    };
+    check_pass_by_slices(
+        &llama,
+        llama.layers[0].post_attention_layernorm.weight.dims()[0],
+    );
+    let model = trainable_model::<Ad>("opt_prenorm_proj", &["q_proj", "fc1"], false, &device);
+    let CausalLm::Opt(opt) = burn::module::AutodiffModule::valid(&model) else {
+        unreachable!()
+    };
+    check_pass_by_slices(&opt, opt.layers[0].fc2.weight.dims()[0]);
 }
