@@ -29,7 +29,8 @@
 //! 6% (the safe side). `lemo` differs from that formula by an amount fitted to its own peaks
 //! there and scaled by the weights' size: without checkpointing it holds less (its blocks'
 //! buffers are smaller, so the pool pads less; the mean of 8K and 16K, each within 2 GiB), with
-//! checkpointing more (its token-sparse pass keeps each layer's MLP products at full width).
+//! checkpointing more (a rebuilt layer's kept-row buffers, of sizes the dense layers' pages do
+//! not serve).
 
 use anyhow::{Result, bail};
 use lemo_models::ModelConfig;
@@ -44,9 +45,10 @@ const GIB: f64 = (1u64 << 30) as f64;
 const ACTIVATION_SCALE: f64 = 0.530;
 const FIXED_GIB: f64 = 2.93;
 const RECOMPUTE_LAYERS: f64 = 1.69;
-/// What lemo adds to the formula on Llama-2-7B, per GiB of bf16 weights: without and with
-/// checkpointing.
-const LEMO_OFFSET_PER_WEIGHT_GIB: [f64; 2] = [-2.62 / 12.55, 4.60 / 12.55];
+/// What lemo adds to the formula on Llama-2-7B, per GiB of bf16 weights: to a kept layer, and to
+/// a rebuilt one (fitted to the H200 peak at 32K with every layer recomputed, 28.2 GiB:
+/// `bench/results/h200-rebuild-without-mlp-pass.json`).
+const LEMO_OFFSET_PER_WEIGHT_GIB: [f64; 2] = [-2.62 / 12.55, 1.90 / 12.55];
 /// A plan mixing kept and recomputed layers holds a dense layer's forward working memory besides
 /// (see [`cost_table`]), `lemo` this many: the pages beside a kept layer's forward pass that its
 /// kept-row buffers and the full-width transients below cannot share (fitted to H100 peaks,
@@ -242,8 +244,8 @@ pub fn host_attention_bytes(q_heads: f64, seq_len: usize, batch: usize) -> f64 {
 /// during its backward pass (the measured all-kept peaks include it in `ACTIVATION_SCALE`, so
 /// they are over-predicted by that much at the top layer); a plan mixing kept and recomputed
 /// layers holds a dense layer's forward working memory besides. `lemo`'s offsets are spread
-/// over the layers they come from: the smaller pool padding of kept graphs, the full-width MLP
-/// products of a recomputation. Times are forward FLOPs at `RECOMPUTE_FLOPS` and input bytes
+/// over the layers they come from: the smaller pool padding of kept graphs, the kept-row buffers
+/// of a rebuilt layer. Times are forward FLOPs at `RECOMPUTE_FLOPS` and input bytes
 /// at `HOST_COPY_EXPOSED_BYTES_PER_S`.
 pub fn cost_table(input: &PlanInput) -> CostTable {
     let dims = Dims::of(&input.model);

@@ -188,3 +188,41 @@ fn host_memory_lowers_the_leanest_plan() {
     assert!(planned.activations.count(LayerActivations::Offloaded) >= 20);
     assert!(planned.line().contains("on the host"), "{}", planned.line());
 }
+
+/// Llama-3-8B with a Q4_K base, `lemo` at 32K with every layer recomputed, and under 22 and 20
+/// GiB budgets with layers offloaded (H200, `bench`'s defaults): the plan is never under the
+/// device peak and at most 15% over it.
+#[test]
+fn quantized_lemo_plans_cover_the_measured_h200_peaks() {
+    let root = lemo_test_support::repo_root();
+    let path = root.join("bench/results/h200-rebuild-without-mlp-pass.json");
+    let results: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let config_path = root.join("bench/configs/llama-3-8b.json");
+    let model = ModelConfig::from_file(&config_path).unwrap();
+    let projection_bits = lemo_models::quantized::projection_bits(
+        &config_path,
+        &model,
+        lemo_models::quantized::QuantizeBase::Q4K,
+    )
+    .unwrap();
+    let settings = crate::lemo::LemoSettings::default();
+    let input = PlanInput {
+        model,
+        target_keep: settings.mean_keep(),
+        dense_layers: settings.dense_layers.len(),
+        projection_bits,
+        ..llama_2_7b(32768, Method::Lemo, false)
+    };
+    for label in ["l3q4-32ck-new", "l3q4-32-22", "l3q4-32-20"] {
+        let row = &results["rows"][label];
+        let activations: ActivationPlan = row["activation_plan"].as_str().unwrap().parse().unwrap();
+        let predicted = predict_plan(&input, &activations).total / GIB;
+        let measured = row["device_peak_gib"].as_f64().unwrap();
+        println!("{label} {activations}: predicted {predicted:.2} GiB, measured {measured:.2}");
+        assert!(
+            predicted >= measured && predicted <= 1.15 * measured,
+            "{label}: predicted {predicted:.2} GiB, measured {measured:.2}"
+        );
+    }
+}
