@@ -155,6 +155,9 @@ fn frozen_mlp(model: &CausalLm<B>, index: usize) -> bool {
     }
 }
 
+/// Dense, and token-sparse: a rebuilt frozen MLP block recomputes its backward pass from its
+/// input on the rows its gradient reaches, every row with exact dropped rows, the kept rows
+/// without.
 #[test]
 fn recomputed_frozen_mlp_blocks_back_propagate_from_their_input_alone() {
     let attention_only: [(&str, &[&str]); 2] = [
@@ -168,6 +171,13 @@ fn recomputed_frozen_mlp_blocks_back_propagate_from_their_input_alone() {
             "{fixture}: MLP blocks without adapters are frozen"
         );
         assert_recomputation_matches(&model, 37, None);
+        let thresholds = common::half_kept(&model, 8);
+        for dropped_rows in [DroppedRows::Exact, DroppedRows::Residual] {
+            println!("{fixture}, token-sparse, {dropped_rows:?} dropped rows");
+            assert_recomputation_matches_under(&model, 61, &|| {
+                TokenSparsity::select(&thresholds).with_dropped_rows(dropped_rows)
+            });
+        }
     }
     // Adapters or a trainable norm in the block keep its activations in the graph.
     let adapted = trainable_model(
@@ -199,30 +209,6 @@ fn recomputed_lemo_layers_with_a_dense_frozen_mlp_block_match() {
     let mut thresholds = common::half_kept(&model, 8);
     thresholds.layers[0].mlp = None;
     assert_recomputation_matches(&model, 61, Some(&thresholds));
-}
-
-/// A rebuilt frozen MLP block recomputes its backward pass from its input on the rows its
-/// gradient reaches: every row with exact dropped rows, the kept rows without.
-#[test]
-fn recomputed_lemo_layers_with_frozen_sparse_mlp_blocks_match() {
-    let attention_only: [(&str, &[&str]); 2] = [
-        ("llama_gqa_tied", &LLAMA_PROJECTIONS[..4]),
-        ("opt_prenorm_proj", &["q_proj", "v_proj"]),
-    ];
-    for (fixture, targets) in attention_only {
-        let model = trainable_model(fixture, targets, false, &Default::default());
-        assert!(
-            frozen_mlp(&model, 0),
-            "{fixture}: the MLP blocks are frozen"
-        );
-        let thresholds = common::half_kept(&model, 8);
-        for dropped_rows in [DroppedRows::Exact, DroppedRows::Residual] {
-            println!("{fixture}, {dropped_rows:?} dropped rows");
-            assert_recomputation_matches_under(&model, 61, &|| {
-                TokenSparsity::select(&thresholds).with_dropped_rows(dropped_rows)
-            });
-        }
-    }
 }
 
 /// OPT's rebuilt token-sparse MLP block with an adapter computes its kept rows alone.
