@@ -301,12 +301,23 @@ fn attention_checks(root: &Path, env: &Environment, bench: &Path, work: &Path) -
         return vec![failure];
     }
     let mut checks = Vec::new();
-    // One process per variant: a crash of one keeps the others' results.
-    for variant in ["plain", "tensor-core", "cudnn"] {
+    // One process per variant: a crash of one keeps the others' results. `cudnn-pieces` runs
+    // cuDNN's backward one sequence and one key/value head group at a time, as long sequences do.
+    let variants: [(&str, &[&str]); 4] = [
+        ("plain", &["--variants", "plain"]),
+        ("tensor-core", &["--variants", "tensor-core"]),
+        ("cudnn", &["--variants", "cudnn"]),
+        (
+            "cudnn-pieces",
+            &["--variants", "cudnn", "--dq-accumulator-limit", "1"],
+        ),
+    ];
+    for (variant, flags) in variants {
         let report = work.join(format!("attention_{variant}.json"));
         let mut command = env.command(bench);
         command
-            .args(["--seqs", "", "--variants", variant, "--parity-dir"])
+            .args(flags)
+            .args(["--seqs", "", "--parity-dir"])
             .arg(&cases)
             .arg("--out")
             .arg(&report);

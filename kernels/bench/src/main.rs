@@ -12,7 +12,9 @@
 //!
 //! Usage: `attention_bench [--parity-dir DIR] [--seqs 4096,16384,65536] [--heads 32]
 //!         [--kv-heads 32,8] [--head-dim 128] [--iterations 5] [--variants plain,tensor-core]
-//!         [--s2-group G] [--out FILE] [--wgpu]` (`--seqs ''`: parity alone)
+//!         [--s2-group G] [--dq-accumulator-limit BYTES] [--out FILE] [--wgpu]` (`--seqs ''`:
+//!         parity alone; `--dq-accumulator-limit 1` runs cuDNN's backward one key/value head and
+//!         one sequence at a time, reported as the variant `cudnn-pieces`)
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -42,6 +44,8 @@ struct Args {
     variants: Vec<FlashKernel>,
     /// Time S2 attention with groups of this many tokens instead of plain causal attention.
     s2_group: Option<usize>,
+    /// cuDNN's backward in pieces whose dQ accumulator stays under this many bytes.
+    dq_accumulator_limit: Option<u64>,
 }
 
 fn parse_args() -> Args {
@@ -56,6 +60,7 @@ fn parse_args() -> Args {
         wgpu: false,
         variants: vec![FlashKernel::Plain, FlashKernel::TensorCore],
         s2_group: None,
+        dq_accumulator_limit: None,
     };
     let mut raw = std::env::args().skip(1);
     while let Some(flag) = raw.next() {
@@ -82,6 +87,11 @@ fn parse_args() -> Args {
             "--out" => args.out = Some(value().into()),
             "--wgpu" => args.wgpu = true,
             "--s2-group" => args.s2_group = Some(value().parse().expect("--s2-group: integer")),
+            "--dq-accumulator-limit" => {
+                let bytes = value().parse().expect("--dq-accumulator-limit: integer");
+                args.dq_accumulator_limit = Some(bytes);
+                attention::set_cudnn_dq_accumulator_limit(Some(bytes));
+            }
             "--variants" => {
                 args.variants = value()
                     .split(',')
@@ -112,11 +122,13 @@ fn parse_args() -> Args {
 /// The variant that actually runs: the tensor-core one falls back to plain where unsupported.
 fn variant_name<R: CubeRuntime>(
     variant: FlashKernel,
+    args: &Args,
     client: &ComputeClient<R>,
     dtype: DType,
     head_dim: usize,
 ) -> &'static str {
     match variant {
+        FlashKernel::Cudnn if args.dq_accumulator_limit.is_some() => "cudnn-pieces",
         FlashKernel::Cudnn => "cudnn",
         FlashKernel::TensorCore if tensor_core_supported(client, dtype, head_dim) => "tensor-core",
         _ => "plain",
@@ -171,11 +183,7 @@ fn dims(case: &Value, heads_key: &str) -> [usize; 4] {
 }
 
 /// Our bf16 errors against the float32 reference, next to SDPA's, for every manifest case.
-fn parity<R: CubeRuntime, BT: BoolElement>(
-    dir: &Path,
-    dtype: DType,
-    variants: &[FlashKernel],
-) -> Vec<Value> {
+fn parity<R: CubeRuntime, BT: BoolElement>(dir: &Path, dtype: DType, args: &Args) -> Vec<Value> {
     let manifest: Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("manifest.json")).expect("parity manifest"),
     )
@@ -199,7 +207,7 @@ fn parity<R: CubeRuntime, BT: BoolElement>(
         let grad_out = load_bf16::<R, BT>(&file("do", "bf16"), q_shape, dtype);
 
         let client = q.clone().into_primitive().tensor().client.clone();
-        for &variant in variants {
+        for &variant in &args.variants {
             set_flash_kernel(variant);
             let (out, lse) =
                 attention::attention_with_lse(q.clone(), k.clone(), v.clone(), options);
@@ -226,7 +234,7 @@ fn parity<R: CubeRuntime, BT: BoolElement>(
                     json!({ "ours": error, "sdpa": sdpa_error, "ok": ok }),
                 );
             }
-            let variant = variant_name(variant, &client, dtype, q_shape[3]);
+            let variant = variant_name(variant, args, &client, dtype, q_shape[3]);
             println!(
                 "parity {name} ({variant}): {}",
                 Value::Object(errors.clone())
@@ -333,7 +341,7 @@ fn throughput<R: CubeRuntime, BT: BoolElement>(args: &Args, dtype: DType) -> Vec
                 );
                 results.push(json!({
                     "kernel": format!("attention_{pass}"),
-                    "variant": variant_name(variant, &client, dtype, args.head_dim),
+                    "variant": variant_name(variant, args, &client, dtype, args.head_dim),
                     "batch": 1, "heads": args.heads, "kv_heads": kv_heads, "seq": seq,
                     "head_dim": args.head_dim,
                     "dtype": format!("{dtype:?}").to_lowercase(), "causal": true,
@@ -352,7 +360,7 @@ fn run<R: CubeRuntime, BT: BoolElement>(args: &Args, dtype: DType) -> (Vec<Value
     let parity = args
         .parity_dir
         .as_deref()
-        .map(|dir| parity::<R, BT>(dir, dtype, &args.variants))
+        .map(|dir| parity::<R, BT>(dir, dtype, args))
         .unwrap_or_default();
     (parity, throughput::<R, BT>(args, dtype))
 }

@@ -10,6 +10,8 @@ pub mod reference;
 pub mod ring;
 pub mod shifted_fold;
 
+#[cfg(feature = "cuda")]
+pub use cudnn::set_cudnn_dq_accumulator_limit;
 pub use flash::{FlashKernel, flash_kernel, set_flash_kernel, tensor_core_supported};
 
 use burn::tensor::{Tensor, TensorPrimitive};

@@ -23,6 +23,8 @@ mod sdpa;
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::ffi::c_void;
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use burn::tensor::{DType, Shape};
@@ -170,6 +172,8 @@ pub(crate) fn try_forward<R: CubeRuntime>(
             v_strides,
             sequence_major(q_dims),
             sequence_major(q_dims),
+            sequence_major(q_dims),
+            sequence_major(q_dims),
         ],
         scale_bits: options.scale.to_bits(),
     };
@@ -178,8 +182,72 @@ pub(crate) fn try_forward<R: CubeRuntime>(
     Some((downcast(out)?, downcast(lse)?))
 }
 
+/// The largest f32 dQ accumulator one backward graph gets, in bytes; 0: the pool's default.
+static DQ_ACCUMULATOR_LIMIT: AtomicU64 = AtomicU64::new(0);
+
+/// Caps the f32 dQ accumulator one cuDNN backward graph writes (`None`, the default: the largest
+/// buffer the device pool cuts from its small pages, see [`crate::memory::pooled_buffer_limit`]).
+/// A larger backward pass runs in pieces of whole key/value head groups, one sequence at a time,
+/// so a long sequence never reserves a large page for that scratch. Any limit gives the same
+/// gradients; benchmarks and the GPU parity checks set a small one to run the pieces.
+pub fn set_cudnn_dq_accumulator_limit(bytes: Option<u64>) {
+    DQ_ACCUMULATOR_LIMIT.store(bytes.unwrap_or(0), Ordering::Relaxed);
+}
+
+/// One backward graph's share: these sequences, these key/value heads and their query heads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Piece {
+    batch: Range<usize>,
+    kv_heads: Range<usize>,
+}
+
+/// The backward pass whole when its f32 dQ accumulator (`[batch, q_heads, len, head_dim]`) fits
+/// `limit` bytes, else in pieces of one sequence and as many whole key/value head groups as fit
+/// (at least one; split evenly). O(batch * kv_heads) pieces at most.
+fn backward_pieces(
+    [batch, q_heads, len, head_dim]: [usize; 4],
+    kv_heads: usize,
+    limit: Option<u64>,
+) -> Vec<Piece> {
+    let per_kv_head = (q_heads / kv_heads * len * head_dim * 4) as u64;
+    match limit {
+        Some(limit) if per_kv_head * (batch * kv_heads) as u64 > limit => {}
+        _ => {
+            return vec![Piece {
+                batch: 0..batch,
+                kv_heads: 0..kv_heads,
+            }];
+        }
+    }
+    let fitting = (limit.unwrap_or(u64::MAX) / per_kv_head).clamp(1, kv_heads as u64) as usize;
+    let size = kv_heads.div_ceil(kv_heads.div_ceil(fitting));
+    (0..batch)
+        .flat_map(|sequence| {
+            (0..kv_heads).step_by(size).map(move |head| Piece {
+                batch: sequence..sequence + 1,
+                kv_heads: head..(head + size).min(kv_heads),
+            })
+        })
+        .collect()
+}
+
+/// `tensor` restricted to `ranges` of its leading dims: the same buffer at an offset, strides
+/// unchanged (no copy, so writing the view writes `tensor`).
+fn narrow(tensor: &CubeTensor<CudaRuntime>, ranges: &[Range<usize>]) -> CubeTensor<CudaRuntime> {
+    let mut view = tensor.clone();
+    let mut offset = 0;
+    for (dim, range) in ranges.iter().enumerate() {
+        offset += range.start * tensor.meta.strides()[dim];
+        view.meta.shape_mut()[dim] = range.len();
+    }
+    view.handle = view
+        .handle
+        .offset_start((offset * tensor.dtype.size()) as u64);
+    view
+}
+
 /// Backward: `(dq, dk, dv)` as [`crate::attention::attention_backward`], or `None` where cuDNN
-/// does not apply.
+/// does not apply. Run whole or in [`backward_pieces`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn try_backward<R: CubeRuntime>(
     q: &CubeTensor<R>,
@@ -211,41 +279,58 @@ pub(crate) fn try_backward<R: CubeRuntime>(
     let lse = into_contiguous(downcast::<_, CubeTensor<CudaRuntime>>(lse.clone())?);
     let (out, _, out_strides) = operand(out);
     let (grad_out, _, grad_out_strides) = operand(grad_out);
-    let [batch, q_heads, len, head_dim] = q_dims.map(|d| d as usize);
     let grad_q = empty_sequence_major(&q, q_dims, dtype);
     let grad_k = empty_sequence_major(&q, k_dims, dtype);
     let grad_v = empty_sequence_major(&q, k_dims, dtype);
-    let key = GraphKey {
-        direction: Direction::Backward,
-        dtype,
-        q_dims,
-        kv_heads: k_dims[1],
-        strides: [
-            q_strides,
-            k_strides,
-            v_strides,
-            out_strides,
-            grad_out_strides,
-        ],
-        scale_bits: options.scale.to_bits(),
+    let [_, q_heads, len, head_dim] = q_dims.map(|d| d as usize);
+    let group = q_heads / k_dims[1] as usize;
+    let limit = match DQ_ACCUMULATOR_LIMIT.load(Ordering::Relaxed) {
+        0 => crate::memory::cube_pooled_buffer_limit::<CudaRuntime>(&q.device),
+        bytes => Some(bytes),
     };
-    // Scratch the graph reads back: `rowsum(dO * O)` and dQ's f32 accumulator (cleared by cuDNN).
-    let softmax_sum = empty(&q, &[batch, q_heads, len], DType::F32);
-    let dq_accum = empty(&q, &[batch, q_heads, len, head_dim], DType::F32);
-    let tensors = [
-        &q,
-        &k,
-        &v,
-        &out,
-        &lse,
-        &grad_out,
-        &grad_q,
-        &grad_k,
-        &grad_v,
-        &softmax_sum,
-        &dq_accum,
+    let strides = [
+        q_strides,
+        k_strides,
+        v_strides,
+        out_strides,
+        grad_out_strides,
+        sequence_major(q_dims),
+        sequence_major(k_dims),
     ];
-    run(key, &tensors)?;
+    for piece in backward_pieces(q_dims.map(|d| d as usize), k_dims[1] as usize, limit) {
+        let (sequences, kv_heads) = (piece.batch.clone(), piece.kv_heads.clone());
+        let q_heads = kv_heads.start * group..kv_heads.end * group;
+        let queries =
+            |t: &CubeTensor<CudaRuntime>| narrow(t, &[sequences.clone(), q_heads.clone()]);
+        let keys = |t: &CubeTensor<CudaRuntime>| narrow(t, &[sequences.clone(), kv_heads.clone()]);
+        let piece_q_dims = [sequences.len(), q_heads.len(), len, head_dim];
+        let key = GraphKey {
+            direction: Direction::Backward,
+            dtype,
+            q_dims: piece_q_dims.map(|d| d as i64),
+            kv_heads: kv_heads.len() as i64,
+            strides,
+            scale_bits: options.scale.to_bits(),
+        };
+        // Scratch the graph reads back: `rowsum(dO * O)` and dQ's f32 accumulator (cleared by
+        // cuDNN).
+        let softmax_sum = empty(&q, &piece_q_dims[..3], DType::F32);
+        let dq_accum = empty(&q, &piece_q_dims, DType::F32);
+        let tensors = [
+            &queries(&q),
+            &keys(&k),
+            &keys(&v),
+            &queries(&out),
+            &queries(&lse),
+            &queries(&grad_out),
+            &queries(&grad_q),
+            &keys(&grad_k),
+            &keys(&grad_v),
+            &softmax_sum,
+            &dq_accum,
+        ];
+        run(key, &tensors)?;
+    }
     Some((downcast(grad_q)?, downcast(grad_k)?, downcast(grad_v)?))
 }
 
@@ -366,4 +451,57 @@ fn with_state<T>(
         Entry::Vacant(entry) => entry.insert(ContextState::new()?),
     };
     f(state, context)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Piece, backward_pieces};
+
+    fn pieces(batch: usize, q_heads: usize, kv_heads: usize, limit: Option<u64>) -> Vec<Piece> {
+        backward_pieces([batch, q_heads, 1024, 128], kv_heads, limit)
+    }
+
+    #[test]
+    fn a_backward_within_the_limit_runs_whole() {
+        let whole = vec![Piece {
+            batch: 0..2,
+            kv_heads: 0..8,
+        }];
+        // 2 * 32 * 1024 * 128 f32: 32 MiB.
+        assert_eq!(pieces(2, 32, 8, None), whole);
+        assert_eq!(pieces(2, 32, 8, Some(32 << 20)), whole);
+    }
+
+    #[test]
+    fn a_larger_backward_splits_per_sequence_into_even_head_groups() {
+        // One key/value head with its 4 query heads: 2 MiB; 5 fit in 10 MiB, so 8 heads go in
+        // two groups of 4, per sequence.
+        let split = pieces(2, 32, 8, Some(10 << 20));
+        let expected: Vec<Piece> = [(0, 0..4), (0, 4..8), (1, 0..4), (1, 4..8)]
+            .into_iter()
+            .map(|(sequence, kv_heads)| Piece {
+                batch: sequence..sequence + 1,
+                kv_heads,
+            })
+            .collect();
+        assert_eq!(split, expected);
+        // Uneven: 3 of 8 fit, so three groups of at most 3.
+        let uneven: Vec<_> = pieces(1, 8, 8, Some(3 << 19))
+            .into_iter()
+            .map(|piece| piece.kv_heads)
+            .collect();
+        assert_eq!(uneven, [0..3, 3..6, 6..8]);
+    }
+
+    #[test]
+    fn a_head_group_past_the_limit_still_runs_alone() {
+        let single: Vec<_> = pieces(1, 32, 8, Some(1))
+            .into_iter()
+            .map(|piece| piece.kv_heads)
+            .collect();
+        assert_eq!(
+            single,
+            (0..8).map(|head| head..head + 1).collect::<Vec<_>>()
+        );
+    }
 }

@@ -6,7 +6,7 @@ use burn::tensor::DType;
 use cudarc::cudnn::sys::{self, cudnnDataType_t as DataType, cudnnPointwiseMode_t as Pointwise};
 
 use super::data_type;
-use super::graph::{GraphBuilder, Plan, TensorId, contiguous, sequence_major};
+use super::graph::{GraphBuilder, Plan, TensorId, contiguous};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(super) enum Direction {
@@ -22,9 +22,9 @@ pub(super) struct GraphKey {
     /// `[batch, q_heads, len, head_dim]`.
     pub q_dims: [i64; 4],
     pub kv_heads: i64,
-    /// Forward: q, k, v, out, (out again); backward: q, k, v, out, dO. The backward writes dQ,
-    /// dK and dV sequence-major.
-    pub strides: [[i64; 4]; 5],
+    /// Forward: q, k, v, out (then out again); backward: q, k, v, out, dO, dQ, and dK and dV
+    /// (stored alike).
+    pub strides: [[i64; 4]; 7],
     pub scale_bits: u32,
 }
 
@@ -189,9 +189,9 @@ fn backward_graph(handle: sys::cudnnHandle_t, key: &GraphKey) -> Result<Attentio
     let grad_out = graph.bound(key.q_dims, key.strides[4], dtype)?;
     let row_dims = [batch, q_heads, len, 1];
     let lse = graph.bound(row_dims, contiguous(row_dims), FLOAT)?;
-    let grad_q = graph.bound(key.q_dims, sequence_major(key.q_dims), dtype)?;
-    let grad_k = graph.bound(kv_dims, sequence_major(kv_dims), dtype)?;
-    let grad_v = graph.bound(kv_dims, sequence_major(kv_dims), dtype)?;
+    let grad_q = graph.bound(key.q_dims, key.strides[5], dtype)?;
+    let grad_k = graph.bound(kv_dims, key.strides[6], dtype)?;
+    let grad_v = graph.bound(kv_dims, key.strides[6], dtype)?;
     let one = graph.scalar(FLOAT)?;
     let softmax_sum = graph.bound(row_dims, contiguous(row_dims), FLOAT)?;
     let dq_accum = graph.bound(key.q_dims, contiguous(key.q_dims), FLOAT)?;
