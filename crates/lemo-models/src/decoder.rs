@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{ElementConversion, Int, Tensor};
+use burn::tensor::{DType, ElementConversion, Int, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::known_value::with_value;
 use lemo_kernels::loss::segment_cross_entropy;
@@ -44,9 +44,9 @@ pub trait Decoder<B: Backend> {
 
     fn num_layers(&self) -> usize;
 
-    /// Widths of the per-token activations every layer allocates and frees over and over: they
-    /// get exact-size buffers (see [`row_buffers`]).
-    fn row_widths(&self) -> RowWidths;
+    /// The per-token activations every layer allocates and frees over and over: they get
+    /// exact-size buffers (see [`row_buffers`]), as does the embedding's output.
+    fn row_activations(&self) -> RowActivations;
 
     /// The attention block of layer `index`, `h + attention(norm(h))`. With `sparse`, the pass
     /// already computed the block for every row: that is the value, and the graph (its saved
@@ -103,8 +103,10 @@ pub trait Decoder<B: Backend> {
     fn lm_head_weight(&self) -> Tensor<B, 2>;
 }
 
-/// Widths of a layer's per-token activations (see [`Decoder::row_widths`]).
-pub struct RowWidths {
+/// A layer's per-token activations (see [`Decoder::row_activations`]).
+pub struct RowActivations {
+    /// Their dtype (the embedding's output has it too).
+    pub dtype: DType,
     /// Those of the residual stream and of the attention block (queries, keys and values).
     pub stream: Vec<usize>,
     /// The MLP's intermediate; `None` without layers.
@@ -253,7 +255,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
         }
         LayerRun::Value => {
             let [batch, seq, _] = a.dims();
-            let width = decoder.row_widths().mlp.unwrap_or(0);
+            let width = decoder.row_activations().mlp.unwrap_or(0);
             let slice_rows = slice_len::<B>(&a.device(), a.dtype(), [batch, seq], width);
             let input = a.clone().detach();
             let pass = sparsity.block(index, Block::Mlp, &input, |scoring| {
@@ -326,13 +328,18 @@ pub fn mlp_pass_by_slices<B: LemoBackend, D: Decoder<B>>(
     }
 }
 
-/// Exact-size buffers for the per-token activations of a pass whose residual stream is `h`
-/// (see [`lemo_kernels::memory::exact_size_buffers`]), the MLP's intermediate both whole (the
-/// token-sparse passes) and in the row slices of a dense block (see [`slice_len`]).
-fn row_buffers<B: LemoBackend, D: Decoder<B>>(decoder: &D, h: &Tensor<B, 3>) -> LayerBuffers<B> {
-    let [batch, len, _] = h.dims();
-    let (device, dtype) = (h.device(), h.dtype());
-    let RowWidths { stream, mlp } = decoder.row_widths();
+/// Exact-size buffers for the per-token activations of a pass over `tokens` (see
+/// [`lemo_kernels::memory::exact_size_buffers`]), the MLP's intermediate both whole (the
+/// token-sparse passes) and in the row slices of a dense block (see [`slice_len`]). Made before
+/// the embedding, so that its output, the first layer's input that lives all step, gets one too
+/// rather than a slice of one of the pool's largest pages.
+fn row_buffers<B: LemoBackend, D: Decoder<B>>(
+    decoder: &D,
+    tokens: &Tensor<B, 2, Int>,
+) -> LayerBuffers<B> {
+    let [batch, len] = tokens.dims();
+    let device = tokens.device();
+    let RowActivations { dtype, stream, mlp } = decoder.row_activations();
     let sliced = mlp.map(|width| {
         [
             batch,
@@ -360,8 +367,8 @@ pub fn hidden_states<B: LemoBackend, D: Decoder<B>>(
 ) -> Tensor<B, 3> {
     let [batch, _] = tokens.dims();
     let shared = decoder.shared(positions.clone(), batch);
+    row_buffers(decoder, &tokens);
     let mut h = decoder.embed(tokens, positions);
-    row_buffers(decoder, &h);
     for index in 0..decoder.num_layers() {
         let layer_cache = cache.as_deref_mut().map(|c| &mut c.layers[index]);
         h = layer(
@@ -466,8 +473,9 @@ where
     let [batch, len] = tokens.dims();
     let inner = decoder.valid();
     let inner_shared = inner.shared(0..len, batch);
-    let mut h = inner.embed(tokens.inner(), 0..len);
-    let mut buffers = row_buffers(&inner, &h);
+    let tokens = tokens.inner();
+    let mut buffers = row_buffers(&inner, &tokens);
+    let mut h = inner.embed(tokens, 0..len);
     let mut stored = Vec::with_capacity(plan.num_layers());
     for (index, mode) in plan.layers().iter().enumerate() {
         // What the layers below left idle must not sit beside what this one saves, nor the

@@ -24,7 +24,7 @@ use crate::Result;
 use crate::block_pass::BlockPass;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::LlamaConfig;
-use crate::decoder::{Decoder, RowWidths, SparseBlock};
+use crate::decoder::{Decoder, RowActivations, SparseBlock};
 use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::RmsNorm;
@@ -427,9 +427,10 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         self.layers.len()
     }
 
-    fn row_widths(&self) -> RowWidths {
+    fn row_activations(&self) -> RowActivations {
         let layer = self.layers.first();
-        RowWidths {
+        RowActivations {
+            dtype: self.activations,
             stream: layer.map_or(Vec::new(), |layer| {
                 let attention = &layer.self_attn;
                 vec![

@@ -21,7 +21,7 @@ use crate::Result;
 use crate::block_pass::BlockPass;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::OptConfig;
-use crate::decoder::{Decoder, RowWidths, SparseBlock};
+use crate::decoder::{Decoder, RowActivations, SparseBlock};
 use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::LayerNorm;
@@ -396,9 +396,10 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
         self.layers.len()
     }
 
-    fn row_widths(&self) -> RowWidths {
+    fn row_activations(&self) -> RowActivations {
         let layer = self.layers.first();
-        RowWidths {
+        RowActivations {
+            dtype: self.embed_tokens.val().dtype(),
             stream: layer.map_or(Vec::new(), |layer| vec![layer.fc1.in_features()]),
             mlp: layer.map(|layer| layer.fc1.out_features()),
         }
