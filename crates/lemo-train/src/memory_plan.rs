@@ -403,14 +403,15 @@ pub fn plan(input: &PlanInput, budget: Option<Budget>) -> Result<Planned> {
         Err(error) => bail!(
             "{error} at --seq-len {}: {}",
             input.seq_len,
-            fitting_options(input, limit)
+            fitting_options(input, limit, crate::memory_budget::host_available_memory())
         ),
     }
 }
 
-/// The longest length (a multiple of 1024) that fits `budget`, and `--method lemo` where it
-/// would make the run fit.
-fn fitting_options(input: &PlanInput, budget: Budget) -> String {
+/// The longest length (a multiple of 1024) that fits `budget`, `--method lemo` where it would
+/// make the run fit, and the host memory budget that would, where the machine has that much
+/// available (`host_available`) beyond the budget's.
+fn fitting_options(input: &PlanInput, budget: Budget, host_available: Option<u64>) -> String {
     let fits = |changed: &PlanInput| {
         let costs = cost_table(changed);
         costs.least_device_bytes(budget.host) <= budget.device
@@ -438,11 +439,45 @@ fn fitting_options(input: &PlanInput, budget: Budget) -> String {
             options.push(format!("--method lemo (kept {})", input.target_keep));
         }
     }
+    if let Some(host) = least_fitting_host(input, budget, host_available) {
+        options.push(format!(
+            "--host-memory-budget {}GiB (layer inputs offloaded to host memory)",
+            host >> 30
+        ));
+    }
     if options.is_empty() {
         "no shorter length fits: a smaller model, a larger budget or more host memory".into()
     } else {
         format!("try {}", options.join(", or "))
     }
+}
+
+/// The least host memory (to a GiB) above `budget.host` and within `host_available` with which
+/// the run fits the device budget, if any; never on the CPU, where host memory is the device's.
+fn least_fitting_host(
+    input: &PlanInput,
+    budget: Budget,
+    host_available: Option<u64>,
+) -> Option<u64> {
+    const STEP: u64 = 1 << 30;
+    let available =
+        host_available.filter(|&a| a > budget.host && input.device != DeviceKind::Cpu)?;
+    let costs = cost_table(input);
+    let fits = |host: u64| costs.least_device_bytes(host) <= budget.device;
+    // More host memory never needs more device memory: bisect over whole GiB.
+    let (mut low, mut high) = (budget.host.div_ceil(STEP), available / STEP);
+    if !fits(high * STEP) {
+        return None;
+    }
+    while low < high {
+        let middle = (low + high) / 2;
+        if fits(middle * STEP) {
+            high = middle;
+        } else {
+            low = middle + 1;
+        }
+    }
+    Some(high * STEP)
 }
 
 #[cfg(test)]

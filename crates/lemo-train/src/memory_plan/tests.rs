@@ -131,6 +131,41 @@ fn a_run_over_the_budget_names_the_length_that_fits() {
     assert!(message.contains("weights"), "{message}");
 }
 
+/// Where offloading layer inputs would make a run fit, the refusal names the host memory budget
+/// that does, if the machine has it.
+#[test]
+fn a_run_that_fits_with_host_memory_names_that_budget() {
+    let input = llama_2_7b(32768, Method::Lora, false);
+    let limit = Budget {
+        device: 24 << 30,
+        host: 0,
+    };
+    assert!(plan(&input, Some(limit)).is_err());
+    let message = fitting_options(&input, limit, Some(256 << 30));
+    let host_gib: u64 = message
+        .split("--host-memory-budget ")
+        .nth(1)
+        .and_then(|rest| rest.split("GiB").next())
+        .and_then(|number| number.parse().ok())
+        .unwrap_or_else(|| panic!("no host budget in {message:?}"));
+    let with_host = |gib: u64| Budget {
+        host: gib << 30,
+        ..limit
+    };
+    assert!(plan(&input, Some(with_host(host_gib))).is_ok(), "{message}");
+    assert!(
+        plan(&input, Some(with_host(host_gib - 1))).is_err(),
+        "{message}"
+    );
+    // Not where the machine lacks it, nor on the CPU.
+    assert!(!fitting_options(&input, limit, Some(1 << 30)).contains("--host-memory-budget"));
+    let on_cpu = PlanInput {
+        device: DeviceKind::Cpu,
+        ..input
+    };
+    assert!(!fitting_options(&on_cpu, limit, Some(256 << 30)).contains("--host-memory-budget"));
+}
+
 /// 16K dense does not fit 60 GiB with every layer kept: the plan recomputes some layers,
 /// keeps the rest, and stays within the budget; more budget keeps more layers.
 #[test]
