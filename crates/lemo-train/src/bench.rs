@@ -139,6 +139,8 @@ pub struct BenchJob {
     pub seq_lens: Vec<usize>,
     /// Recompute every layer whatever the budget.
     pub checkpointing: bool,
+    /// Plan each length and run nothing.
+    pub plan_only: bool,
     /// What the activation plan may use (`None`: unknown, every layer kept).
     pub budget: Option<Budget>,
     pub steps: usize,
@@ -488,6 +490,7 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                 eprintln!("bench: {seq_len} tokens: {error:#}");
                 result.error = Some(format!("{error:#}"));
             }
+            (Ok(_), _) if job.plan_only => {}
             (Ok(_), true) => {
                 result.oom = true;
                 result.error = Some("skipped: a shorter sequence already ran out of memory".into());

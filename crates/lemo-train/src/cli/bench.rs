@@ -32,6 +32,10 @@ pub struct BenchArgs {
     checkpointing: bool,
     #[command(flatten)]
     budget: MemoryBudgetArgs,
+    /// Print each length's memory plan (or the one line saying why it cannot fit) and run no
+    /// step: which lengths this card holds, and how, without the minutes a long step takes.
+    #[arg(long)]
+    plan_only: bool,
     /// Measured steps per length (the median is reported).
     #[arg(long, default_value_t = 5)]
     steps: usize,
@@ -75,6 +79,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         s2: args.s2,
         seq_lens: args.seq_lens,
         checkpointing: args.checkpointing,
+        plan_only: args.plan_only,
         budget: args.budget.resolve(device)?,
         steps: args.steps,
         warmup: args.warmup,

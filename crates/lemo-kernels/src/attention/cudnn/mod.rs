@@ -210,16 +210,13 @@ fn backward_pieces(
     limit: Option<u64>,
 ) -> Vec<Piece> {
     let per_kv_head = (q_heads / kv_heads * len * head_dim * 4) as u64;
-    match limit {
-        Some(limit) if per_kv_head * (batch * kv_heads) as u64 > limit => {}
-        _ => {
-            return vec![Piece {
-                batch: 0..batch,
-                kv_heads: 0..kv_heads,
-            }];
-        }
-    }
-    let fitting = (limit.unwrap_or(u64::MAX) / per_kv_head).clamp(1, kv_heads as u64) as usize;
+    let Some(limit) = limit.filter(|&limit| per_kv_head * (batch * kv_heads) as u64 > limit) else {
+        return vec![Piece {
+            batch: 0..batch,
+            kv_heads: 0..kv_heads,
+        }];
+    };
+    let fitting = (limit / per_kv_head).clamp(1, kv_heads as u64) as usize;
     let size = kv_heads.div_ceil(kv_heads.div_ceil(fitting));
     (0..batch)
         .flat_map(|sequence| {
@@ -232,7 +229,9 @@ fn backward_pieces(
 }
 
 /// `tensor` restricted to `ranges` of its leading dims: the same buffer at an offset, strides
-/// unchanged (no copy, so writing the view writes `tensor`).
+/// unchanged (no copy, so writing the view writes `tensor`). Not Burn's slice, which copies
+/// where the offset is not aligned to the pool's alignment: a gradient written into such a copy
+/// would be lost without an error.
 fn narrow(tensor: &CubeTensor<CudaRuntime>, ranges: &[Range<usize>]) -> CubeTensor<CudaRuntime> {
     let mut view = tensor.clone();
     let mut offset = 0;
