@@ -63,6 +63,13 @@ pub trait Decoder<B: Backend> {
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3>;
 
+    /// Whether the kept rows of layer `index`'s token-sparse attention block compute differently
+    /// from its pass over every row (S2 groups over the kept rows), so that the block's value
+    /// needs their graph; otherwise the value is the pass's.
+    fn kept_rows_attend_apart(&self, _index: usize) -> bool {
+        false
+    }
+
     /// The MLP block of layer `index`, `a + mlp(norm(a))`, token-sparse as above.
     fn mlp_block(
         &self,
@@ -201,15 +208,16 @@ impl<B: LemoBackend, P> SparseBlock<B, P> {
     }
 }
 
-/// What a layer runs for, which decides what its MLP block computes and holds.
+/// What a layer runs for, which decides what its blocks compute and hold.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LayerRun {
     /// Its graph, for a backward pass through the whole step, or its output where nothing is
     /// differentiated (evaluation, generation, profiling): every block as it is.
     Graph,
     /// Its output alone, outside any graph: the forward pass of a layer whose backward pass
-    /// rebuilds it. A token-sparse MLP block's value is its pass over every row, which runs a
-    /// slice of rows at a time ([`mlp_pass_by_slices`]); its kept rows are not computed again.
+    /// rebuilds it. A token-sparse block's value is its pass over every row (the MLP's runs a
+    /// slice of rows at a time, [`mlp_pass_by_slices`]); its kept rows are not computed again,
+    /// but where S2 groups make them attend apart ([`Decoder::kept_rows_attend_apart`]).
     Value,
     /// Its graph again, for its backward pass: nothing reads the output's value, only its
     /// gradient's way back to the input. So the MLP block computes no value:
@@ -241,7 +249,14 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
         })
         .map(|(kept, pass)| SparseBlock::new(&kept, Some(pass)));
     drop(input);
-    let a = decoder.attention_block(index, h, shared, sparse, cache);
+    let a = match sparse {
+        // Outside any graph the block's value is its pass's output: the graph of its kept rows
+        // would only gather and scatter copies of what the pass computed.
+        Some(sparse) if run == LayerRun::Value && !decoder.kept_rows_attend_apart(index) => {
+            h + sparse.every_row().output.clone()
+        }
+        sparse => decoder.attention_block(index, h, shared, sparse, cache),
+    };
     match run {
         LayerRun::Graph => {
             let input = a.clone().detach();
@@ -306,18 +321,18 @@ pub fn mlp_pass_by_slices<B: LemoBackend, D: Decoder<B>>(
     let seq = a.dims()[1];
     let block = scoring.map_or(1, |scoring| scoring.block_size);
     let rows = (slice_rows / block).max(1) * block;
-    let passes: Vec<_> = if rows >= seq {
+    let slices = if rows >= seq {
         vec![a]
     } else {
         a.split(rows, 1)
-    }
-    .into_iter()
-    .map(|slice| {
-        let pass = decoder.mlp_pass(index, slice, scoring);
-        (pass.output, pass.scores)
-    })
-    .collect();
-    let (outputs, scores): (Vec<_>, Vec<_>) = passes.into_iter().unzip();
+    };
+    let (outputs, scores): (Vec<_>, Vec<_>) = slices
+        .into_iter()
+        .map(|slice| {
+            let pass = decoder.mlp_pass(index, slice, scoring);
+            (pass.output, pass.scores)
+        })
+        .unzip();
     BlockPass {
         output: Tensor::cat(outputs, 1),
         scores: scores

@@ -16,7 +16,6 @@ use burn::tensor::{DType, Int, Tensor, backend::Backend};
 use lemo_kernels::attention::{attention, attention_with_lse, attention_with_value};
 use lemo_kernels::fused::swiglu;
 use lemo_kernels::recomputed_rows::{FrozenMlp, MlpActivation};
-use lemo_kernels::token_movement::gather_rows;
 use lemo_kernels::{AttentionOptions, LemoBackend};
 use lemo_sparsity::informativeness::{self, BlockScoring};
 
@@ -100,10 +99,9 @@ impl<B: LemoBackend> LlamaAttention<B> {
                 (attention_with_value(q, k, v, known, options), None)
             }
             (Some(sparse), None) => {
-                let products = &sparse.every_row().products;
-                let out = gather_rows(products.out.clone(), sparse.rows.clone());
+                let out = product(|p| &p.out).expect("an attention block has its pass");
                 let out = self.heads(out, self.num_heads);
-                let lse = products.lse.clone().gather(
+                let lse = sparse.every_row().products.lse.clone().gather(
                     2,
                     sparse
                         .rows
@@ -451,6 +449,10 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         self.layers[index].attention_block(h, rotation, sparse, cache)
+    }
+
+    fn kept_rows_attend_apart(&self, index: usize) -> bool {
+        self.layers[index].self_attn.shifted_group.is_some()
     }
 
     fn mlp_block(

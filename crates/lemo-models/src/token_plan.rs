@@ -291,12 +291,16 @@ impl<'a> TokenSparsity<'a> {
 
     /// The kept rows a replayed plan gives `block` of `layer`, for a block that needs no pass
     /// over every row (an MLP block rebuilt for its backward pass, see
-    /// [`crate::decoder::LayerRun::Rebuild`]); `None`: the block runs dense, as it does in any
-    /// pass that does not replay a plan.
+    /// [`crate::decoder::LayerRun::Rebuild`]); `None`: the block runs dense, as it does without
+    /// token sparsity. A selecting pass has no rows to give before it selects, so a rebuilt
+    /// block asking one is a caller's error.
     pub(crate) fn replayed(&self, layer: usize, block: Block) -> Option<BlockRows> {
         match self {
             TokenSparsity::Replay(plan) => plan.layers.get(layer)?.get(block).clone(),
-            _ => None,
+            TokenSparsity::Dense => None,
+            TokenSparsity::Select { .. } => {
+                panic!("a rebuilt block replays the rows its forward pass selected")
+            }
         }
     }
 

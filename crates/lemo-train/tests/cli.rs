@@ -621,6 +621,53 @@ fn calibration_meets_separate_attention_and_mlp_fractions() {
     );
 }
 
+/// `bench --plan-only` gives each length its plan, or the line saying why it cannot fit, and
+/// times no step.
+#[test]
+fn bench_plan_only_plans_each_length_and_runs_no_step() {
+    let dir = scratch("plan-only");
+    let out = dir.join("bench.json");
+    let config = lemo_test_support::repo_root().join("bench/configs/tiny-llama.json");
+    lemo_test_support::run_ok(
+        env!("CARGO_BIN_EXE_lemo-train"),
+        &[
+            "bench",
+            "--model",
+            lemo_test_support::path(&config),
+            "--device",
+            "cpu",
+            "--method",
+            "lemo",
+            "--seq-lens",
+            "512,1048576",
+            "--memory-budget",
+            "4GiB",
+            "--plan-only",
+            "--out",
+            lemo_test_support::path(&out),
+        ],
+    );
+    let rows = lemo_test_support::read_json(&out);
+    let (fits, too_long) = (&rows[0], &rows[1]);
+    assert!(
+        fits["plan"].as_str().unwrap().starts_with("plan: "),
+        "{fits}"
+    );
+    assert!(fits["error"].is_null(), "{fits}");
+    assert!(
+        too_long["error"].as_str().unwrap().contains("budget"),
+        "{too_long}"
+    );
+    for row in [fits, too_long] {
+        assert_eq!(
+            row["step_times_s"].as_array().map(Vec::len),
+            Some(0),
+            "{row}"
+        );
+    }
+    std::fs::remove_dir_all(dir).unwrap();
+}
+
 /// On the CPU the memory plan counts what the reference attention materializes: on a model and
 /// lengths its constants were not fitted to (tiny-llama's 4 heads; fitted on stories260K's 8),
 /// the prediction is within 15% of the measured host peak.
