@@ -158,15 +158,19 @@ impl<B: LemoBackend, P> SparseBlock<B, P> {
     /// Without a pass, the value is the graph's alone, which differs from the block's on the
     /// dropped rows: nothing reads it ([`LayerRun::Rebuild`]).
     pub fn residual(&self, x: Tensor<B, 3>, graph: Tensor<B, 3>) -> Tensor<B, 3> {
-        let value = self
-            .pass
-            .as_ref()
-            .map(|pass| x.clone().detach() + pass.output.clone());
+        let value = self.value(x.clone());
         let graph = scatter_add_rows(x, self.rows.clone(), graph);
         match value {
             Some(value) => with_value(graph, value),
             None => graph,
         }
+    }
+
+    /// `x + pass.output`: the block's exact value on every row, outside any graph; `None`
+    /// without a pass.
+    pub fn value(&self, x: Tensor<B, 3>) -> Option<Tensor<B, 3>> {
+        let pass = self.pass.as_ref()?;
+        Some(x.detach() + pass.output.clone())
     }
 
     /// The block with `kept`, the graph's output on its kept rows, as the pass's output there:
@@ -253,7 +257,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
         // Outside any graph the block's value is its pass's output: the graph of its kept rows
         // would only gather and scatter copies of what the pass computed.
         Some(sparse) if run == LayerRun::Value && !decoder.kept_rows_attend_apart(index) => {
-            h + sparse.every_row().output.clone()
+            sparse.value(h).expect("an attention block has its pass")
         }
         sparse => decoder.attention_block(index, h, shared, sparse, cache),
     };

@@ -187,28 +187,22 @@ struct Measured {
 }
 
 /// What the memory plan needs of a bench run: batch 1, the bench's 1024-token loss segment.
-fn plan_input(
-    job: &BenchJob,
-    config: &ModelConfig,
-    lora: &LoraConfig,
-    seq_len: usize,
-    projection_bits: Option<f64>,
-) -> PlanInput {
+fn plan_input(job: &BenchJob, setup: &BenchSetup, seq_len: usize) -> PlanInput {
     PlanInput {
-        model: config.clone(),
+        model: setup.config.clone(),
         device: job.device,
         seq_len,
         batch_size: 1,
         method: job.method,
         checkpointing: job.checkpointing,
         precision: job.precision,
-        lora_rank: lora.rank,
-        lora_targets: lora.target_modules.clone(),
-        train_extras: lora.train_embeddings || lora.train_norms,
+        lora_rank: setup.lora.rank,
+        lora_targets: setup.lora.target_modules.clone(),
+        train_extras: setup.lora.train_embeddings || setup.lora.train_norms,
         loss_segment: LOSS_SEGMENT,
         target_keep: job.sparsity.mean_keep(),
         dense_layers: job.sparsity.dense_layers.len(),
-        projection_bits,
+        projection_bits: setup.projection_bits,
     }
 }
 
@@ -246,40 +240,29 @@ fn predictor_seconds<B: LemoBackend>(
 
 type AB<B> = Autodiff<B>;
 
-/// What the bench trains: a model with fresh LoRA adapters, and what its memory plan needs.
-struct BenchModel<B: LemoBackend> {
-    model: CausalLm<AB<B>>,
+/// What the bench reads of its model before building it, all that its memory plan needs.
+struct BenchSetup {
+    /// The config file's stem, which names the model in the results.
+    name: String,
+    /// A GGUF file, whose own weights the bench trains; else a Hugging Face config, with random
+    /// weights.
+    gguf: bool,
     config: ModelConfig,
+    /// The adapters it adds.
     lora: LoraConfig,
     /// Bits per weight of the frozen projections where they are kept quantized.
     projection_bits: Option<f64>,
 }
 
-/// The bench's model: a GGUF file's own weights, or random ones for a Hugging Face config.
-fn bench_model<B: LemoBackend>(job: &BenchJob, device: &B::Device) -> Result<BenchModel<B>> {
-    AB::<B>::seed(device, job.seed);
-    let (base, config, frozen) = if job.config.extension().is_some_and(|e| e == "gguf") {
-        CausalLm::<AB<B>>::from_path_quantized(
-            &job.config,
-            device,
-            job.precision.policy(),
-            job.quantize_base,
-        )?
+/// The bench model's config (a GGUF file's metadata, or a Hugging Face config), without its
+/// weights.
+fn bench_setup(job: &BenchJob) -> Result<BenchSetup> {
+    let gguf = job.config.extension().is_some_and(|e| e == "gguf");
+    let config = if gguf {
+        lemo_models::model::open_checkpoint(&job.config)?.0
     } else {
-        let config = ModelConfig::from_file(&job.config)?;
-        let (base, frozen) = CausalLm::<AB<B>>::build_quantized(
-            &config,
-            &mut FastRandomWeights { seed: job.seed },
-            device,
-            job.precision.policy(),
-            job.quantize_base,
-        )?;
-        (base, config, frozen)
+        ModelConfig::from_file(&job.config)?
     };
-    frozen
-        .lines()
-        .iter()
-        .for_each(|line| eprintln!("bench: {line}"));
     let projection_bits =
         lemo_models::quantized::projection_bits(&job.config, &config, job.quantize_base)?;
     let lora = LoraConfig {
@@ -289,15 +272,82 @@ fn bench_model<B: LemoBackend>(job: &BenchJob, device: &B::Device) -> Result<Ben
         train_norms: job.method == Method::Longlora,
         ..LoraConfig::default()
     };
-    let model = base
-        .with_new_lora(&lora, job.seed)?
-        .set_extra_trainable(&lora)?;
-    Ok(BenchModel {
-        model,
+    Ok(BenchSetup {
+        name: job
+            .config
+            .file_stem()
+            .map_or("model".into(), |s| s.to_string_lossy().to_string()),
+        gguf,
         config,
         lora,
         projection_bits,
     })
+}
+
+/// What the bench trains: the model of `setup` with fresh LoRA adapters, a GGUF file's own
+/// weights or random ones for a Hugging Face config.
+fn bench_model<B: LemoBackend>(
+    job: &BenchJob,
+    setup: &BenchSetup,
+    device: &B::Device,
+) -> Result<CausalLm<AB<B>>> {
+    AB::<B>::seed(device, job.seed);
+    let (base, frozen) = if setup.gguf {
+        let (base, _, frozen) = CausalLm::<AB<B>>::from_path_quantized(
+            &job.config,
+            device,
+            job.precision.policy(),
+            job.quantize_base,
+        )?;
+        (base, frozen)
+    } else {
+        CausalLm::<AB<B>>::build_quantized(
+            &setup.config,
+            &mut FastRandomWeights { seed: job.seed },
+            device,
+            job.precision.policy(),
+            job.quantize_base,
+        )?
+    };
+    frozen
+        .lines()
+        .iter()
+        .for_each(|line| eprintln!("bench: {line}"));
+    Ok(base
+        .with_new_lora(&setup.lora, job.seed)?
+        .set_extra_trainable(&setup.lora)?)
+}
+
+/// `seq_len`'s plan under the job's budget, and its result with nothing measured yet: the plan's
+/// prediction, or the refusal as its error.
+fn planned_result(
+    job: &BenchJob,
+    setup: &BenchSetup,
+    seq_len: usize,
+    backend: String,
+    trainable: usize,
+) -> (BenchResult, Option<Planned>) {
+    let planned = memory_plan::plan(&plan_input(job, setup, seq_len), job.budget);
+    let mut result = BenchResult::unmeasured(
+        job,
+        &setup.name,
+        seq_len,
+        backend,
+        trainable,
+        planned.as_ref().ok(),
+    );
+    if let Err(error) = &planned {
+        eprintln!("bench: {seq_len} tokens: {error:#}");
+        result.error = Some(format!("{error:#}"));
+    }
+    (result, planned.ok())
+}
+
+/// Prints `result` as one line of JSON and keeps it.
+fn emit(results: &mut Vec<BenchResult>, result: BenchResult) -> Result<()> {
+    println!("{}", serde_json::to_string(&result)?);
+    results.push(result);
+    Ok(())
 }
 
 impl BenchResult {
@@ -452,50 +502,38 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
     if job.method == Method::Lemo {
         job.sparsity.validate()?;
     }
-    let name = job
-        .config
-        .file_stem()
-        .map_or("model".into(), |s| s.to_string_lossy().to_string());
+    let setup = bench_setup(&job)?;
+    let mut results = Vec::new();
+    if job.plan_only {
+        // The plan needs the config alone: no weights are made, so any model plans anywhere.
+        for &seq_len in &job.seq_lens {
+            let trainable = memory_plan::trainable_parameters(&plan_input(&job, &setup, seq_len));
+            let (result, _) = planned_result(&job, &setup, seq_len, B::name(&device), trainable);
+            emit(&mut results, result)?;
+        }
+        return Ok(results);
+    }
     let started = Instant::now();
-    let BenchModel {
-        mut model,
-        config,
-        lora,
-        projection_bits,
-    } = bench_model::<B>(&job, &device)?;
+    let mut model = bench_model::<B>(&job, &setup, &device)?;
+    let config = &setup.config;
     let trainable = optim::trainable_count::<AB<B>, _>(&model);
     eprintln!(
-        "bench: {name} built in {:.1}s ({trainable} trainable parameters, {})",
+        "bench: {} built in {:.1}s ({trainable} trainable parameters, {})",
+        setup.name,
         started.elapsed().as_secs_f64(),
         job.precision.name()
     );
-    let mut results = Vec::new();
     let mut ran_out = false;
     for &seq_len in &job.seq_lens {
-        let planned = memory_plan::plan(
-            &plan_input(&job, &config, &lora, seq_len, projection_bits),
-            job.budget,
-        );
-        let backend = B::name(&device);
-        let mut result = BenchResult::unmeasured(
-            &job,
-            &name,
-            seq_len,
-            backend,
-            trainable,
-            planned.as_ref().ok(),
-        );
+        let (mut result, planned) =
+            planned_result(&job, &setup, seq_len, B::name(&device), trainable);
         match (planned, ran_out) {
-            (Err(error), _) => {
-                eprintln!("bench: {seq_len} tokens: {error:#}");
-                result.error = Some(format!("{error:#}"));
-            }
-            (Ok(_), _) if job.plan_only => {}
-            (Ok(_), true) => {
+            (None, _) => {}
+            (Some(_), true) => {
                 result.oom = true;
                 result.error = Some("skipped: a shorter sequence already ran out of memory".into());
             }
-            (Ok(planned), false) => {
+            (Some(planned), false) => {
                 model.set_shifted_group(job.s2.group(job.method, seq_len)?);
                 let tokens: Vec<u32> = (0..seq_len)
                     .map(|i| ((i as u64 * 2654435761) % config.vocab_size() as u64) as u32)
@@ -504,7 +542,7 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                     job.sparsity.check_sequence(&model, seq_len)?;
                     Some(lemo::bench_elimination::<B>(
                         &job.sparsity,
-                        &config,
+                        config,
                         &device,
                     )?)
                 } else {
@@ -548,8 +586,7 @@ fn run_on<B: LemoBackend>(job: BenchJob, device: B::Device) -> Result<Vec<BenchR
                 ran_out |= result.oom;
             }
         }
-        println!("{}", serde_json::to_string(&result)?);
-        results.push(result);
+        emit(&mut results, result)?;
     }
     Ok(results)
 }

@@ -53,6 +53,10 @@ const LEMO_OFFSET_PER_WEIGHT_GIB: [f64; 2] = [-2.62 / 12.55, 1.90 / 12.55];
 /// (see [`cost_table`]), `lemo` this many: the pages beside a kept layer's forward pass that its
 /// kept-row buffers and the full-width transients below cannot share (fitted to H100 peaks,
 /// `bench/results/h100-idle-buffers.json`: 64K, 9 of 32 kept, 74.2 GiB; 32K, 13 kept, 50.2).
+/// On the H200 (`bench/results/h200-mixed-plans.json`) it puts Llama-2-7B's mixed plans 1-5%
+/// over their peaks at 32K-128K, but Llama-3-8B's 15-26% over at 96K-128K. One extra input per
+/// kept layer instead (1.5 of them fitted the first three of those peaks) failed on the next
+/// five: Llama-2-7B at 128K went 3.7% over its budget, Llama-3-8B stayed 10-13% under it.
 const LEMO_MIXED_LAYERS: f64 = 2.23;
 /// What a recomputation runs at (bf16 GEMM and attention of a Llama-7B layer on an H100): only
 /// the ratio of recomputation to copy time matters to the plan.
@@ -196,8 +200,9 @@ struct Fixed {
     attention: f64,
 }
 
-fn fixed_parts(input: &PlanInput, dims: &Dims) -> Fixed {
-    let frozen_bytes = element_bytes(input.precision);
+/// Parameters a step trains: LoRA's, and LongLoRA's embeddings and norms.
+pub fn trainable_parameters(input: &PlanInput) -> usize {
+    let dims = Dims::of(&input.model);
     let lora: f64 = input
         .lora_targets
         .iter()
@@ -212,6 +217,11 @@ fn fixed_parts(input: &PlanInput, dims: &Dims) -> Fixed {
     } else {
         0.0
     };
+    (lora + extras) as usize
+}
+
+fn fixed_parts(input: &PlanInput, dims: &Dims) -> Fixed {
+    let frozen_bytes = element_bytes(input.precision);
     let projections = dims.layers * dims.layer_projections();
     let projection_bytes = input
         .projection_bits
@@ -220,7 +230,7 @@ fn fixed_parts(input: &PlanInput, dims: &Dims) -> Fixed {
     Fixed {
         fixed: if on_host { HOST_FIXED_GIB } else { FIXED_GIB } * GIB,
         weights: (dims.parameters() - projections) * frozen_bytes + projections * projection_bytes,
-        trainable: (lora + extras) * 16.0,
+        trainable: trainable_parameters(input) as f64 * 16.0,
         loss: input.loss_segment.min(input.seq_len) as f64 * dims.vocab * 4.0 * 3.0,
         attention: if on_host {
             host_attention_bytes(dims.q_heads, input.seq_len, input.batch_size)
