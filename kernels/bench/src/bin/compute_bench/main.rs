@@ -32,6 +32,8 @@ type B = CudaBackend;
 type AD = Autodiff<CudaBackend>;
 type Client = ComputeClient<cubecl::cuda::CudaRuntime>;
 
+mod past_2_31;
+
 /// Measured device copy bandwidth the fused kernels are compared with comes from the PyTorch
 /// script; this harness reports bytes moved and time.
 struct Args {
@@ -418,149 +420,6 @@ fn fused_parity() -> Vec<Value> {
     results
 }
 
-/// The kernels of a long sequence's step on tensors past 2^31 elements (a little over 512K tokens
-/// of a 4096-wide model), where an index of 32 signed bits would wrap: RMSNorm, SwiGLU and RoPE
-/// forward and backward, gathering and scattering rows, and the GEMMs of a projection (its
-/// output, and its weight gradient, whose reduction runs over every row). Each output's last
-/// rows, past the 2^31st element, against the reference on those rows alone; the weight
-/// gradient against the sum of f32 products over slices of rows.
-fn past_2_31_parity() -> Vec<Value> {
-    const WIDTH: usize = 4096;
-    const TAIL: usize = 256;
-    let seq = (1usize << 31) / WIDTH + TAIL;
-    let mut results = Vec::new();
-    let mut push = |name: &str, error: f64| record(&mut results, name, error);
-    let prim = |t: Tensor<B, 3>| t.into_primitive().tensor();
-    let back3 = |t| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(t));
-    let tail = |t: Tensor<B, 3>| t.narrow(1, seq - TAIL, TAIL);
-
-    let x = random([1, seq, WIDTH], DType::BF16);
-    let w = (random([WIDTH], DType::F32) * 0.1 + 1.0).cast(DType::BF16);
-    let g = random([1, seq, WIDTH], DType::BF16);
-    let (out, rstd) = <B as lemo_kernels::FusedBackend>::lemo_rms_norm_forward(
-        prim(x.clone()),
-        w.clone().into_primitive().tensor(),
-        1e-5,
-    );
-    let (expected, _) = fused::rms_norm::reference::forward::<B>(
-        prim(tail(x.clone())),
-        w.clone().into_primitive().tensor(),
-        1e-5,
-    );
-    push(
-        "past_2_31_rms_norm_forward",
-        gpu_relative(tail(back3(out)), back3(expected)),
-    );
-    let rstd = Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(rstd));
-    let (dx, _) = <B as lemo_kernels::FusedBackend>::lemo_rms_norm_backward(
-        prim(x.clone()),
-        w.clone().into_primitive().tensor(),
-        rstd.clone().into_primitive().tensor(),
-        prim(g.clone()),
-        false,
-        fused::NormSaves::Input,
-    );
-    let (edx, _) = fused::rms_norm::reference::backward::<B>(
-        prim(tail(x.clone())),
-        w.into_primitive().tensor(),
-        rstd.narrow(0, seq - TAIL, TAIL).into_primitive().tensor(),
-        prim(tail(g.clone())),
-        false,
-    );
-    push(
-        "past_2_31_rms_norm_backward",
-        gpu_relative(tail(back3(dx)), back3(edx)),
-    );
-
-    let gate = x.clone() * 3.0;
-    let (dg, du) = <B as lemo_kernels::FusedBackend>::lemo_swiglu_backward(
-        prim(gate.clone()),
-        prim(g.clone()),
-        prim(x.clone()),
-    );
-    let (edg, edu) = fused::swiglu::reference::backward::<B>(
-        prim(tail(gate.clone())),
-        prim(tail(g.clone())),
-        prim(tail(x.clone())),
-    );
-    push(
-        "past_2_31_swiglu_backward_gate",
-        gpu_relative(tail(back3(dg)), back3(edg)),
-    );
-    push(
-        "past_2_31_swiglu_backward_up",
-        gpu_relative(tail(back3(du)), back3(edu)),
-    );
-    let expected =
-        fused::swiglu::reference::forward::<B>(prim(tail(gate.clone())), prim(tail(g.clone())));
-    push(
-        "past_2_31_swiglu_forward",
-        gpu_relative(tail(fused::swiglu(gate, g.clone())), back3(expected)),
-    );
-
-    // The last rows, and rows scattered past them, by row index.
-    let rows: Vec<i32> = (seq - TAIL..seq).map(|r| r as i32).collect();
-    let rows = Tensor::<B, 2, Int>::from_data(TensorData::new(rows, [1, TAIL]), &device());
-    let gathered = lemo_kernels::token_movement::gather_rows(x.clone(), rows.clone());
-    push(
-        "past_2_31_gather_rows",
-        gpu_relative(gathered.clone(), tail(x.clone())),
-    );
-    let scattered = lemo_kernels::token_movement::scatter_add_rows(g.clone(), rows, gathered);
-    push(
-        "past_2_31_scatter_add_rows",
-        gpu_relative(tail(scattered), tail(g.clone()) + tail(x.clone())),
-    );
-    drop(g);
-
-    // A projection's output and weight gradient: y = x W^T, dW = x^T y.
-    let weight = random([WIDTH, WIDTH], DType::BF16) * 0.02;
-    let y = gemm::matmul(x.clone(), weight.clone().transpose().unsqueeze());
-    let expected = tail(x.clone())
-        .cast(DType::F32)
-        .matmul(weight.cast(DType::F32).transpose().unsqueeze());
-    push(
-        "past_2_31_gemm_output",
-        gpu_relative(tail(y.clone()), expected),
-    );
-    let dw = gemm::matmul(x.clone().swap_dims(1, 2), y.clone());
-    let slice = 1 << 16;
-    let expected = (0..seq.div_ceil(slice))
-        .map(|i| {
-            let rows = slice.min(seq - i * slice);
-            let x = x.clone().narrow(1, i * slice, rows).cast(DType::F32);
-            let y = y.clone().narrow(1, i * slice, rows).cast(DType::F32);
-            x.swap_dims(1, 2).matmul(y)
-        })
-        .reduce(|a, b| a + b)
-        .expect("rows");
-    push("past_2_31_gemm_weight_gradient", gpu_relative(dw, expected));
-    drop((x, y));
-
-    let (heads, head_dim) = (32, 128);
-    let inv_freq: Vec<f32> = (0..head_dim / 2)
-        .map(|i| 500000f32.powf(-2.0 * i as f32 / head_dim as f32))
-        .collect();
-    let rope_seq = (1usize << 31) / (heads * head_dim) + TAIL;
-    let (cos, sin) = fused::rope_tables::<B>(&inv_freq, 1.0, rope_seq, &device());
-    let positions = Tensor::<B, 1, Int>::arange(0..rope_seq as i64, &device()).unsqueeze::<2>();
-    let q = random([1, rope_seq, heads, head_dim], DType::BF16).swap_dims(1, 2);
-    let ours = fused::rope(q.clone(), cos.clone(), sin.clone(), positions.clone());
-    let expected =
-        Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(fused::rope::reference::rope::<B>(
-            q.narrow(2, rope_seq - TAIL, TAIL).into_primitive().tensor(),
-            cos.into_primitive().tensor(),
-            sin.into_primitive().tensor(),
-            positions.narrow(1, rope_seq - TAIL, TAIL).into_primitive(),
-            false,
-        )));
-    push(
-        "past_2_31_rope_forward_strided",
-        gpu_relative(ours.narrow(2, rope_seq - TAIL, TAIL), expected),
-    );
-    results
-}
-
 fn gemm_timings(args: &Args, client: &Client) -> Vec<Value> {
     // (model, projection, K, N) of y = x W^T, W [N, K].
     let projections = [
@@ -902,7 +761,7 @@ fn main() {
     parity.extend(section("gemm_ordering", &mut errors, ordering_check));
     parity.extend(section("host_copy", &mut errors, host_copy_check));
     memory_cleanup::<B>(&device());
-    parity.extend(section("past_2_31", &mut errors, past_2_31_parity).unwrap_or_default());
+    parity.extend(section("past_2_31", &mut errors, past_2_31::parity).unwrap_or_default());
     memory_cleanup::<B>(&device());
     if !args.parity_only {
         timings.extend(
