@@ -56,7 +56,8 @@ const LEMO_OFFSET_PER_WEIGHT_GIB: [f64; 2] = [-2.62 / 12.55, 1.90 / 12.55];
 /// On the H200 (`bench/results/h200-mixed-plans.json`) it puts Llama-2-7B's mixed plans 1-5%
 /// over their peaks at 32K-128K, but Llama-3-8B's 15-26% over at 96K-128K. One extra input per
 /// kept layer instead (1.5 of them fitted the first three of those peaks) failed on the next
-/// five: Llama-2-7B at 128K went 3.7% over its budget, Llama-3-8B stayed 10-13% under it.
+/// five: Llama-2-7B at 128K peaked 3.7% over its plan, past the budget, while Llama-3-8B
+/// stayed 10-13% under its plans.
 const LEMO_MIXED_LAYERS: f64 = 2.23;
 /// What a recomputation runs at (bf16 GEMM and attention of a Llama-7B layer on an H100): only
 /// the ratio of recomputation to copy time matters to the plan.

@@ -19,6 +19,7 @@
 use std::time::Duration;
 
 use burn::backend::Autodiff;
+use burn::tensor::ops::FloatTensor;
 use burn::tensor::{DType, Distribution, Int, Tensor, TensorData, TensorPrimitive};
 use cubecl::prelude::{ComputeClient, Runtime};
 use lemo_kernel_bench::time_calls;
@@ -260,6 +261,16 @@ fn burn_f32_precision() -> Value {
            "note": "~3e-4 means TF32 tensor cores (10-bit mantissa), ~1e-6 full f32"})
 }
 
+/// A float tensor's primitive, for the kernels' backend traits and references.
+fn prim(t: Tensor<B, 3>) -> FloatTensor<B> {
+    t.into_primitive().tensor()
+}
+
+/// The tensor of a float primitive.
+fn back(t: FloatTensor<B>) -> Tensor<B, 3> {
+    Tensor::from_primitive(TensorPrimitive::Float(t))
+}
+
 /// Records a parity check of relative `error` against the bf16 kernels' tolerance, 1e-2.
 fn record(results: &mut Vec<Value>, name: &str, error: f64) {
     let ok = error < 1e-2;
@@ -273,8 +284,6 @@ fn record(results: &mut Vec<Value>, name: &str, error: f64) {
 fn fused_parity() -> Vec<Value> {
     let mut results = Vec::new();
     let mut push = |name: &str, error: f64| record(&mut results, name, error);
-    let prim = |t: Tensor<B, 3>| t.into_primitive().tensor();
-    let back3 = |t| Tensor::<B, 3>::from_primitive(TensorPrimitive::Float(t));
 
     let x = random([2, 1000, 4096], DType::BF16);
     let w = (random([4096], DType::F32) * 0.1 + 1.0).cast(DType::BF16);
@@ -289,10 +298,7 @@ fn fused_parity() -> Vec<Value> {
         w.clone().into_primitive().tensor(),
         1e-5,
     );
-    push(
-        "rms_norm_forward",
-        gpu_relative(back3(out), back3(expected)),
-    );
+    push("rms_norm_forward", gpu_relative(back(out), back(expected)));
     let rstd_error = gpu_relative(
         Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(rstd.clone())),
         Tensor::<B, 1>::from_primitive(TensorPrimitive::Float(expected_rstd)),
@@ -313,7 +319,7 @@ fn fused_parity() -> Vec<Value> {
         prim(g),
         false,
     );
-    push("rms_norm_backward", gpu_relative(back3(dx), back3(edx)));
+    push("rms_norm_backward", gpu_relative(back(dx), back(edx)));
 
     let (batch, heads, seq, head_dim) = (2, 8, 700, 128);
     let inv_freq: Vec<f32> = (0..head_dim / 2)
@@ -344,7 +350,7 @@ fn fused_parity() -> Vec<Value> {
         "swiglu_forward",
         gpu_relative(
             fused::swiglu(gate.clone(), up.clone()),
-            back3(fused::swiglu::reference::forward::<B>(
+            back(fused::swiglu::reference::forward::<B>(
                 prim(gate.clone()),
                 prim(up.clone()),
             )),
@@ -356,8 +362,8 @@ fn fused_parity() -> Vec<Value> {
         prim(g.clone()),
     );
     let (edg, edu) = fused::swiglu::reference::backward::<B>(prim(gate), prim(up), prim(g));
-    push("swiglu_backward_gate", gpu_relative(back3(dg), back3(edg)));
-    push("swiglu_backward_up", gpu_relative(back3(du), back3(edu)));
+    push("swiglu_backward_gate", gpu_relative(back(dg), back(edg)));
+    push("swiglu_backward_up", gpu_relative(back(du), back(edu)));
 
     // A LoRA projection on bf16 activations (A, B and the rank-r intermediate rounded to bf16
     // inside the products, the frozen output added in the adapter product's epilogue, and

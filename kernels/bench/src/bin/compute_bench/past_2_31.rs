@@ -9,21 +9,13 @@ use burn::tensor::{DType, Int, Tensor, TensorData, TensorPrimitive};
 use lemo_kernels::{FusedBackend, fused, gemm, token_movement};
 use serde_json::Value;
 
-use crate::{B, device, gpu_relative, random, record};
+use crate::{B, back, device, gpu_relative, prim, random, record};
 
 const WIDTH: usize = 4096;
 /// The rows checked, at the end of each tensor.
 const TAIL: usize = 256;
 /// Rows of `WIDTH` values: 2^31 + 2^20 elements.
 const ROWS: usize = (1 << 31) / WIDTH + TAIL;
-
-fn prim(t: Tensor<B, 3>) -> burn::tensor::ops::FloatTensor<B> {
-    t.into_primitive().tensor()
-}
-
-fn back(t: burn::tensor::ops::FloatTensor<B>) -> Tensor<B, 3> {
-    Tensor::from_primitive(TensorPrimitive::Float(t))
-}
 
 /// The last `TAIL` rows of `[1, ROWS, width]`.
 fn tail(t: Tensor<B, 3>) -> Tensor<B, 3> {
