@@ -22,8 +22,9 @@
 //!   and tensor-core flash kernels and cuDNN, against float32 materialized attention;
 //! - `models`: `lemo-train eval --device cuda` in bf16 and f32 on every transformers fixture
 //!   against the loss transformers computed;
-//! - `nccl`: two ranks of batch one against one rank of batch two (`train --gpus 2`), where the
-//!   machine has two GPUs or more; otherwise reported as skipped.
+//! - `nccl`: two ranks of batch one against one rank of batch two (`train --gpus 2`), and one
+//!   sequence split over two ranks against one rank (`--context-parallel 2`), where the machine
+//!   has two GPUs or more; otherwise reported as skipped.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -150,7 +151,7 @@ pub fn run_checks(root: &Path, bundle: &Path, out: &Path) -> Result<()> {
     write(&checks, false)?;
     checks.extend(model_checks(root, &env, &bin("lemo-train")));
     write(&checks, false)?;
-    checks.push(nccl_check(root, &env, &bin("lemo-train"), &work));
+    checks.extend(nccl_checks(root, &env, &bin("lemo-train"), &work));
     let (passed, failed, skips) = write(&checks, true)?;
     println!(
         "{passed} passed, {failed} failed, {skips} skipped ({})",
@@ -401,18 +402,22 @@ fn json_output(mut command: Command) -> Option<Value> {
     serde_json::from_slice(&output.stdout).ok()
 }
 
-/// Two NCCL ranks of batch one train as one rank of batch two: the logged losses agree.
-fn nccl_check(root: &Path, env: &Environment, lemo: &Path, work: &Path) -> Value {
-    const CHECK: &str = "data parallel over NCCL: 2 ranks x batch 1 vs 1 rank x batch 2";
+/// Two ranks on two GPUs train as one: two NCCL ranks of batch one as one rank of batch two
+/// (data parallelism), and one sequence split over two ranks as one rank of batch one (context
+/// parallelism); the logged losses agree.
+fn nccl_checks(root: &Path, env: &Environment, lemo: &Path, work: &Path) -> Vec<Value> {
+    const DATA: &str = "data parallel over NCCL: 2 ranks x batch 1 vs 1 rank x batch 2";
+    const CONTEXT: &str =
+        "context parallel: 1 sequence over 2 ranks (--context-parallel 2) vs 1 rank x batch 1";
     if env.gpus.len() < 2 {
-        return skipped(
-            "nccl",
-            CHECK,
-            "one GPU on this machine (run on two or more)",
-        );
+        let reason = "one GPU on this machine (run on two or more)";
+        return vec![
+            skipped("nccl", DATA, reason),
+            skipped("nccl", CONTEXT, reason),
+        ];
     }
     let fixture = root.join("crates/lemo-models/tests/fixtures/hf/llama_gqa_tied");
-    let train = |name: &str, gpus: &str, batch: &str| -> Option<Vec<f64>> {
+    let train = |name: &str, ranks: &[&str], batch: &str| -> Option<Vec<f64>> {
         let out = work.join(name);
         let mut command = env.command(lemo);
         command
@@ -438,7 +443,8 @@ fn nccl_check(root: &Path, env: &Environment, lemo: &Path, work: &Path) -> Value
                 "--cache-dir",
                 "none",
             ])
-            .args(["--device", "cuda", "--precision", "f32", "--gpus", gpus])
+            .args(["--device", "cuda", "--precision", "f32"])
+            .args(ranks)
             .args(["--batch-size", batch, "--out"])
             .arg(&out);
         eprintln!("gpu-test: {command:?}");
@@ -456,15 +462,22 @@ fn nccl_check(root: &Path, env: &Environment, lemo: &Path, work: &Path) -> Value
                 .collect(),
         )
     };
-    let two_ranks = train("two_ranks", "2", "1");
-    let one_rank = train("one_rank", "1", "2");
-    let error = two_ranks.zip(one_rank).and_then(|(a, b)| {
-        (a.len() == b.len() && !a.is_empty()).then(|| {
-            a.iter()
-                .zip(&b)
-                .map(|(x, y)| (x - y).abs() / y.abs())
-                .fold(0.0, f64::max)
+    let error = |a: Option<Vec<f64>>, b: Option<Vec<f64>>| {
+        a.zip(b).and_then(|(a, b)| {
+            (a.len() == b.len() && !a.is_empty()).then(|| {
+                a.iter()
+                    .zip(&b)
+                    .map(|(x, y)| (x - y).abs() / y.abs())
+                    .fold(0.0, f64::max)
+            })
         })
-    });
-    outcome("nccl", CHECK, error, 1e-4)
+    };
+    let two_ranks = train("two_ranks", &["--gpus", "2"], "1");
+    let one_rank = train("one_rank", &["--gpus", "1"], "2");
+    let split = train("split", &["--gpus", "2", "--context-parallel", "2"], "1");
+    let whole = train("whole", &["--gpus", "1"], "1");
+    vec![
+        outcome("nccl", DATA, error(two_ranks, one_rank), 1e-4),
+        outcome("nccl", CONTEXT, error(split, whole), 1e-4),
+    ]
 }

@@ -31,6 +31,7 @@ pub mod compute;
 #[cfg(feature = "cuda")]
 mod cuda_interop;
 pub mod dequantize;
+pub mod exchange;
 mod extension;
 pub mod fused;
 pub mod gemm;

@@ -27,6 +27,7 @@ use crate::block_pass::BlockPass;
 use crate::cache::{KvCache, LayerCache};
 use crate::offload::HostCopy;
 use crate::row_chunks::slice_len;
+use crate::sequence_split::SequenceSplit;
 use crate::token_plan::{BlockRows, TokenSparsity};
 
 pub trait Decoder<B: Backend> {
@@ -40,7 +41,22 @@ pub trait Decoder<B: Backend> {
     /// `h_0: [batch, len, hidden]` of `tokens: [batch, len]` at `positions`.
     fn embed(&self, tokens: Tensor<B, 2, Int>, positions: Range<usize>) -> Tensor<B, 3>;
 
-    fn shared(&self, positions: Range<usize>, batch: usize) -> Self::Shared;
+    /// What the layers of a pass over `positions` share; with `split`, the pass runs this rank's
+    /// positions of a sequence split over a sequence group ([`SequenceSplit`], checked to be
+    /// supported with [`Decoder::splits_sequences`]), and `positions` are the whole sequence's.
+    fn shared(
+        &self,
+        positions: Range<usize>,
+        batch: usize,
+        split: Option<&SequenceSplit>,
+    ) -> Self::Shared;
+
+    /// Whether a sequence of this model can be split over ranks (context parallelism): its
+    /// positions enter attention alone (rotary embeddings), and it has no sliding window or S2
+    /// groups, whose masks a split's chunks would not follow.
+    fn splits_sequences(&self) -> bool {
+        false
+    }
 
     fn num_layers(&self) -> usize;
 
@@ -385,7 +401,7 @@ pub fn hidden_states<B: LemoBackend, D: Decoder<B>>(
     sparsity: &mut TokenSparsity,
 ) -> Tensor<B, 3> {
     let [batch, _] = tokens.dims();
-    let shared = decoder.shared(positions.clone(), batch);
+    let shared = decoder.shared(positions.clone(), batch, None);
     row_buffers(decoder, &tokens);
     let mut h = decoder.embed(tokens, positions);
     for index in 0..decoder.num_layers() {
@@ -405,11 +421,24 @@ pub fn hidden_states<B: LemoBackend, D: Decoder<B>>(
 
 /// The token ids of a batch, `[batch, len]`, and the labels the loss scores them by where it
 /// skips positions (`[batch, len]`, see [`next_token_loss`]); without labels every next token
-/// is scored.
+/// is scored. With a `split`, a rank of a sequence group trains its positions of the batch's
+/// sequences ([`planned_loss_backward`]); `tokens` and `labels` are still the whole sequences.
 #[derive(Debug, Clone)]
 pub struct Batch<B: Backend> {
     pub tokens: Tensor<B, 2, Int>,
     pub labels: Option<Tensor<B, 2, Int>>,
+    pub split: Option<SequenceSplit>,
+}
+
+impl<B: Backend> Batch<B> {
+    /// The whole sequences of `tokens`, scored by `labels`.
+    pub fn new(tokens: Tensor<B, 2, Int>, labels: Option<Tensor<B, 2, Int>>) -> Self {
+        Self {
+            tokens,
+            labels,
+            split: None,
+        }
+    }
 }
 
 /// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])` (f32, `[1]`) from
@@ -428,6 +457,51 @@ pub fn next_token_loss<B: LemoBackend>(
     labels: Option<Tensor<B, 2, Int>>,
     chunk_rows: usize,
 ) -> (Tensor<B, 1>, usize) {
+    let [batch, len] = tokens.dims();
+    let masked = labels.is_some();
+    let targets = next_token_targets(tokens, labels);
+    let scored = match masked {
+        true => scored_targets(&targets),
+        false => batch * (len - 1),
+    };
+    (
+        targets_loss(hidden, lm_head_weight, targets, chunk_rows),
+        scored,
+    )
+}
+
+/// `[batch, len]`: the token each position is scored against (the next one, or its label), and
+/// [`IGNORE_INDEX`] at the last position, which has none.
+fn next_token_targets<B: Backend>(
+    tokens: Tensor<B, 2, Int>,
+    labels: Option<Tensor<B, 2, Int>>,
+) -> Tensor<B, 2, Int> {
+    let [batch, len] = tokens.dims();
+    let next = labels.unwrap_or(tokens).slice([0..batch, 1..len]);
+    let last = Tensor::full([batch, 1], IGNORE_INDEX, &next.device());
+    Tensor::cat(vec![next, last], 1)
+}
+
+/// How many of `targets` are scored (not ignored).
+fn scored_targets<B: Backend>(targets: &Tensor<B, 2, Int>) -> usize {
+    let count: i64 = targets
+        .clone()
+        .greater_equal_elem(0)
+        .int()
+        .sum()
+        .into_scalar()
+        .elem();
+    count as usize
+}
+
+/// The summed cross-entropy of `hidden: [batch, len, dim]` against `targets: [batch, len]` (see
+/// [`next_token_loss`]).
+fn targets_loss<B: LemoBackend>(
+    hidden: Tensor<B, 3>,
+    lm_head_weight: Tensor<B, 2>,
+    targets: Tensor<B, 2, Int>,
+    chunk_rows: usize,
+) -> Tensor<B, 1> {
     let [batch, len, dim] = hidden.dims();
     // Each position is scored against the next token and the last one, which has none, is
     // ignored: shifting the targets rather than slicing off the last hidden state keeps the
@@ -435,24 +509,12 @@ pub fn next_token_loss<B: LemoBackend>(
     // buffer has (805 MB at 96K tokens of Llama-2-7B), and the pool serves such a buffer from a
     // page of its largest size class, which then stays reserved (9.4 GB on the H200).
     let inputs = hidden.reshape([batch * len, dim]);
-    let masked = labels.is_some();
-    let next = labels.unwrap_or(tokens).slice([0..batch, 1..len]);
-    let last = Tensor::full([batch, 1], IGNORE_INDEX, &next.device());
-    let targets = Tensor::cat(vec![next, last], 1).reshape([batch * len]);
-    let scored = if masked {
-        let count: i64 = targets
-            .clone()
-            .greater_equal_elem(0)
-            .int()
-            .sum()
-            .into_scalar()
-            .elem();
-        count as usize
-    } else {
-        batch * (len - 1)
-    };
-    let loss = segment_cross_entropy(inputs, lm_head_weight, targets, chunk_rows);
-    (loss, scored)
+    segment_cross_entropy(
+        inputs,
+        lm_head_weight,
+        targets.reshape([batch * len]),
+        chunk_rows,
+    )
 }
 
 /// What a layer holds between its forward and its backward pass (see [`ActivationPlan`]).
@@ -476,12 +538,14 @@ struct StoredForward<B: AutodiffBackend> {
     buffers: LayerBuffers<B::InnerBackend>,
 }
 
-/// The forward pass of [`planned_loss_backward`]: each layer's graph from a leaf copy of its
-/// input where `plan` keeps it, else the layer without a graph and its input kept on the device
-/// or copied to host memory.
+/// The forward pass of [`planned_loss_backward`] over `tokens` (this rank's positions of the
+/// sequences at `positions` with a `split`): each layer's graph from a leaf copy of its input
+/// where `plan` keeps it, else the layer without a graph and its input kept on the device or
+/// copied to host memory.
 fn forward_storing<B, D>(
     decoder: &D,
     tokens: Tensor<B, 2, Int>,
+    (positions, split): (Range<usize>, Option<&SequenceSplit>),
     shared: &D::Shared,
     sparsity: &mut TokenSparsity,
     plan: &ActivationPlan,
@@ -494,7 +558,7 @@ where
 {
     let [batch, len] = tokens.dims();
     let inner = decoder.valid();
-    let inner_shared = inner.shared(0..len, batch);
+    let inner_shared = inner.shared(positions, batch, split);
     let tokens = tokens.inner();
     let mut buffers = row_buffers(&inner, &tokens);
     let mut h = inner.embed(tokens, 0..len);
@@ -541,7 +605,9 @@ where
     }
 }
 
-/// [`next_token_loss`] of `tokens` (positions from 0) and the gradients of `scale` times it,
+/// [`next_token_loss`] of `tokens` (positions from 0) and the gradients of `scale` times it
+/// (with the batch's `split`, of this rank's positions: the loss of the rank's predictions, and
+/// its share of the gradients, which summed over the group are the whole sequence's),
 /// each layer's activations held as `plan` says. The forward pass builds a kept layer's graph
 /// from a leaf copy of its input, and runs the other layers without a graph, keeping only their
 /// input (on the device, or copied to host memory); the backward pass then goes down the layers,
@@ -575,23 +641,44 @@ where
         decoder.num_layers(),
         "one mode per layer"
     );
-    let Batch { tokens, labels } = batch;
+    let Batch {
+        tokens,
+        labels,
+        split,
+    } = batch;
     let [batch, len] = tokens.dims();
-    let positions = 0..len;
-
-    let shared = decoder.shared(positions.clone(), batch);
+    let shared = decoder.shared(0..len, batch, split.as_ref());
+    let targets = next_token_targets(tokens.clone(), labels.clone());
+    // A rank of a sequence group runs its own positions, each scored against its target in the
+    // whole sequence (the next token may be another rank's).
+    let (tokens, targets) = match &split {
+        Some(split) => (split.local_columns(tokens), split.local_columns(targets)),
+        None => (tokens, targets),
+    };
+    let predictions = match (&labels, &split) {
+        (Some(_), _) => scored_targets(&targets),
+        (None, None) => batch * (len - 1),
+        (None, Some(split)) => batch * split.positions().iter().filter(|&&p| p + 1 < len).count(),
+    };
+    let positions = 0..tokens.dims()[1];
     let StoredForward {
         layers: mut stored,
         last: h,
         mut buffers,
-    } = forward_storing(decoder, tokens.clone(), &shared, sparsity, plan);
+    } = forward_storing(
+        decoder,
+        tokens.clone(),
+        (0..len, split.as_ref()),
+        &shared,
+        sparsity,
+        plan,
+    );
 
     let last = Tensor::<B, 3>::from_inner(h).require_grad();
-    let (loss, predictions) = next_token_loss(
+    let loss = targets_loss(
         decoder.output_norm(last.clone()),
         decoder.lm_head_weight(),
-        tokens.clone(),
-        labels,
+        targets,
         chunk_rows,
     );
     let loss_sum = loss.clone().inner();
@@ -639,6 +726,9 @@ where
             Stored::Input(input) => rebuild(index, input),
             Stored::Host(copy) => rebuild(index, copy.into_device()),
         };
+        if let Some(split) = &split {
+            split.before_backward();
+        }
         let gradients = propagate(output, grad_h);
         on_gradients(&gradients);
         grad_h = input

@@ -24,6 +24,7 @@ pub mod quantized;
 pub mod random;
 pub mod rope;
 pub mod row_chunks;
+pub mod sequence_split;
 pub mod token_plan;
 pub mod tokenizer;
 pub mod weights;

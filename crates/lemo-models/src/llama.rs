@@ -12,7 +12,7 @@
 use std::ops::Range;
 
 use burn::module::{Module, Param};
-use burn::tensor::{DType, Int, Tensor, backend::Backend};
+use burn::tensor::{DType, Int, Tensor, TensorData, backend::Backend};
 use lemo_kernels::attention::{attention, attention_with_lse, attention_with_value};
 use lemo_kernels::fused::swiglu;
 use lemo_kernels::recomputed_rows::{FrozenMlp, MlpActivation};
@@ -29,6 +29,7 @@ use crate::lora::Linear;
 use crate::norm::RmsNorm;
 use crate::rope::{RotaryEmbedding, Rotation};
 use crate::row_chunks::by_row_slices;
+use crate::sequence_split::SequenceSplit;
 use crate::weights::Loader;
 
 #[derive(Module, Debug)]
@@ -67,12 +68,15 @@ impl<B: LemoBackend> LlamaAttention<B> {
     /// ([`AttentionOptions::over_kept_rows`]; RoPE stays at their original positions): that
     /// attention and the output projection run here, and the caller puts their value in place of
     /// the pass's on the kept rows ([`SparseBlock::with_kept_output`]).
+    /// With a `split` (dense only), `x` holds this rank's rows of a sequence split over a
+    /// sequence group, and attention reads every position's keys and values.
     fn forward(
         &self,
         x: Tensor<B, 3>,
         rotation: &Rotation<B>,
         sparse: Option<&SparseBlock<B, AttentionProducts<B>>>,
         cache: Option<&mut LayerCache<B>>,
+        split: Option<&SequenceSplit>,
     ) -> Tensor<B, 3> {
         let product = |select: fn(&AttentionProducts<B>) -> &Tensor<B, 3>| {
             sparse.and_then(|s| s.product_rows(select))
@@ -90,7 +94,10 @@ impl<B: LemoBackend> LlamaAttention<B> {
         let v = self.heads(v, self.num_kv_heads);
         let (k, v) = append_to_cache(cache, k, v);
         let (out, o_product) = match (sparse, self.shifted_group) {
-            (None, _) => (attention(q, k, v, self.options()), None),
+            (None, _) => match split {
+                Some(split) => (split.attention(q, k, v, self.options()), None),
+                None => (attention(q, k, v, self.options()), None),
+            },
             (Some(sparse), Some(_)) => {
                 let seq = sparse.every_row().output.dims()[1];
                 let options = self.options().over_kept_rows(seq, len);
@@ -262,22 +269,29 @@ impl<B: LemoBackend> LlamaLayer<B> {
     fn attention_block(
         &self,
         h: Tensor<B, 3>,
-        rotation: &Rotation<B>,
+        shared: &LlamaShared<B>,
         sparse: Option<SparseBlock<B, AttentionProducts<B>>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         let norm = &self.input_layernorm;
+        let rotation = &shared.rotation;
         match sparse {
             None => {
-                h.clone()
-                    + self
-                        .self_attn
-                        .forward(norm.forward(h), rotation, None, cache)
+                let x = norm.forward(h.clone());
+                h + self
+                    .self_attn
+                    .forward(x, rotation, None, cache, shared.split.as_ref())
             }
             Some(sparse) => {
+                assert!(
+                    shared.split.is_none(),
+                    "token elimination over a split sequence is refused when a run is set up"
+                );
                 let x = norm.forward_rows(h.clone(), sparse.rows.clone());
                 let rotation = rotation.at(sparse.rows.clone());
-                let out = self.self_attn.forward(x, &rotation, Some(&sparse), None);
+                let out = self
+                    .self_attn
+                    .forward(x, &rotation, Some(&sparse), None, None);
                 let sparse = match self.self_attn.shifted_group {
                     Some(_) => sparse.with_kept_output(out.clone()),
                     None => sparse,
@@ -307,6 +321,13 @@ impl<B: LemoBackend> LlamaLayer<B> {
             }
         }
     }
+}
+
+/// What the layers of one pass share: the rotary tables at the pass's positions, and the
+/// sequence split when the pass runs one rank's positions of it.
+pub struct LlamaShared<B: Backend> {
+    pub rotation: Rotation<B>,
+    pub split: Option<SequenceSplit>,
 }
 
 #[derive(Module, Debug)]
@@ -409,7 +430,7 @@ impl<B: LemoBackend> Llama<B> {
 }
 
 impl<B: LemoBackend> Decoder<B> for Llama<B> {
-    type Shared = Rotation<B>;
+    type Shared = LlamaShared<B>;
     type AttentionProducts = AttentionProducts<B>;
     type MlpProducts = MlpProducts<B>;
 
@@ -417,8 +438,36 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         embed(&self.embed_tokens.val(), tokens).cast(self.activations)
     }
 
-    fn shared(&self, positions: Range<usize>, batch: usize) -> Rotation<B> {
-        self.rotary.rotation(positions, batch)
+    fn shared(
+        &self,
+        positions: Range<usize>,
+        batch: usize,
+        split: Option<&SequenceSplit>,
+    ) -> LlamaShared<B> {
+        let rotation = self.rotary.rotation(positions, batch);
+        let rotation = match split {
+            Some(split) => {
+                let local: Vec<i64> = split.positions().iter().map(|&p| p as i64).collect();
+                let len = local.len();
+                let device = self.embed_tokens.device();
+                let local = Tensor::<B, 1, Int>::from_data(TensorData::new(local, [len]), &device)
+                    .reshape([1, len])
+                    .repeat_dim(0, batch);
+                rotation.at(local)
+            }
+            None => rotation,
+        };
+        LlamaShared {
+            rotation,
+            split: split.cloned(),
+        }
+    }
+
+    fn splits_sequences(&self) -> bool {
+        self.layers.iter().all(|layer| {
+            let attention = &layer.self_attn;
+            attention.sliding_window.is_none() && attention.shifted_group.is_none()
+        })
     }
 
     fn num_layers(&self) -> usize {
@@ -444,11 +493,11 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         &self,
         index: usize,
         h: Tensor<B, 3>,
-        rotation: &Rotation<B>,
+        shared: &LlamaShared<B>,
         sparse: Option<SparseBlock<B, AttentionProducts<B>>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
-        self.layers[index].attention_block(h, rotation, sparse, cache)
+        self.layers[index].attention_block(h, shared, sparse, cache)
     }
 
     fn kept_rows_attend_apart(&self, index: usize) -> bool {
@@ -468,12 +517,12 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         &self,
         index: usize,
         h: Tensor<B, 3>,
-        rotation: &Rotation<B>,
+        shared: &LlamaShared<B>,
         scoring: Option<BlockScoring>,
     ) -> BlockPass<B, AttentionProducts<B>> {
         let layer = &self.layers[index];
         let x = layer.input_layernorm.forward(h).detach();
-        layer.self_attn.pass(x, rotation, scoring)
+        layer.self_attn.pass(x, &shared.rotation, scoring)
     }
 
     fn mlp_pass(

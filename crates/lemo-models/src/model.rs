@@ -408,6 +408,15 @@ impl<B: LemoBackend> CausalLm<B> {
         Ok(())
     }
 
+    /// Whether a sequence of this model can be split over ranks (context parallelism; see
+    /// [`crate::decoder::Decoder::splits_sequences`]).
+    pub fn splits_sequences(&self) -> bool {
+        match self {
+            CausalLm::Llama(m) => m.splits_sequences(),
+            CausalLm::Opt(m) => m.splits_sequences(),
+        }
+    }
+
     /// Shifted sparse attention (LongLoRA's S2) with groups of `group_size` tokens in every
     /// layer, or dense attention with `None`.
     pub fn set_shifted_group(&mut self, group_size: Option<usize>) {

@@ -26,6 +26,7 @@ use crate::embedding::embed;
 use crate::lora::Linear;
 use crate::norm::LayerNorm;
 use crate::row_chunks::by_row_slices;
+use crate::sequence_split::SequenceSplit;
 use crate::weights::Loader;
 use lemo_kernels::recomputed_rows::{FrozenMlp, MlpActivation};
 
@@ -390,7 +391,12 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
             .expand([batch, len, hidden])
     }
 
-    fn shared(&self, _positions: Range<usize>, _batch: usize) {}
+    fn shared(&self, _positions: Range<usize>, _batch: usize, split: Option<&SequenceSplit>) {
+        assert!(
+            split.is_none(),
+            "OPT's learned positions do not split: refused when a run is set up"
+        );
+    }
 
     fn num_layers(&self) -> usize {
         self.layers.len()

@@ -3,21 +3,26 @@
 //! on all seven, LeMo's token-sparse graph replaying fixed kept rows, and LongLoRA (S2 attention,
 //! trainable embeddings and norms). Each case loads the adapter PEFT saved onto the transformers
 //! fixture it was made on, and checks the plain backward pass and the recomputing one
-//! (per-layer activation checkpointing), in f32, within 1e-4 of each gradient's largest value.
+//! (per-layer activation checkpointing), in f32, within 1e-4 of each gradient's largest value;
+//! the GQA case also split over sequence groups of 2 and 4 ranks (context parallelism, ranks on
+//! threads), whose loss and gradients summed over the ranks are the whole sequence's.
 //! Every trainable tensor must have an expected gradient and every expected gradient must be
 //! found, so a parameter trained on one side only fails too.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Barrier, Mutex};
 
 use burn::backend::Autodiff;
 use burn::module::Param;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Int, Tensor, TensorData};
+use lemo_kernels::exchange::{Exchange, RowExchange};
 use lemo_kernels::precision::Precision;
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
 use lemo_models::decoder::Batch;
+use lemo_models::sequence_split::SequenceSplit;
 use lemo_models::token_plan::{BlockRows, LayerPlan, TokenPlan, TokenSparsity};
 use lemo_sparsity::KeptRows;
 use lemo_test_support::files::HostTensor;
@@ -215,10 +220,7 @@ where
     let recompute_every_layer =
         ActivationPlan::uniform(LayerActivations::Recomputed, model.num_layers());
     let (loss, _) = model.next_token_loss_backward_planned(
-        Batch {
-            tokens,
-            labels: None,
-        },
+        Batch::new(tokens, None),
         CHUNK_ROWS,
         1.0,
         &mut sparsity(),
@@ -253,4 +255,119 @@ fn longlora_s2_with_trainable_embeddings_and_norms_matches_pytorch() {
 #[test]
 fn token_sparse_kept_rows_graph_matches_pytorch_on_wgpu() {
     check::<Autodiff<WgpuBackend>>("token_sparse", &Default::default());
+}
+
+/// A sequence group whose ranks are threads: each collective is a rendezvous on shared slots.
+struct ThreadGroup {
+    barrier: Barrier,
+    slots: Mutex<Vec<Vec<f32>>>,
+}
+
+struct ThreadRank {
+    group: Arc<ThreadGroup>,
+    rank: usize,
+    ranks: usize,
+}
+
+impl ThreadRank {
+    /// Every rank's `values`, in rank order.
+    fn exchange(&self, values: Vec<f32>) -> Vec<Vec<f32>> {
+        self.group.slots.lock().unwrap()[self.rank] = values;
+        self.group.barrier.wait();
+        let all = self.group.slots.lock().unwrap().clone();
+        self.group.barrier.wait();
+        all
+    }
+}
+
+impl RowExchange for ThreadRank {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    fn all_gather(&self, local: Vec<f32>) -> Vec<f32> {
+        self.exchange(local).concat()
+    }
+
+    fn reduce_scatter(&self, full: Vec<f32>) -> Vec<f32> {
+        let share = full.len() / self.ranks;
+        let all = self.exchange(full);
+        (self.rank * share..(self.rank + 1) * share)
+            .map(|i| all.iter().map(|values| values[i]).sum())
+            .collect()
+    }
+
+    fn barrier(&self) {
+        self.group.barrier.wait();
+    }
+}
+
+/// The GQA case's sequences split zig-zag over `ranks` threads, each with its own copy of the
+/// model, every layer kept or every layer recomputed: the loss sums and gradients summed over
+/// the ranks against PyTorch's over the whole sequences.
+fn check_split(ranks: usize, mode: LayerActivations) {
+    type B = Autodiff<CpuBackend>;
+    let group = Arc::new(ThreadGroup {
+        barrier: Barrier::new(ranks),
+        slots: Mutex::new(vec![Vec::new(); ranks]),
+    });
+    let results: Vec<(f64, BTreeMap<String, Vec<f32>>, Expected)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..ranks)
+            .map(|rank| {
+                let group = group.clone();
+                scope.spawn(move || {
+                    let device = Default::default();
+                    let (model, expected) = load::<B>("lora_gqa", &device);
+                    let tokens = Tensor::<B, 2, Int>::from_data(
+                        TensorData::new(expected.tokens.to_i64(), expected.tokens.shape.clone()),
+                        &device,
+                    );
+                    let exchange = Exchange(Arc::new(ThreadRank { group, rank, ranks }));
+                    let split = SequenceSplit::zigzag(tokens.dims()[1], exchange).unwrap();
+                    let batch = Batch {
+                        split: Some(split),
+                        ..Batch::new(tokens, None)
+                    };
+                    let plan = ActivationPlan::uniform(mode, model.num_layers());
+                    let mut found = BTreeMap::new();
+                    let (loss, _) = model.next_token_loss_backward_planned(
+                        batch,
+                        CHUNK_ROWS,
+                        1.0,
+                        &mut TokenSparsity::Dense,
+                        &plan,
+                        &mut |gradients| add_gradients(&model, gradients, &mut found),
+                    );
+                    let loss_sum: f32 = loss.into_scalar().elem();
+                    (loss_sum as f64, found, expected)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut loss_sum = 0.0;
+    let mut summed = BTreeMap::<String, Vec<f32>>::new();
+    for (loss, found, _) in &results {
+        loss_sum += loss;
+        for (name, gradient) in found {
+            let sum = summed
+                .entry(name.clone())
+                .or_insert_with(|| vec![0.0; gradient.len()]);
+            sum.iter_mut().zip(gradient).for_each(|(s, g)| *s += g);
+        }
+    }
+    let pass = format!("{ranks} ranks, {mode:?}");
+    compare(&pass, loss_sum, &summed, &results[0].2);
+}
+
+#[test]
+fn lora_with_grouped_query_heads_split_over_ranks_matches_pytorch() {
+    for ranks in [1, 2, 4] {
+        check_split(ranks, LayerActivations::Kept);
+    }
+    check_split(2, LayerActivations::Recomputed);
 }

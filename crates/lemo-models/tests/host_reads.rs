@@ -33,10 +33,7 @@ fn reads_of_a_step(
     if recomputed {
         let plan = ActivationPlan::uniform(LayerActivations::Recomputed, model.num_layers());
         model.next_token_loss_backward_planned(
-            Batch {
-                tokens,
-                labels: None,
-            },
+            Batch::new(tokens, None),
             5,
             1.0,
             &mut sparsity,

@@ -136,10 +136,7 @@ fn recomputing_and_token_eliminating_passes_honour_the_mask() {
 
     let mut recomputed = GradientSums::default();
     let (loss, scored) = model.next_token_loss_backward_planned(
-        Batch {
-            tokens: tokens.clone(),
-            labels: Some(label_tensor(&labels)),
-        },
+        Batch::new(tokens.clone(), Some(label_tensor(&labels))),
         7,
         1.0,
         &mut TokenSparsity::Dense,

@@ -60,10 +60,7 @@ fn assert_recomputation_matches_under<'a>(
     for plan in plans(model.num_layers()) {
         let mut planned = GradientSums::default();
         let (loss, planned_predictions) = model.next_token_loss_backward_planned(
-            Batch {
-                tokens: tokens.clone(),
-                labels: None,
-            },
+            Batch::new(tokens.clone(), None),
             chunk_rows,
             scale,
             &mut sparsity(),

@@ -134,7 +134,7 @@ fn a_sparse_layer_computes_the_dense_values_and_back_propagates_through_its_kept
         unreachable!()
     };
     use lemo_models::decoder::{Decoder, LayerRun, layer};
-    let shared = llama.shared(0..40, 1);
+    let shared = llama.shared(0..40, 1, None);
     let h = llama.embed(tokens, 0..40).detach().require_grad();
     let run = |sparsity: &mut TokenSparsity| {
         layer(

@@ -193,6 +193,7 @@ fn plan_input(job: &BenchJob, setup: &BenchSetup, seq_len: usize) -> PlanInput {
         device: job.device,
         seq_len,
         batch_size: 1,
+        context_parallel: 1,
         method: job.method,
         checkpointing: job.checkpointing,
         precision: job.precision,
@@ -457,10 +458,7 @@ fn measure<B: LemoBackend>(
         }
         let t0 = Instant::now();
         let mut grads = NamedTensors::<B>::new();
-        let batch = Batch {
-            tokens: int_tokens::<AB<B>>(sequences, device),
-            labels: None,
-        };
+        let batch = Batch::new(int_tokens::<AB<B>>(sequences, device), None);
         let mut token_sparsity = lemo::token_sparsity(elimination);
         let (_, _, mem) = forward_backward(
             &model,

@@ -87,8 +87,12 @@ pub struct PlanInput {
     pub model: ModelConfig,
     /// The CPU backend holds a layer's attention scores; the GPU backends never do.
     pub device: DeviceKind,
+    /// Tokens of each sequence (the whole sequence under context parallelism).
     pub seq_len: usize,
     pub batch_size: usize,
+    /// Ranks each sequence is split over (context parallelism; 1: none): a rank holds its share
+    /// of the tokens, and each layer's graph the keys and values of every position.
+    pub context_parallel: usize,
     pub method: Method,
     pub checkpointing: bool,
     pub precision: PrecisionKind,
@@ -262,7 +266,13 @@ pub fn cost_table(input: &PlanInput) -> CostTable {
     let dims = Dims::of(&input.model);
     let parts = fixed_parts(input, &dims);
     let activation_bytes = element_bytes(input.precision);
-    let tokens = (input.seq_len * input.batch_size) as f64;
+    let sequence_tokens = (input.seq_len * input.batch_size) as f64;
+    let tokens = sequence_tokens / input.context_parallel.max(1) as f64;
+    // The keys and values a split sequence's attention gathers, which its graph saves.
+    let gathered = match input.context_parallel {
+        0 | 1 => 0.0,
+        _ => 2.0 * dims.kv_dim * activation_bytes * sequence_tokens,
+    };
     let layer = ACTIVATION_SCALE
         * (9.0 * dims.hidden + 5.0 * dims.intermediate)
         * activation_bytes
@@ -273,7 +283,7 @@ pub fn cost_table(input: &PlanInput) -> CostTable {
     let lemo = input.method == Method::Lemo;
     let [kept_offset, rebuilt_offset] =
         LEMO_OFFSET_PER_WEIGHT_GIB.map(|o| if lemo { o * bf16_weights } else { 0.0 });
-    let flops = tokens * (2.0 * dims.layer_parameters() + 2.0 * tokens * dims.q_dim);
+    let flops = tokens * (2.0 * dims.layer_parameters() + 2.0 * sequence_tokens * dims.q_dim);
     let recompute_ns = flops / RECOMPUTE_FLOPS * 1e9;
     let exposed_copy_ns = residual / HOST_COPY_EXPOSED_BYTES_PER_S * 1e9;
     // A layer's projections dequantized: in its graph while it is kept or rebuilt.
@@ -290,8 +300,9 @@ pub fn cost_table(input: &PlanInput) -> CostTable {
             layer
         };
         LayerCost {
-            kept_bytes: (graph + kept_offset / layers as f64 + dequantized).max(0.0) as u64,
-            rebuilt_bytes: (keep * layer + rebuilt_offset + dequantized) as u64,
+            kept_bytes: (graph + gathered + kept_offset / layers as f64 + dequantized).max(0.0)
+                as u64,
+            rebuilt_bytes: (keep * layer + gathered + rebuilt_offset + dequantized) as u64,
             backward_bytes: ((RECOMPUTE_LAYERS - 1.0) * keep * layer) as u64,
             recompute_ns: recompute_ns as u64,
             exposed_copy_ns: exposed_copy_ns as u64,

@@ -2,7 +2,11 @@
 //! ranks, which share one device), and the liveness every in-process group needs, NCCL's too: a
 //! rank that stops (an error, a panic) marks the group, and the ranks waiting on it end with an
 //! error instead of waiting forever. Every wait also has a deadline, the collective timeout.
+//! A sequence group of context parallelism is a subgroup of consecutive ranks with rounds of its
+//! own: a rank that stops stops every group it is in, and a subgroup's ranks see their parent's
+//! stops.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -25,10 +29,18 @@ pub struct LocalGroup {
     timeout: Duration,
     round: Mutex<Round>,
     changed: Condvar,
+    /// The group this one is a subgroup of, whose stops it shares.
+    parent: Option<Arc<LocalGroup>>,
+    /// Subgroups by their first rank.
+    subgroups: Mutex<HashMap<usize, Arc<LocalGroup>>>,
 }
 
 impl LocalGroup {
     pub fn new(ranks: usize, timeout: Duration) -> Arc<Self> {
+        Self::with_parent(ranks, timeout, None)
+    }
+
+    fn with_parent(ranks: usize, timeout: Duration, parent: Option<Arc<Self>>) -> Arc<Self> {
         Arc::new(Self {
             ranks,
             timeout,
@@ -39,7 +51,19 @@ impl LocalGroup {
                 stopped: None,
             }),
             changed: Condvar::new(),
+            parent,
+            subgroups: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The subgroup of the `ranks` consecutive ranks from `first` (indices in this group): made
+    /// by the first of them to ask, the same one for the others.
+    pub fn subgroup(self: &Arc<Self>, first: usize, ranks: usize) -> Arc<Self> {
+        let mut subgroups = self.subgroups.lock().unwrap_or_else(|e| e.into_inner());
+        subgroups
+            .entry(first)
+            .or_insert_with(|| Self::with_parent(ranks, self.timeout, Some(self.clone())))
+            .clone()
     }
 
     pub fn ranks(&self) -> usize {
@@ -57,8 +81,12 @@ impl LocalGroup {
     }
 
     /// Sums `values` over the ranks: every rank gets the same sum, added in rank order.
+    /// Once a rank has stopped, every later sum fails at once.
     pub fn sum(&self, rank: usize, values: Vec<f64>) -> Result<Arc<Vec<f64>>, PeerFailure> {
         let deadline = Instant::now() + self.timeout;
+        if let Some((who, why)) = self.stopped() {
+            return Err(PeerFailure(format!("rank {who} stopped ({why})")));
+        }
         let mut round = self.lock();
         let generation = round.generation;
         round.contributions[rank] = Some(values);
@@ -90,7 +118,7 @@ impl LocalGroup {
             if round.generation != generation {
                 return Ok(round.result.clone());
             }
-            if let Some((who, why)) = &round.stopped {
+            if let Some((who, why)) = round.stopped.clone().or_else(|| self.parent_stopped()) {
                 return Err(PeerFailure(format!("rank {who} stopped ({why})")));
             }
             let now = Instant::now();
@@ -106,25 +134,37 @@ impl LocalGroup {
                 );
                 round.stopped.get_or_insert((rank, message.clone()));
                 self.changed.notify_all();
+                drop(round);
+                if let Some(parent) = &self.parent {
+                    parent.stop(rank, message.clone());
+                }
                 return Err(PeerFailure(message));
             }
+            // A subgroup also looks at its parent's stops, which do not wake it.
+            let wait = (deadline - now).min(Duration::from_millis(100));
             round = self
                 .changed
-                .wait_timeout(round, deadline - now)
+                .wait_timeout(round, wait)
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
     }
 
-    /// Marks `rank` as stopped for `why`: the ranks waiting on it, now or later, end with an error.
+    /// Marks `rank` as stopped for `why`: the ranks waiting on it, now or later, end with an
+    /// error, in this group and its subgroups (which look at it at least every 100 ms).
     pub fn stop(&self, rank: usize, why: String) {
         self.lock().stopped.get_or_insert((rank, why));
         self.changed.notify_all();
     }
 
-    /// The first rank that stopped, and why.
+    /// The first rank that stopped (here or in the parent group), and why.
     pub fn stopped(&self) -> Option<(usize, String)> {
-        self.lock().stopped.clone()
+        let own = self.lock().stopped.clone();
+        own.or_else(|| self.parent_stopped())
+    }
+
+    fn parent_stopped(&self) -> Option<(usize, String)> {
+        self.parent.as_ref().and_then(|parent| parent.stopped())
     }
 }
 

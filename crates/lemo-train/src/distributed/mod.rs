@@ -12,15 +12,18 @@ pub mod launch;
 pub mod local;
 #[cfg(feature = "cuda")]
 pub mod nccl;
+pub mod sequence;
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Result, bail};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
+use lemo_kernels::exchange::Exchange;
 
 use local::LocalGroup;
+use sequence::SequenceGroup;
 
 /// A collective ended because another rank stopped or did not answer in time: a consequence,
 /// not the cause, of a failed run.
@@ -137,6 +140,20 @@ impl Communicator {
         let sum = self.group.sum(self.local, values.to_vec())?;
         values.copy_from_slice(&sum);
         Ok(())
+    }
+
+    /// This rank's end of its sequence group (context parallelism): the `size` consecutive
+    /// ranks from `rank / size * size`. Its collectives run in process memory, so the group's
+    /// ranks must be this process's.
+    pub fn sequence_group(&self, size: usize) -> Result<Exchange> {
+        if self.group.ranks() < self.world && size > 1 {
+            bail!(
+                "--context-parallel {size}: the ranks of a sequence group exchange keys and values in process memory, so they run in one process: use --gpus N rather than a launcher with one process per GPU"
+            );
+        }
+        let first = self.local / size * size;
+        let group = SequenceGroup::new(self.group.subgroup(first, size), self.local - first);
+        Ok(Exchange(Arc::new(group)))
     }
 
     /// Sums a flat f32 bucket over the ranks; every rank gets the sum.

@@ -7,6 +7,7 @@ fn llama_2_7b(seq_len: usize, method: Method, checkpointing: bool) -> PlanInput 
         device: DeviceKind::Cuda,
         seq_len,
         batch_size: 1,
+        context_parallel: 1,
         method,
         checkpointing,
         precision: PrecisionKind::Bf16,
@@ -279,5 +280,29 @@ fn quantized_lemo_plans_cover_the_measured_h200_peaks() {
             predicted >= measured && predicted <= 1.15 * measured,
             "{label}: predicted {predicted:.2} GiB, measured {measured:.2}"
         );
+    }
+}
+
+/// A rank of a sequence split over 4 holds a quarter of the rows (as a sequence of a quarter of
+/// the length would) and, in each layer's graph, the keys and values of every position.
+#[test]
+fn a_split_sequence_holds_its_share_of_the_rows_and_every_positions_keys_and_values() {
+    let quarter = cost_table(&llama_2_7b(32768, Method::Lora, false));
+    let split = cost_table(&PlanInput {
+        seq_len: 131072,
+        context_parallel: 4,
+        ..llama_2_7b(32768, Method::Lora, false)
+    });
+    // K and V, 4096 channels each in bf16, at every one of the 131072 positions.
+    let gathered = 2.0 * 4096.0 * 2.0 * 131072.0;
+    assert_eq!(split.input_bytes, quarter.input_bytes);
+    for (whole, rank) in quarter.layers.iter().zip(&split.layers) {
+        for (x, y) in [
+            (whole.kept_bytes, rank.kept_bytes),
+            (whole.rebuilt_bytes, rank.rebuilt_bytes),
+        ] {
+            assert!(((y - x) as f64 - gathered).abs() < 1e3, "{x} -> {y}");
+        }
+        assert_eq!(rank.backward_bytes, whole.backward_bytes);
     }
 }

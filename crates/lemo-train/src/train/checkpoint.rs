@@ -21,6 +21,9 @@ pub struct TrainerState {
     /// Data-parallel ranks: a resume must have as many (one in checkpoints from before ranks).
     #[serde(default = "one_rank")]
     pub ranks: usize,
+    /// Ranks per sequence group (context parallelism): a resume must have as many.
+    #[serde(default = "one_rank")]
+    pub context_parallel: usize,
     pub tokens_seen: u64,
     pub elapsed_s: f64,
     /// The run that wrote the checkpoint (absent in checkpoints from before it was recorded).
@@ -241,6 +244,7 @@ mod tests {
                 seq_len: 16,
                 train_sequences: 4,
                 ranks: 1,
+                context_parallel: 1,
                 tokens_seen: 48,
                 elapsed_s: 1.0,
                 run_id: Some("run".into()),

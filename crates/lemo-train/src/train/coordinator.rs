@@ -61,8 +61,10 @@ impl Coordinator {
             run_started: Instant::now(),
             elapsed_before: resumed.map_or(0.0, |s| s.elapsed_s),
             tokens_seen: resumed.map_or(0, |s| s.tokens_seen),
-            tokens_per_step: (setup.ranks() * config.grad_accum * config.batch_size * setup.seq_len)
-                as u64,
+            tokens_per_step: (setup.data_ranks()
+                * config.grad_accum
+                * config.batch_size
+                * setup.seq_len) as u64,
             first_loss: None,
             last_loss: None,
             last_val: None,
@@ -111,6 +113,7 @@ impl Coordinator {
             "tokens_per_s": tokens_per_s,
             "step_time_s": record.step_time,
             "ranks": setup.ranks(),
+            "context_parallel": setup.config.context_parallel,
             "allreduce_s": record.allreduce_time,
             "allreduce_share": allreduce_share,
             "mem_in_use_gib": gib(record.mem_in_use),
@@ -180,6 +183,7 @@ impl Coordinator {
             seq_len: setup.seq_len,
             train_sequences: setup.corpus.train_len(),
             ranks: setup.ranks(),
+            context_parallel: setup.config.context_parallel,
             tokens_seen: self.tokens_seen,
             elapsed_s: self.elapsed(),
             run_id: setup.run_id.clone(),

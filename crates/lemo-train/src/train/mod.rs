@@ -186,6 +186,7 @@ fn plan_input(
         device,
         seq_len,
         batch_size: config.batch_size,
+        context_parallel: config.context_parallel,
         method: config.method,
         checkpointing: config.checkpointing,
         precision,

@@ -4,14 +4,16 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use burn::backend::Autodiff;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use lemo_kernels::LemoBackend;
+use lemo_kernels::exchange::Exchange;
 use lemo_models::CausalLm;
 use lemo_models::decoder::Batch;
+use lemo_models::sequence_split::SequenceSplit;
 use lemo_sparsity::calibration::Block;
 
 use super::checkpoint::{CheckpointFiles, TrainerState};
@@ -70,6 +72,12 @@ impl<B: LemoBackend> Replica<B> {
             .with_new_lora(&setup.lora, config.seed)?
             .set_extra_trainable(&setup.lora)?;
         model.set_shifted_group(config.s2.group(config.method, setup.seq_len)?);
+        if config.context_parallel > 1 && !model.splits_sequences() {
+            bail!(
+                "--context-parallel {}: this model's sequences do not split over ranks (context parallelism needs rotary positions and no sliding window: Llama-2/3, TinyLlama, SmolLM2, not OPT or Mistral)",
+                config.context_parallel
+            );
+        }
         let elimination = elimination(setup, &model, rank)?;
         let mut optimizer = AdamW::<B>::new(AdamWSettings {
             beta1: config.beta1,
@@ -110,16 +118,16 @@ impl<B: LemoBackend> Replica<B> {
             .collect()
     }
 
-    /// Forward and backward passes of this rank's micro-batches of `step`. The gradients are
-    /// scaled so that their sum over the ranks is the gradient of the mean loss of the global
-    /// batch.
+    /// Forward and backward passes of this rank's micro-batches of `step` (with a
+    /// `sequence_group`, of this rank's positions of them). The gradients are scaled so that
+    /// their sum over the ranks is the gradient of the mean loss of the global batch.
     pub fn accumulate(
         &self,
         setup: &Setup,
-        shard: &Shard,
+        (shard, sequence_group): (&Shard, Option<&Exchange>),
         step: usize,
         peak: &mut PeakTracker,
-    ) -> (NamedTensors<B>, LocalStep) {
+    ) -> Result<(NamedTensors<B>, LocalStep)> {
         let config = &setup.config;
         let mut grads = NamedTensors::<B>::new();
         let mut local = LocalStep::default();
@@ -136,9 +144,14 @@ impl<B: LemoBackend> Replica<B> {
                 .sequences(step, micro)
                 .map(|i| setup.corpus.train_sequence(i))
                 .collect();
+            let tokens = int_tokens::<AB<B>>(&sequences, &self.device);
+            let seq = tokens.dims()[1];
             let batch = Batch {
-                tokens: int_tokens::<AB<B>>(&sequences, &self.device),
+                tokens,
                 labels: int_labels::<AB<B>>(&sequences, &self.device),
+                split: sequence_group
+                    .map(|group| SequenceSplit::zigzag(seq, group.clone()))
+                    .transpose()?,
             };
             let mut token_sparsity = lemo::token_sparsity(self.elimination.as_ref());
             let (loss, n, mem) = forward_backward(
@@ -161,7 +174,7 @@ impl<B: LemoBackend> Replica<B> {
             peak.peak = peak.peak.max(mem);
             peak.record();
         }
-        (grads, local)
+        Ok((grads, local))
     }
 
     /// One AdamW update with `grads` at learning rate `lr`.

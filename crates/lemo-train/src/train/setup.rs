@@ -52,6 +52,11 @@ impl Setup {
         self.config.gpus
     }
 
+    /// Ranks that read sequences of their own: one per sequence group.
+    pub fn data_ranks(&self) -> usize {
+        self.config.gpus / self.config.context_parallel
+    }
+
     /// Steps already done (by the checkpoint resumed from).
     pub fn start_step(&self) -> usize {
         self.resumed.as_ref().map_or(0, |r| r.state.step)
@@ -125,6 +130,7 @@ pub fn prepare(job: TrainJob) -> Result<Setup> {
         .unwrap_or(trained_context);
     crate::modelio::check_seq_len(&model_config, seq_len, config.target_context)?;
     crate::modelio::check_lora_rank(&model_config, config.lora_rank)?;
+    check_context_parallel(&config, seq_len)?;
     let s2_group = config.s2.group(config.method, seq_len)?;
     // The data first: its errors are the likeliest, and come before any plan is printed.
     let corpus = read_corpus(&config, &model_path, &model_config, seq_len)?;
@@ -313,6 +319,25 @@ fn check_loss_on(
     Ok(chats.len())
 }
 
+/// Ranks that form whole sequence groups, and sequences that split evenly over a group.
+fn check_context_parallel(config: &TrainConfig, seq_len: usize) -> Result<()> {
+    let group = config.context_parallel;
+    if !config.gpus.is_multiple_of(group) {
+        bail!(
+            "--context-parallel {group} does not divide the {} rank(s) (--gpus): the ranks form sequence groups of {group}",
+            config.gpus
+        );
+    }
+    if !seq_len.is_multiple_of(2 * group) {
+        bail!(
+            "--seq-len {seq_len}: --context-parallel {group} splits each sequence into {} equal chunks, so the length must be a multiple of {}",
+            2 * group,
+            2 * group
+        );
+    }
+    Ok(())
+}
+
 /// The checkpoint in `dir`, written with as many ranks as this run has.
 fn load_resumed(dir: &std::path::Path, config: &TrainConfig) -> Result<CheckpointFiles> {
     let files = checkpoint::load(dir)?;
@@ -322,6 +347,14 @@ fn load_resumed(dir: &std::path::Path, config: &TrainConfig) -> Result<Checkpoin
             "--resume {}: the checkpoint was trained on {ranks} rank(s) and this run has {} (--gpus): the global batch (ranks x batch x grad-accum) and so the steps differ; resume with --gpus {ranks}",
             dir.display(),
             config.gpus,
+        );
+    }
+    let group = files.state.context_parallel;
+    if group != config.context_parallel {
+        bail!(
+            "--resume {}: the checkpoint was trained with sequence groups of {group} rank(s) and this run has {} (--context-parallel): the data-parallel groups and so the steps differ; resume with --context-parallel {group}",
+            dir.display(),
+            config.context_parallel,
         );
     }
     Ok(files)

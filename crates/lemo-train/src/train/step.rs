@@ -37,29 +37,31 @@ pub fn forward_backward<B: AutodiffBackend + LemoBackend>(
 where
     B::InnerBackend: LemoBackend,
 {
-    let (loss_sum, predictions, after_forward) = if !activations.is_all_kept() {
-        let mut after_forward = None;
-        let (loss_sum, predictions) = model.next_token_loss_backward_planned(
-            batch,
-            segment,
-            scale,
-            sparsity,
-            activations,
-            &mut |gradients| {
-                after_forward.get_or_insert_with(|| memory::sample().in_use);
-                optim::accumulate_grads(model, gradients, grads);
-            },
-        );
-        (loss_sum, predictions, after_forward.unwrap_or_default())
-    } else {
-        let Batch { tokens, labels } = batch;
-        let (loss, predictions) = model.next_token_loss_sum(tokens, labels, segment, sparsity);
-        let after_forward = memory::sample().in_use;
-        let loss_sum = loss.clone().inner();
-        let model_grads = loss.mul_scalar(scale).backward();
-        optim::accumulate_grads(model, &model_grads, grads);
-        (loss_sum, predictions, after_forward)
-    };
+    // A rank of a sequence group runs the planned passes, which split the batch's sequences.
+    let (loss_sum, predictions, after_forward) =
+        if !activations.is_all_kept() || batch.split.is_some() {
+            let mut after_forward = None;
+            let (loss_sum, predictions) = model.next_token_loss_backward_planned(
+                batch,
+                segment,
+                scale,
+                sparsity,
+                activations,
+                &mut |gradients| {
+                    after_forward.get_or_insert_with(|| memory::sample().in_use);
+                    optim::accumulate_grads(model, gradients, grads);
+                },
+            );
+            (loss_sum, predictions, after_forward.unwrap_or_default())
+        } else {
+            let Batch { tokens, labels, .. } = batch;
+            let (loss, predictions) = model.next_token_loss_sum(tokens, labels, segment, sparsity);
+            let after_forward = memory::sample().in_use;
+            let loss_sum = loss.clone().inner();
+            let model_grads = loss.mul_scalar(scale).backward();
+            optim::accumulate_grads(model, &model_grads, grads);
+            (loss_sum, predictions, after_forward)
+        };
     // The step's one host read.
     let loss_sum = host_reads::read_f32(loss_sum)[0] as f64;
     (loss_sum, predictions, after_forward)

@@ -37,9 +37,14 @@ pub fn train_rank<B: LemoBackend>(
     if rank == 0 {
         announce(setup, &replica, ranks, &device);
     }
+    // The ranks of a sequence group read the same sequences and each trains its positions.
+    let group = config.context_parallel;
+    let sequence_group = (group > 1)
+        .then(|| comm.sequence_group(group))
+        .transpose()?;
     let shard = Shard {
-        rank,
-        ranks,
+        rank: rank / group,
+        ranks: ranks / group,
         batch: config.batch_size,
         grad_accum: config.grad_accum,
     };
@@ -73,7 +78,8 @@ pub fn train_rank<B: LemoBackend>(
                 .wrapping_add(step as u64)
                 .wrapping_add((rank as u64) << 32),
         );
-        let (grads, local) = replica.accumulate(setup, &shard, step, &mut peak);
+        let (grads, local) =
+            replica.accumulate(setup, (&shard, sequence_group.as_ref()), step, &mut peak)?;
         if ranks > 1 {
             // The rank's own backward pass is not collective time.
             lemo_kernels::memory::synchronize::<B>(&device);

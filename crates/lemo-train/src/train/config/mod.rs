@@ -189,6 +189,14 @@ pub struct TrainConfig {
     /// process per GPU, on one machine or several) leave it out.
     #[arg(long, visible_alias = "ranks", default_value_t = 1)]
     pub gpus: usize,
+    /// Context parallelism: each sequence is split over groups of N of the --gpus ranks (N
+    /// divides --gpus; --gpus 4 --context-parallel 2 is two data-parallel groups of two). A rank
+    /// holds 2/(2N) of each sequence's tokens (zig-zag, so the causal work is balanced) through
+    /// every layer and gathers the keys and values of the others for attention: activations per
+    /// rank shrink N-fold, so sequences N times longer fit. --method lora; the sequence length
+    /// must be a multiple of 2N.
+    #[arg(long, default_value_t = 1)]
+    pub context_parallel: usize,
     /// How long a rank waits for the others (a rank that died or hangs) before the run ends
     /// with an error: 10m, 90s, 1h, or off.
     #[arg(long, default_value = "10m")]

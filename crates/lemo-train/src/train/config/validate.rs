@@ -64,6 +64,15 @@ impl TrainConfig {
             bail!("--loss-segment must be positive");
         }
         self.s2.validate(self.method)?;
+        if self.context_parallel == 0 {
+            bail!("--context-parallel must be at least 1");
+        }
+        if self.context_parallel > 1 && self.method != Method::Lora {
+            bail!(
+                "--context-parallel {} trains with --method lora: the token elimination of lemo and the S2 groups of longlora do not split over ranks yet",
+                self.context_parallel
+            );
+        }
         let in_range = |flag: &str, value: f64, range: Range| -> Result<()> {
             if !range.contains(value) {
                 bail!("--{flag} {value} is outside {}", range.describe());
