@@ -19,6 +19,7 @@ use lemo_kernels::memory::LayerBuffers;
 use lemo_kernels::recomputed_rows::{FrozenMlp, with_recomputed_rows};
 use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
 
+use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 use lemo_sparsity::informativeness::BlockScoring;
 
@@ -50,6 +51,11 @@ pub trait Decoder<B: Backend> {
         batch: usize,
         split: Option<&SequenceSplit>,
     ) -> Self::Shared;
+
+    /// The sequence split a pass with `shared` runs under, if any.
+    fn sequence_split<'s>(&self, _shared: &'s Self::Shared) -> Option<&'s SequenceSplit> {
+        None
+    }
 
     /// Whether a sequence of this model can be split over ranks (context parallelism): its
     /// positions enter attention alone (rotary embeddings), and it has no sliding window or S2
@@ -140,6 +146,8 @@ pub struct RowActivations {
 /// drops `[batch, seq - kept]` where its backward pass reaches them.
 pub struct SparseBlock<B: Backend, P> {
     pub rows: Tensor<B, 2, Int>,
+    /// Under a sequence split, the kept rows of the whole sequence (`rows` are the rank's).
+    pub whole: Option<KeptRows>,
     /// `None` where nothing reads the block's value ([`LayerRun::Rebuild`] of an MLP block):
     /// its kept rows then compute their products themselves.
     pub pass: Option<BlockPass<B, P>>,
@@ -154,6 +162,7 @@ impl<B: Backend, P> SparseBlock<B, P> {
     pub fn new(kept: &BlockRows, pass: Option<BlockPass<B, P>>) -> Self {
         Self {
             rows: kept.rows(),
+            whole: kept.whole.clone(),
             dropped: kept.dropped(),
             pass,
         }
@@ -262,9 +271,10 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
     sparsity: &mut TokenSparsity,
     run: LayerRun,
 ) -> Tensor<B, 3> {
+    let split = decoder.sequence_split(shared);
     let input = h.clone().detach();
     let sparse = sparsity
-        .block(index, Block::Attention, &input, |scoring| {
+        .block(index, Block::Attention, (&input, split), |scoring| {
             decoder.attention_pass(index, input.clone(), shared, scoring)
         })
         .map(|(kept, pass)| SparseBlock::new(&kept, Some(pass)));
@@ -281,7 +291,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
         LayerRun::Graph => {
             let input = a.clone().detach();
             let sparse = sparsity
-                .block(index, Block::Mlp, &input, |scoring| {
+                .block(index, Block::Mlp, (&input, split), |scoring| {
                     decoder.mlp_pass(index, input.clone(), scoring)
                 })
                 .map(|(kept, pass)| SparseBlock::new(&kept, Some(pass)));
@@ -293,7 +303,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
             let width = decoder.row_activations().mlp.unwrap_or(0);
             let slice_rows = slice_len::<B>(&a.device(), a.dtype(), [batch, seq], width);
             let input = a.clone().detach();
-            let pass = sparsity.block(index, Block::Mlp, &input, |scoring| {
+            let pass = sparsity.block(index, Block::Mlp, (&input, split), |scoring| {
                 mlp_pass_by_slices(decoder, index, input.clone(), scoring, slice_rows)
             });
             drop(input);
@@ -303,7 +313,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
             }
         }
         LayerRun::Rebuild => {
-            let kept = sparsity.replayed(index, Block::Mlp);
+            let kept = sparsity.replayed::<B>(index, Block::Mlp, split, &a.device());
             match (decoder.frozen_mlp(index), kept) {
                 (Some(frozen), kept) => {
                     let rows = match kept {
@@ -397,11 +407,24 @@ pub fn hidden_states<B: LemoBackend, D: Decoder<B>>(
     decoder: &D,
     tokens: Tensor<B, 2, Int>,
     positions: Range<usize>,
-    mut cache: Option<&mut KvCache<B>>,
+    cache: Option<&mut KvCache<B>>,
     sparsity: &mut TokenSparsity,
 ) -> Tensor<B, 3> {
     let [batch, _] = tokens.dims();
     let shared = decoder.shared(positions.clone(), batch, None);
+    layers_output(decoder, tokens, positions, &shared, cache, sparsity)
+}
+
+/// The final normalized hidden states of `tokens`, embedded at `positions`, through every layer
+/// with `shared`.
+fn layers_output<B: LemoBackend, D: Decoder<B>>(
+    decoder: &D,
+    tokens: Tensor<B, 2, Int>,
+    positions: Range<usize>,
+    shared: &D::Shared,
+    mut cache: Option<&mut KvCache<B>>,
+    sparsity: &mut TokenSparsity,
+) -> Tensor<B, 3> {
     row_buffers(decoder, &tokens);
     let mut h = decoder.embed(tokens, positions);
     for index in 0..decoder.num_layers() {
@@ -410,13 +433,84 @@ pub fn hidden_states<B: LemoBackend, D: Decoder<B>>(
             decoder,
             index,
             h,
-            &shared,
+            shared,
             layer_cache,
             sparsity,
             LayerRun::Graph,
         );
     }
     decoder.output_norm(h)
+}
+
+/// What a pass over a batch runs on: this rank's tokens (every token without a split), the
+/// target each of its positions is scored against in the whole sequence (the next token may be
+/// another rank's), and how many of them are scored.
+struct PassInputs<B: Backend> {
+    tokens: Tensor<B, 2, Int>,
+    targets: Tensor<B, 2, Int>,
+    predictions: usize,
+    split: Option<SequenceSplit>,
+    /// Tokens of each whole sequence.
+    len: usize,
+}
+
+impl<B: Backend> PassInputs<B> {
+    fn of(batch: Batch<B>) -> Self {
+        let Batch {
+            tokens,
+            labels,
+            split,
+        } = batch;
+        let [batch, len] = tokens.dims();
+        let targets = next_token_targets(tokens.clone(), labels.clone());
+        let (tokens, targets) = match &split {
+            Some(split) => (split.local_columns(tokens), split.local_columns(targets)),
+            None => (tokens, targets),
+        };
+        let predictions = match (&labels, &split) {
+            (Some(_), _) => scored_targets(&targets),
+            (None, None) => batch * (len - 1),
+            (None, Some(split)) => {
+                batch * split.positions().iter().filter(|&&p| p + 1 < len).count()
+            }
+        };
+        Self {
+            tokens,
+            targets,
+            predictions,
+            split,
+            len,
+        }
+    }
+}
+
+/// The summed next-token loss of this rank's positions of `batch`'s sequences, split over a
+/// sequence group, and how many predictions it sums (evaluation: no graph is needed, every
+/// block is dense); summed over the group, the whole sequences' (see [`next_token_loss`]).
+pub fn split_loss_sum<B: LemoBackend, D: Decoder<B>>(
+    decoder: &D,
+    batch: Batch<B>,
+    chunk_rows: usize,
+) -> (Tensor<B, 1>, usize) {
+    let PassInputs {
+        tokens,
+        targets,
+        predictions,
+        split,
+        len,
+    } = PassInputs::of(batch);
+    let [batch, local] = tokens.dims();
+    let shared = decoder.shared(0..len, batch, split.as_ref());
+    let hidden = layers_output(
+        decoder,
+        tokens,
+        0..local,
+        &shared,
+        None,
+        &mut TokenSparsity::Dense,
+    );
+    let loss = targets_loss(hidden, decoder.lm_head_weight(), targets, chunk_rows);
+    (loss, predictions)
 }
 
 /// The token ids of a batch, `[batch, len]`, and the labels the loss scores them by where it
@@ -641,26 +735,16 @@ where
         decoder.num_layers(),
         "one mode per layer"
     );
-    let Batch {
+    let PassInputs {
         tokens,
-        labels,
+        targets,
+        predictions,
         split,
-    } = batch;
-    let [batch, len] = tokens.dims();
+        len,
+    } = PassInputs::of(batch);
+    let [batch, local] = tokens.dims();
     let shared = decoder.shared(0..len, batch, split.as_ref());
-    let targets = next_token_targets(tokens.clone(), labels.clone());
-    // A rank of a sequence group runs its own positions, each scored against its target in the
-    // whole sequence (the next token may be another rank's).
-    let (tokens, targets) = match &split {
-        Some(split) => (split.local_columns(tokens), split.local_columns(targets)),
-        None => (tokens, targets),
-    };
-    let predictions = match (&labels, &split) {
-        (Some(_), _) => scored_targets(&targets),
-        (None, None) => batch * (len - 1),
-        (None, Some(split)) => batch * split.positions().iter().filter(|&&p| p + 1 < len).count(),
-    };
-    let positions = 0..tokens.dims()[1];
+    let positions = 0..local;
     let StoredForward {
         layers: mut stored,
         last: h,

@@ -116,7 +116,12 @@ impl<B: LemoBackend> LlamaAttention<B> {
                         .unsqueeze_dim::<3>(1)
                         .expand([batch, self.num_heads, len]),
                 );
-                let out = attention_with_value(q, k, v, (out, lse), self.options());
+                let out = match (split, &sparse.whole) {
+                    (Some(split), Some(whole)) => {
+                        split.kept_attention((q, k, v), (out, lse), whole, self.options())
+                    }
+                    _ => attention_with_value(q, k, v, (out, lse), self.options()),
+                };
                 (out, product(|p| &p.o))
             }
         };
@@ -131,6 +136,7 @@ impl<B: LemoBackend> LlamaAttention<B> {
         x: Tensor<B, 3>,
         rotation: &Rotation<B>,
         scoring: Option<BlockScoring>,
+        split: Option<&SequenceSplit>,
     ) -> BlockPass<B, AttentionProducts<B>> {
         let x = x.detach();
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
@@ -139,9 +145,19 @@ impl<B: LemoBackend> LlamaAttention<B> {
         let q = rotation.apply(self.heads(q, self.num_heads));
         let k = rotation.apply(self.heads(k, self.num_kv_heads));
         let v = self.heads(v, self.num_kv_heads);
-        let scores =
-            scoring.map(|scoring| informativeness::attention(q.clone(), k.clone(), scoring));
-        let (out, lse) = attention_with_lse(q, k, v, self.options());
+        let ((out, lse), scores) = match split {
+            Some(split) => {
+                let (k, v) = split.gather_key_values(k, v);
+                let scores = scoring
+                    .map(|scoring| split.attention_column_sums(q.clone(), k.clone(), scoring));
+                (split.attention_with_lse(q, k, v, self.options()), scores)
+            }
+            None => {
+                let scores = scoring
+                    .map(|scoring| informativeness::attention(q.clone(), k.clone(), scoring));
+                (attention_with_lse(q, k, v, self.options()), scores)
+            }
+        };
         let out = self.merge_heads(out);
         let (output, o_product) = self.o_proj.pass(out.clone());
         BlockPass {
@@ -283,15 +299,12 @@ impl<B: LemoBackend> LlamaLayer<B> {
                     .forward(x, rotation, None, cache, shared.split.as_ref())
             }
             Some(sparse) => {
-                assert!(
-                    shared.split.is_none(),
-                    "token elimination over a split sequence is refused when a run is set up"
-                );
                 let x = norm.forward_rows(h.clone(), sparse.rows.clone());
-                let rotation = rotation.at(sparse.rows.clone());
+                let rotation = rotation.of_rows(sparse.rows.clone());
+                let split = shared.split.as_ref();
                 let out = self
                     .self_attn
-                    .forward(x, &rotation, Some(&sparse), None, None);
+                    .forward(x, &rotation, Some(&sparse), None, split);
                 let sparse = match self.self_attn.shifted_group {
                     Some(_) => sparse.with_kept_output(out.clone()),
                     None => sparse,
@@ -463,6 +476,10 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         }
     }
 
+    fn sequence_split<'s>(&self, shared: &'s LlamaShared<B>) -> Option<&'s SequenceSplit> {
+        shared.split.as_ref()
+    }
+
     fn splits_sequences(&self) -> bool {
         self.layers.iter().all(|layer| {
             let attention = &layer.self_attn;
@@ -522,7 +539,9 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
     ) -> BlockPass<B, AttentionProducts<B>> {
         let layer = &self.layers[index];
         let x = layer.input_layernorm.forward(h).detach();
-        layer.self_attn.pass(x, &shared.rotation, scoring)
+        layer
+            .self_attn
+            .pass(x, &shared.rotation, scoring, shared.split.as_ref())
     }
 
     fn mlp_pass(

@@ -247,6 +247,15 @@ impl<B: LemoBackend> CausalLm<B> {
         decoder::next_token_loss(hidden, self.lm_head_weight(), tokens, labels, chunk_rows)
     }
 
+    /// [`Self::next_token_loss_sum`] of this rank's positions of `batch`'s sequences, split over
+    /// a sequence group (see [`decoder::split_loss_sum`]); every block dense.
+    pub fn split_loss_sum(&self, batch: Batch<B>, chunk_rows: usize) -> (Tensor<B, 1>, usize) {
+        match self {
+            CausalLm::Llama(m) => decoder::split_loss_sum(m, batch, chunk_rows),
+            CausalLm::Opt(m) => decoder::split_loss_sum(m, batch, chunk_rows),
+        }
+    }
+
     /// Every linear projection with its Hugging Face module path (`model.layers.3.self_attn.q_proj`).
     pub fn projections_mut(&mut self) -> Vec<(String, &mut Linear<B>)> {
         match self {

@@ -10,14 +10,27 @@
 //! `heads / kv_heads` times smaller than the queries, which makes gathering them cheaper than
 //! exchanging queries (Ulysses) or passing slices around a ring; the cost is every position's
 //! keys and values on every rank, for each layer whose graph is kept.
+//!
+//! Token elimination splits too: each rank scores its rows' token blocks (attention: its query
+//! blocks' column sums over every key block; MLP: its own blocks), the scores of the whole
+//! sequence are assembled from all ranks, every rank selects the same kept blocks from them,
+//! and each rank's share is topped up to as many blocks as the rank keeping most
+//! ([`KeptRows::balanced`]). The kept rows' graph attends to the kept keys and values of every
+//! rank, gathered the same way; the forward pass stays exact.
 
 use std::ops::Range;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
+use lemo_kernels::attention::{attention, attention_with_lse, attention_with_value};
+use lemo_kernels::block_scores::block_scores;
 use lemo_kernels::exchange::{Exchange, all_gather_rows};
 use lemo_kernels::{AttentionOptions, LemoBackend};
+use lemo_sparsity::KeptRows;
+use lemo_sparsity::calibration::Block;
+use lemo_sparsity::informativeness::{BlockScoring, column_means};
 
+use crate::token_plan::BlockRows;
 use crate::{Error, Result};
 
 /// This rank's positions of a sequence split zig-zag over a sequence group.
@@ -89,31 +102,73 @@ impl SequenceSplit {
         t.select(1, indices)
     }
 
-    /// Every position's keys and values `[batch, kv_heads, seq, head_dim]` from this rank's
-    /// `k, v: [batch, kv_heads, rows, head_dim]`: one collective for both (so every rank makes
-    /// the same calls in the same order, in the backward pass too).
-    fn gather_key_values<B: LemoBackend>(
+    /// The rank holding `position`, and its row among that rank's rows.
+    fn owner(&self, position: usize) -> (usize, usize) {
+        let ranks = self.exchange.ranks();
+        let chunk = self.seq / (2 * ranks);
+        let row = self.gathered_row[position] as usize;
+        (row / (2 * chunk), row % (2 * chunk))
+    }
+
+    /// This rank's row holding `position`, if it holds it.
+    fn local_row(&self, position: usize) -> Option<usize> {
+        let (owner, row) = self.owner(position);
+        (owner == self.exchange.rank()).then_some(row)
+    }
+
+    /// Every rank's `local: [rows, width]` stacked in rank order (see [`all_gather_rows`]).
+    fn gather<B: LemoBackend>(&self, local: Tensor<B, 2>) -> Tensor<B, 2> {
+        all_gather_rows(local, &self.exchange)
+    }
+
+    /// Every rank's keys and values `[batch, kv_heads, rows, head_dim]` (as many rows on each),
+    /// in one collective (so every rank makes the same calls in the same order, in the backward
+    /// pass too), then the rows `order` names of the rank-ordered rows.
+    fn gather_rows_of<B: LemoBackend>(
         &self,
         k: Tensor<B, 4>,
         v: Tensor<B, 4>,
+        order: Vec<i64>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let [batch, kv_heads, rows, head_dim] = k.dims();
         let local = Tensor::cat(vec![k, v], 3)
             .permute([2, 0, 1, 3])
             .reshape([rows, batch * kv_heads * 2 * head_dim]);
-        let gathered = all_gather_rows(local, &self.exchange);
-        let order = Tensor::from_data(
-            TensorData::new(self.gathered_row.clone(), [self.seq]),
-            &gathered.device(),
-        );
+        let gathered = self.gather(local);
+        let len = order.len();
+        let order = Tensor::from_data(TensorData::new(order, [len]), &gathered.device());
         let both = gathered
             .select(0, order)
-            .reshape([self.seq, batch, kv_heads, 2 * head_dim])
+            .reshape([len, batch, kv_heads, 2 * head_dim])
             .permute([1, 2, 0, 3]);
         (
             both.clone().narrow(3, 0, head_dim),
             both.narrow(3, head_dim, head_dim),
         )
+    }
+
+    /// Every position's keys and values `[batch, kv_heads, seq, head_dim]` from this rank's
+    /// `k, v: [batch, kv_heads, rows, head_dim]`.
+    pub fn gather_key_values<B: LemoBackend>(
+        &self,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+    ) -> (Tensor<B, 4>, Tensor<B, 4>) {
+        self.gather_rows_of(k, v, self.gathered_row.clone())
+    }
+
+    /// This rank's queries `q: [batch, q_heads, rows, head_dim]` in its two chunks, each with the
+    /// length of the key prefix it attends to (the keys up to the chunk's end).
+    fn chunk_queries<B: Backend>(&self, q: Tensor<B, 4>) -> Vec<(Tensor<B, 4>, usize)> {
+        let mut start = 0;
+        self.chunks
+            .iter()
+            .map(|chunk| {
+                let queries = q.clone().narrow(2, start, chunk.len());
+                start += chunk.len();
+                (queries, chunk.end)
+            })
+            .collect()
     }
 
     /// Attention of this rank's queries `q: [batch, q_heads, rows, head_dim]` to the keys and
@@ -126,16 +181,189 @@ impl SequenceSplit {
         options: AttentionOptions,
     ) -> Tensor<B, 4> {
         let (k, v) = self.gather_key_values(k, v);
-        let mut start = 0;
         let outputs = self
+            .chunk_queries(q)
+            .into_iter()
+            .map(|(queries, end)| {
+                let keys = k.clone().narrow(2, 0, end);
+                let values = v.clone().narrow(2, 0, end);
+                attention(queries, keys, values, options)
+            })
+            .collect();
+        Tensor::cat(outputs, 2)
+    }
+
+    /// [`Self::attention`] outside the graph, with each query's log-sum-exp, given the keys and
+    /// values of every position (`k, v: [batch, kv_heads, seq, head_dim]`).
+    pub fn attention_with_lse<B: LemoBackend>(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        v: Tensor<B, 4>,
+        options: AttentionOptions,
+    ) -> (Tensor<B, 4>, Tensor<B, 3>) {
+        let (outputs, lse): (Vec<_>, Vec<_>) = self
+            .chunk_queries(q)
+            .into_iter()
+            .map(|(queries, end)| {
+                let keys = k.clone().narrow(2, 0, end);
+                let values = v.clone().narrow(2, 0, end);
+                attention_with_lse(queries, keys, values, options)
+            })
+            .unzip();
+        (Tensor::cat(outputs, 2), Tensor::cat(lse, 2))
+    }
+
+    /// This rank's share of the attention block's token-block informativeness: for every key
+    /// block of the sequence, the sum of its block scores over this rank's query blocks,
+    /// `[batch, blocks]` (f32), given every position's keys `k`. Each chunk's queries sit at
+    /// their positions behind zero rows, whose scores are 0 and change no block's maximum. The
+    /// chunks must be whole token blocks.
+    pub fn attention_column_sums<B: LemoBackend>(
+        &self,
+        q: Tensor<B, 4>,
+        k: Tensor<B, 4>,
+        scoring: BlockScoring,
+    ) -> Tensor<B, 2> {
+        let [batch, heads, _, head_dim] = q.dims();
+        let blocks = self.seq.div_ceil(scoring.block_size);
+        let device = q.device();
+        self.chunk_queries(q)
+            .into_iter()
+            .zip(&self.chunks)
+            .map(|((queries, end), chunk)| {
+                let queries = match chunk.start {
+                    0 => queries,
+                    start => {
+                        let zeros = Tensor::<B, 4>::zeros([batch, heads, start, head_dim], &device)
+                            .cast(queries.dtype());
+                        Tensor::cat(vec![zeros, queries], 2)
+                    }
+                };
+                let keys = k.clone().narrow(2, 0, end);
+                let sums = block_scores(queries, keys, scoring.block_size, scoring.query_stride)
+                    .sum_dim(1)
+                    .squeeze_dim::<2>(1);
+                let seen = sums.dims()[1];
+                sums.pad((0, blocks - seen, 0, 0), 0.0)
+            })
+            .reduce(|a, b| a + b)
+            .expect("two chunks")
+    }
+
+    /// The token-block scores of the whole sequence `[batch, blocks]` from each rank's share
+    /// `scores`: an attention block's column sums ([`Self::attention_column_sums`]) summed over
+    /// the ranks and divided by the query blocks that see each key block; an MLP block's scores
+    /// of the rank's own blocks put in their places.
+    pub fn whole_scores<B: LemoBackend>(
+        &self,
+        block: Block,
+        scores: Tensor<B, 2>,
+        block_size: usize,
+    ) -> Tensor<B, 2> {
+        let [batch, width] = scores.dims();
+        match block {
+            Block::Attention => {
+                let all = self.gather(scores.reshape([1, batch * width]));
+                column_means(all.sum_dim(0).reshape([batch, width]))
+            }
+            Block::Mlp => {
+                let all = self.gather(scores.swap_dims(0, 1));
+                let order: Vec<i64> = (0..self.seq.div_ceil(block_size))
+                    .map(|n| self.gathered_row[n * block_size] / block_size as i64)
+                    .collect();
+                let blocks = order.len();
+                let order = Tensor::from_data(TensorData::new(order, [blocks]), &all.device());
+                all.select(0, order).swap_dims(0, 1)
+            }
+        }
+    }
+
+    /// `kept` (kept blocks of the whole sequence, a batch of one) with every rank's share topped
+    /// up to as many blocks as the largest share ([`KeptRows::balanced`]).
+    pub fn balance(&self, kept: &KeptRows, scores: &[f32], block_size: usize) -> KeptRows {
+        kept.balanced(scores, block_size, self.exchange.ranks(), |block| {
+            self.owner(block * block_size).0
+        })
+    }
+
+    /// This rank's share of `kept` (rows of the whole sequence, a batch of one): its rows among
+    /// the rank's rows, with their complement where `kept` has dropped rows, and the whole
+    /// sequence's rows in [`BlockRows::whole`].
+    pub fn localize<B: Backend>(&self, kept: &BlockRows, device: &B::Device) -> BlockRows {
+        let whole = kept.to_host::<B>();
+        assert_eq!(whole.batch, 1, "a split sequence is trained one at a time");
+        let rows: Vec<u32> = whole
+            .rows
+            .iter()
+            .filter_map(|&p| self.local_row(p as usize).map(|r| r as u32))
+            .collect();
+        let local = KeptRows {
+            kept: rows.len(),
+            rows,
+            batch: 1,
+            seq: self.chunks.iter().map(Range::len).sum(),
+        };
+        let mut rows = BlockRows::from_host::<B>(local, kept.dropped::<B>().is_some(), device);
+        rows.whole = Some(whole);
+        rows
+    }
+
+    /// Attention of this rank's kept rows (`q, k, v: [batch, heads, kept, head_dim]`, as many
+    /// on every rank) to the kept rows of the whole sequence (`whole`), whose output and
+    /// log-sum-exp `known` the pass over every row computed: the value is `known`'s output, and
+    /// the backward pass is that of attention over every key restricted to the kept ones (see
+    /// [`attention_with_value`]), its key and value gradients returned to their ranks.
+    pub fn kept_attention<B: LemoBackend>(
+        &self,
+        (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
+        (out, lse): (Tensor<B, 4>, Tensor<B, 3>),
+        whole: &KeptRows,
+        options: AttentionOptions,
+    ) -> Tensor<B, 4> {
+        let kept = k.dims()[2];
+        // Each kept position's row among the gathered kept rows: its rank's, in order.
+        let mut seen = vec![0usize; self.exchange.ranks()];
+        let order: Vec<i64> = whole
+            .rows
+            .iter()
+            .map(|&p| {
+                let (owner, _) = self.owner(p as usize);
+                seen[owner] += 1;
+                (owner * kept + seen[owner] - 1) as i64
+            })
+            .collect();
+        assert!(
+            seen.iter().all(|&n| n == kept),
+            "every rank keeps as many rows ({seen:?}, this rank {kept})"
+        );
+        let (k, v) = self.gather_rows_of(k, v, order);
+        let mut start = 0;
+        let outputs: Vec<Tensor<B, 4>> = self
             .chunks
             .iter()
-            .map(|chunk| {
-                let queries = q.clone().narrow(2, start, chunk.len());
-                start += chunk.len();
-                let keys = k.clone().narrow(2, 0, chunk.end);
-                let values = v.clone().narrow(2, 0, chunk.end);
-                lemo_kernels::attention::attention(queries, keys, values, options)
+            .filter_map(|chunk| {
+                let in_chunk = |p: &&u32| chunk.contains(&(**p as usize));
+                let queries = whole.rows.iter().filter(in_chunk).count();
+                let prefix = whole
+                    .rows
+                    .iter()
+                    .filter(|&&p| (p as usize) < chunk.end)
+                    .count();
+                let rows = start;
+                start += queries;
+                (queries > 0).then(|| {
+                    attention_with_value(
+                        q.clone().narrow(2, rows, queries),
+                        k.clone().narrow(2, 0, prefix),
+                        v.clone().narrow(2, 0, prefix),
+                        (
+                            out.clone().narrow(2, rows, queries),
+                            lse.clone().narrow(2, rows, queries),
+                        ),
+                        options,
+                    )
+                })
             })
             .collect();
         Tensor::cat(outputs, 2)

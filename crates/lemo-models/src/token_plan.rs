@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
-use lemo_kernels::ComputeBackend;
+use lemo_kernels::LemoBackend;
 use lemo_kernels::attention::FUSED_ATTENTION_LENGTH_MULTIPLE;
 use lemo_kernels::host_reads;
 use lemo_predictor::Predictors;
@@ -22,6 +22,7 @@ use lemo_sparsity::informativeness::BlockScoring;
 use lemo_sparsity::{KeptRows, PerBlock, Selection, Thresholds};
 
 use crate::block_pass::BlockPass;
+use crate::sequence_split::SequenceSplit;
 
 /// A device int tensor `[batch, n]` without its backend in the type: a plan is chosen by a pass
 /// of one backend and replayed by another (the checkpointed backward pass replays under
@@ -54,6 +55,9 @@ pub struct BlockRows {
     /// The same rows on the host, where they were selected there (thresholds relative to the
     /// scores: the count is known only from them).
     pub host: Option<KeptRows>,
+    /// Under a sequence split, the kept rows of the whole sequence, of which these (positions
+    /// among the rank's rows) are the rank's share.
+    pub whole: Option<KeptRows>,
     rows: DeviceRows,
     dropped: Option<DeviceRows>,
 }
@@ -82,6 +86,7 @@ impl BlockRows {
             kept,
             seq,
             host: None,
+            whole: None,
             rows: DeviceRows::new(rows),
             dropped: dropped.map(DeviceRows::new),
         }
@@ -294,14 +299,22 @@ impl<'a> TokenSparsity<'a> {
     /// [`crate::decoder::LayerRun::Rebuild`]); `None`: the block runs dense, as it does without
     /// token sparsity. A selecting pass has no rows to give before it selects, so a rebuilt
     /// block asking one is a caller's error.
-    pub(crate) fn replayed(&self, layer: usize, block: Block) -> Option<BlockRows> {
-        match self {
+    /// Under a `split`, the rank's share of them (on `device`).
+    pub(crate) fn replayed<B: Backend>(
+        &self,
+        layer: usize,
+        block: Block,
+        split: Option<&SequenceSplit>,
+        device: &B::Device,
+    ) -> Option<BlockRows> {
+        let kept = match self {
             TokenSparsity::Replay(plan) => plan.layers.get(layer)?.get(block).clone(),
             TokenSparsity::Dense => None,
             TokenSparsity::Select { .. } => {
                 panic!("a rebuilt block replays the rows its forward pass selected")
             }
-        }
+        };
+        kept.map(|kept| localized::<B>(kept, split, device))
     }
 
     /// The kept rows of `block` of `layer` for the block input `input: [batch, seq, hidden]`
@@ -310,19 +323,25 @@ impl<'a> TokenSparsity<'a> {
     /// scores when given a [`BlockScoring`], and is called only when the block is sparse or its
     /// scores are recorded. A block that keeps its best blocks selects on the device; one
     /// with a threshold relative to its scores, or whose scores are recorded, reads them.
-    pub(crate) fn block<B: ComputeBackend, P>(
+    ///
+    /// Under a `split`, `input` holds the rank's rows and the pass scores their share (see
+    /// [`SequenceSplit::whole_scores`]): every rank selects from the whole sequence's scores on
+    /// the host, balances the ranks' shares, records the whole sequence's rows in the plan and
+    /// returns its own share.
+    pub(crate) fn block<B: LemoBackend, P>(
         &mut self,
         layer: usize,
         block: Block,
-        input: &Tensor<B, 3>,
+        (input, split): (&Tensor<B, 3>, Option<&SequenceSplit>),
         pass: impl FnOnce(Option<BlockScoring>) -> BlockPass<B, P>,
     ) -> Option<(BlockRows, BlockPass<B, P>)> {
-        let [_, seq, _] = input.dims();
+        let seq = split.map_or(input.dims()[1], SequenceSplit::seq);
+        let device = input.device();
         match self {
             TokenSparsity::Dense => None,
             TokenSparsity::Replay(plan) => {
                 let kept = plan.layers.get(layer)?.get(block).clone()?;
-                Some((kept, pass(None)))
+                Some((localized::<B>(kept, split, &device), pass(None)))
             }
             TokenSparsity::Select {
                 thresholds,
@@ -347,8 +366,9 @@ impl<'a> TokenSparsity<'a> {
                 }
                 // Only attention blocks are predicted: an MLP block's exact scores are a
                 // reduction of the activations its pass computes anyway.
-                let predicted = match (predictors, *record, block) {
-                    (Some(predictors), Record::Nothing, Block::Attention) => {
+                // Predictors read whole sequences.
+                let predicted = match (predictors, *record, block, split) {
+                    (Some(predictors), Record::Nothing, Block::Attention, None) => {
                         predictors.token_block_scores(layer, input.clone())
                     }
                     _ => None,
@@ -367,13 +387,22 @@ impl<'a> TokenSparsity<'a> {
                         (pass, scores)
                     }
                 };
+                let scores = match split {
+                    Some(split) => split.whole_scores(block, scores, block_size),
+                    None => scores,
+                };
                 let dropped = block == Block::Mlp && plan.dropped_rows == DroppedRows::Exact;
                 let relative = matches!(selection, Some(Selection::Relative { .. }));
-                let values = (relative || *record != Record::Nothing)
+                let values = (relative || *record != Record::Nothing || split.is_some())
                     .then(|| host_reads::read_f32(scores.clone()));
-                let kept = selection.map(|selection| {
-                    let host_scores = values.as_deref();
-                    select_rows(selection, scores, host_scores, block_size, seq, dropped)
+                let kept = selection.map(|selection| match (split, values.as_deref()) {
+                    (Some(split), Some(values)) => {
+                        let kept = split_rows(selection, values, block_size, seq, split);
+                        BlockRows::from_host::<B>(kept, dropped, &device)
+                    }
+                    (_, host_scores) => {
+                        select_rows(selection, scores, host_scores, block_size, seq, dropped)
+                    }
                 });
                 if let Some(values) = values.filter(|_| *record != Record::Nothing) {
                     let token_rows = match (*record, block) {
@@ -390,10 +419,47 @@ impl<'a> TokenSparsity<'a> {
                     plan.record(layer, block, BlockRecord { scores, token_rows });
                 }
                 *plan.layer_mut(layer).get_mut(block) = kept.clone();
-                kept.map(|kept| (kept, pass))
+                kept.map(|kept| (localized::<B>(kept, split, &device), pass))
             }
         }
     }
+}
+
+/// `kept`, or under a `split` the rank's share of it.
+fn localized<B: Backend>(
+    kept: BlockRows,
+    split: Option<&SequenceSplit>,
+    device: &B::Device,
+) -> BlockRows {
+    match split {
+        Some(split) => split.localize::<B>(&kept, device),
+        None => kept,
+    }
+}
+
+/// The rows of a split sequence `selection` keeps by the whole sequence's `scores` (one per
+/// block), as one rank would choose them, with the ranks' shares balanced.
+fn split_rows(
+    selection: Selection,
+    scores: &[f32],
+    block_size: usize,
+    seq: usize,
+    split: &SequenceSplit,
+) -> KeptRows {
+    // Keeping the best fraction is a threshold no block reaches, with that fraction as floor.
+    let (threshold, floor) = match selection {
+        Selection::Best(fraction) => (f32::INFINITY, fraction),
+        Selection::Relative { threshold, floor } => (threshold, floor),
+    };
+    let kept = KeptRows::from_block_scores_aligned(
+        &[scores],
+        block_size,
+        seq,
+        threshold,
+        floor,
+        FUSED_ATTENTION_LENGTH_MULTIPLE,
+    );
+    split.balance(&kept, scores, block_size)
 }
 
 /// The rows `selection` keeps by `scores: [batch, blocks]` of a sequence of `seq` tokens, with

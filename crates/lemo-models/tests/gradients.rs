@@ -24,7 +24,8 @@ use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
 use lemo_models::decoder::Batch;
 use lemo_models::sequence_split::SequenceSplit;
 use lemo_models::token_plan::{BlockRows, LayerPlan, TokenPlan, TokenSparsity};
-use lemo_sparsity::KeptRows;
+use lemo_sparsity::calibration::Block;
+use lemo_sparsity::{KeptRows, LayerThresholds, Thresholds};
 use lemo_test_support::files::HostTensor;
 use lemo_test_support::{
     assert_close_scalar, assert_close_values, gradient_fixture, hf_fixture, read_json,
@@ -306,24 +307,33 @@ impl RowExchange for ThreadRank {
     }
 }
 
-/// The GQA case's sequences split zig-zag over `ranks` threads, each with its own copy of the
-/// model, every layer kept or every layer recomputed: the loss sums and gradients summed over
-/// the ranks against PyTorch's over the whole sequences.
-fn check_split(ranks: usize, mode: LayerActivations) {
+/// What one rank of a split pass found: its loss sum, its gradients by PEFT name, and the plan
+/// its token sparsity chose.
+type RankResult = (f64, BTreeMap<String, Vec<f32>>, Option<TokenPlan>);
+
+/// The GQA case's `tokens` split zig-zag over `ranks` threads, each with its own copy of the
+/// model, every layer `mode`, each block on the rows `thresholds` select (dense without):
+/// each rank's loss sum, gradients and plan.
+fn run_split(
+    ranks: usize,
+    tokens: &HostTensor,
+    mode: LayerActivations,
+    thresholds: Option<&Thresholds>,
+) -> Vec<RankResult> {
     type B = Autodiff<CpuBackend>;
     let group = Arc::new(ThreadGroup {
         barrier: Barrier::new(ranks),
         slots: Mutex::new(vec![Vec::new(); ranks]),
     });
-    let results: Vec<(f64, BTreeMap<String, Vec<f32>>, Expected)> = std::thread::scope(|scope| {
+    std::thread::scope(|scope| {
         let handles: Vec<_> = (0..ranks)
             .map(|rank| {
                 let group = group.clone();
                 scope.spawn(move || {
                     let device = Default::default();
-                    let (model, expected) = load::<B>("lora_gqa", &device);
+                    let (model, _) = load::<B>("lora_gqa", &device);
                     let tokens = Tensor::<B, 2, Int>::from_data(
-                        TensorData::new(expected.tokens.to_i64(), expected.tokens.shape.clone()),
+                        TensorData::new(tokens.to_i64(), tokens.shape.clone()),
                         &device,
                     );
                     let exchange = Exchange(Arc::new(ThreadRank { group, rank, ranks }));
@@ -332,26 +342,32 @@ fn check_split(ranks: usize, mode: LayerActivations) {
                         split: Some(split),
                         ..Batch::new(tokens, None)
                     };
+                    let mut sparsity =
+                        thresholds.map_or(TokenSparsity::Dense, TokenSparsity::select);
                     let plan = ActivationPlan::uniform(mode, model.num_layers());
                     let mut found = BTreeMap::new();
                     let (loss, _) = model.next_token_loss_backward_planned(
                         batch,
                         CHUNK_ROWS,
                         1.0,
-                        &mut TokenSparsity::Dense,
+                        &mut sparsity,
                         &plan,
                         &mut |gradients| add_gradients(&model, gradients, &mut found),
                     );
                     let loss_sum: f32 = loss.into_scalar().elem();
-                    (loss_sum as f64, found, expected)
+                    (loss_sum as f64, found, sparsity.into_plan())
                 })
             })
             .collect();
         handles.into_iter().map(|h| h.join().unwrap()).collect()
-    });
+    })
+}
+
+/// The loss sums and gradients of the ranks, summed.
+fn summed(results: &[RankResult]) -> (f64, BTreeMap<String, Vec<f32>>) {
     let mut loss_sum = 0.0;
     let mut summed = BTreeMap::<String, Vec<f32>>::new();
-    for (loss, found, _) in &results {
+    for (loss, found, _) in results {
         loss_sum += loss;
         for (name, gradient) in found {
             let sum = summed
@@ -360,8 +376,20 @@ fn check_split(ranks: usize, mode: LayerActivations) {
             sum.iter_mut().zip(gradient).for_each(|(s, g)| *s += g);
         }
     }
-    let pass = format!("{ranks} ranks, {mode:?}");
-    compare(&pass, loss_sum, &summed, &results[0].2);
+    (loss_sum, summed)
+}
+
+/// The GQA case's sequences split over `ranks`, every layer kept or every layer recomputed: the
+/// loss sums and gradients summed over the ranks against PyTorch's over the whole sequences.
+fn check_split(ranks: usize, mode: LayerActivations) {
+    let (_, expected) = load::<CpuBackend>("lora_gqa", &Default::default());
+    let (loss_sum, gradients) = summed(&run_split(ranks, &expected.tokens, mode, None));
+    compare(
+        &format!("{ranks} ranks, {mode:?}"),
+        loss_sum,
+        &gradients,
+        &expected,
+    );
 }
 
 #[test]
@@ -370,4 +398,67 @@ fn lora_with_grouped_query_heads_split_over_ranks_matches_pytorch() {
         check_split(ranks, LayerActivations::Kept);
     }
     check_split(2, LayerActivations::Recomputed);
+}
+
+/// Token elimination over a sequence split over two ranks: every rank selects the same kept
+/// blocks from the whole sequence's scores, with the ranks' shares balanced. One rank replaying
+/// that plan over the whole sequence gets the loss and gradients the two ranks sum to.
+#[test]
+fn token_elimination_split_over_ranks_matches_one_rank_on_its_plan() {
+    type B = Autodiff<CpuBackend>;
+    let device = Default::default();
+    let (model, expected) = load::<B>("lora_gqa", &device);
+    // The first sequence: 40 tokens, 8 blocks of 5, two blocks per chunk of the split.
+    let first = HostTensor {
+        shape: vec![1, 40],
+        values: expected.tokens.values[..40].to_vec(),
+    };
+    let layers = model.num_layers();
+    let thresholds = Thresholds {
+        block_size: 5,
+        min_keep: 0.25,
+        layers: vec![
+            LayerThresholds {
+                attention: Some(1.0),
+                mlp: Some(1.0),
+                ..LayerThresholds::default()
+            };
+            layers
+        ],
+        ..Thresholds::keep_all("llama", layers, 64)
+    };
+    for mode in [LayerActivations::Kept, LayerActivations::Recomputed] {
+        let results = run_split(2, &first, mode, Some(&thresholds));
+        let plan = results[0]
+            .2
+            .clone()
+            .expect("a selecting pass records its plan");
+        let kept = plan.keep_fraction(Block::Attention) + plan.keep_fraction(Block::Mlp);
+        assert!(kept < 2.0, "some blocks are dropped: {kept}");
+        let (loss_sum, split_gradients) = summed(&results);
+
+        let tokens = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(first.to_i64(), first.shape.clone()),
+            &device,
+        );
+        let mut gradients = BTreeMap::new();
+        let (loss, _) = model.next_token_loss_backward_planned(
+            Batch::new(tokens, None),
+            CHUNK_ROWS,
+            1.0,
+            &mut TokenSparsity::Replay(&plan),
+            &ActivationPlan::uniform(mode, layers),
+            &mut |g| add_gradients(&model, g, &mut gradients),
+        );
+        let one: f32 = loss.into_scalar().elem();
+        assert_close_scalar(&format!("{mode:?}: loss sum"), loss_sum, one as f64, 1e-5);
+        for (name, gradient) in &gradients {
+            assert_close_values(
+                &format!("{mode:?}: d {name}"),
+                &split_gradients[name],
+                gradient,
+                TOLERANCE,
+            );
+        }
+    }
 }

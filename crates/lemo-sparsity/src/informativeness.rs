@@ -14,9 +14,16 @@ use lemo_kernels::block_scores::block_scores;
 /// late ones by position alone, and makes a threshold depend on the sequence length. The mean
 /// keeps the score a property of the block's content.
 pub fn token_block_informativeness<B: Backend>(block_scores: Tensor<B, 3>) -> Tensor<B, 2> {
-    let [_, blocks, _] = block_scores.dims();
-    let seen_by = seen_by::<B>(blocks, &block_scores.device()).reshape([1, blocks]);
-    block_scores.sum_dim(1).squeeze_dim::<2>(1) / seen_by
+    column_means(block_scores.sum_dim(1).squeeze_dim::<2>(1))
+}
+
+/// Token-block informativeness from the column sums of block scores `[batch, blocks]` (summed
+/// over every query block; see [`token_block_informativeness`]): each divided by the number of
+/// query blocks that see the key block.
+pub fn column_means<B: Backend>(column_sums: Tensor<B, 2>) -> Tensor<B, 2> {
+    let [_, blocks] = column_sums.dims();
+    let seen_by = seen_by::<B>(blocks, &column_sums.device()).reshape([1, blocks]);
+    column_sums / seen_by
 }
 
 /// `[blocks]`: how many query blocks see key block `n` under the causal mask, `blocks - n`

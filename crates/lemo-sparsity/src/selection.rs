@@ -104,6 +104,49 @@ impl KeptRows {
         }
     }
 
+    /// One sequence's kept rows (a batch of one) with the groups of its blocks that `group`
+    /// names (`group(block) < groups`: the ranks that hold them, under context parallelism)
+    /// keeping as many blocks each: every group is topped up to the largest group's count with
+    /// its best remaining blocks by `scores` (one per block), so no rank waits on another.
+    pub fn balanced(
+        &self,
+        scores: &[f32],
+        block_size: usize,
+        groups: usize,
+        group: impl Fn(usize) -> usize,
+    ) -> Self {
+        assert_eq!(self.batch, 1, "balancing splits one sequence's blocks");
+        let blocks = self.seq.div_ceil(block_size);
+        let kept: Vec<usize> = (0..blocks)
+            .filter(|&n| self.rows.contains(&((n * block_size) as u32)))
+            .collect();
+        let mut by_group: Vec<Vec<usize>> = vec![Vec::new(); groups];
+        let mut group_scores: Vec<Vec<(usize, f32)>> = vec![Vec::new(); groups];
+        for n in 0..blocks {
+            group_scores[group(n)].push((n, scores[n]));
+        }
+        kept.iter().for_each(|&n| by_group[group(n)].push(n));
+        let most = by_group.iter().map(Vec::len).max().unwrap_or(0);
+        for (kept, candidates) in by_group.iter_mut().zip(&group_scores) {
+            let mut rest: Vec<&(usize, f32)> = candidates
+                .iter()
+                .filter(|(n, _)| !kept.contains(n))
+                .collect();
+            rest.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            let missing = most - kept.len();
+            kept.extend(rest.into_iter().take(missing).map(|&(n, _)| n));
+        }
+        let mut all: Vec<usize> = by_group.concat();
+        all.sort_unstable();
+        let rows = block_rows(&all, block_size, self.seq);
+        Self {
+            kept: rows.len(),
+            rows,
+            batch: 1,
+            seq: self.seq,
+        }
+    }
+
     /// Whether every row is kept (the block can run dense).
     pub fn is_all(&self) -> bool {
         self.kept == self.seq
@@ -251,6 +294,37 @@ mod tests {
         // 500 rows (the last block 52): no count of kept blocks reaches a multiple of 128.
         let short = KeptRows::from_block_scores_aligned(&[scores], 64, 500, 2.0, 0.0, 128);
         assert_eq!(short.kept, 2 * 64 + 52);
+    }
+
+    #[test]
+    fn balancing_tops_each_group_up_to_the_largest_with_its_best_blocks() {
+        // Blocks of 2 tokens; groups hold blocks {0, 3} and {1, 2}.
+        let group = |n: usize| usize::from(n == 1 || n == 2);
+        let kept = KeptRows {
+            rows: vec![0, 1, 6, 7],
+            batch: 1,
+            kept: 4,
+            seq: 8,
+        };
+        let balanced = kept.balanced(&[1.0, 0.2, 0.9, 1.0], 2, 2, group);
+        // Group 0 keeps 2 blocks, so group 1 adds its best two: blocks 2 then 1.
+        assert_eq!(balanced.rows, vec![0, 1, 2, 3, 4, 5, 6, 7]);
+        let kept = KeptRows {
+            rows: vec![0, 1, 2, 3, 6, 7],
+            batch: 1,
+            kept: 6,
+            seq: 8,
+        };
+        let balanced = kept.balanced(&[1.0, 0.5, 0.9, 1.0], 2, 2, group);
+        assert_eq!(balanced.rows, vec![0, 1, 2, 3, 4, 5, 6, 7]);
+        // One block each: already balanced, unchanged.
+        let kept = KeptRows {
+            rows: vec![0, 1, 2, 3],
+            batch: 1,
+            kept: 4,
+            seq: 8,
+        };
+        assert_eq!(kept.balanced(&[1.0, 0.5, 0.9, 1.0], 2, 2, group), kept);
     }
 
     #[test]

@@ -280,9 +280,46 @@ fn sequence_groups_train_as_one_rank() {
     }
 }
 
+/// `lemo` over sequence groups of two: the forward pass is exact, so the validation before the
+/// first step and the first step's loss are one rank's (the kept rows, balanced between the
+/// ranks, and so the gradients differ); the kept fractions are logged.
+#[test]
+fn token_elimination_trains_over_sequence_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let lemo = [
+        "--method",
+        "lemo",
+        "--attention-keep",
+        "0.5",
+        "--block-size",
+        "16",
+        "--batch-size",
+        "1",
+    ];
+    let (one, split) = (dir.path().join("one"), dir.path().join("split"));
+    succeed(train(&one, &lemo));
+    let ranks = ["--gpus", "2", "--context-parallel", "2"];
+    succeed(train(&split, &[&lemo[..], &ranks].concat()));
+    let (a, b) = (losses(&one), losses(&split));
+    assert_eq!(a.len(), b.len(), "{a:?}\n{b:?}");
+    for (x, y) in a.iter().zip(&b).take(2) {
+        assert_eq!((&x.0, x.1), (&y.0, y.1));
+        assert!((x.2 - y.2).abs() <= 1e-5 * x.2.abs(), "{a:?}\n{b:?}");
+    }
+    let first = records(&split)
+        .into_iter()
+        .find(|r| r["kind"] == "train")
+        .unwrap();
+    for kept in ["keep_attention", "keep_mlp"] {
+        let fraction = first[kept].as_f64().unwrap();
+        assert!(fraction > 0.0 && fraction < 1.0, "{kept}: {fraction}");
+    }
+}
+
 /// What context parallelism refuses, each with one line: a split that leaves ranks over, a
-/// sequence that does not split into equal chunks, a method it does not split, and a resume with
-/// another group size (which leaves the run as it was).
+/// sequence that does not split into equal chunks, `lemo` with batches of several sequences or
+/// with chunks that are not whole token blocks, `longlora`, and a resume with another group size
+/// (which leaves the run as it was).
 #[test]
 fn sequence_groups_refuse_what_they_cannot_split() {
     let dir = tempfile::tempdir().unwrap();
@@ -303,7 +340,33 @@ fn sequence_groups_refuse_what_they_cannot_split() {
     refused(&["--gpus", "3", "--context-parallel", "3"], "multiple of 6");
     refused(
         &["--method", "lemo", "--gpus", "2", "--context-parallel", "2"],
-        "--method lora",
+        "--batch-size 1",
+    );
+    refused(
+        &[
+            "--method",
+            "longlora",
+            "--gpus",
+            "2",
+            "--context-parallel",
+            "2",
+        ],
+        "longlora",
+    );
+    refused(
+        &[
+            "--method",
+            "lemo",
+            "--batch-size",
+            "1",
+            "--gpus",
+            "2",
+            "--context-parallel",
+            "2",
+            "--block-size",
+            "48",
+        ],
+        "whole 48-token blocks",
     );
 
     let cut = dir.path().join("cut");

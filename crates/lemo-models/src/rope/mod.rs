@@ -101,13 +101,19 @@ impl<B: ComputeBackend> RotaryEmbedding<B> {
 }
 
 impl<B: Backend> Rotation<B> {
-    /// The same tables at other positions, `[batch, len]` (the kept rows of a token-sparse block).
+    /// The same tables at other positions, `[batch, len]`.
     pub fn at(&self, positions: Tensor<B, 2, Int>) -> Self {
         Self {
             cos: self.cos.clone(),
             sin: self.sin.clone(),
             positions,
         }
+    }
+
+    /// The rotation of some of its rows, `rows: [batch, len]` (the kept rows of a token-sparse
+    /// block): at their positions.
+    pub fn of_rows(&self, rows: Tensor<B, 2, Int>) -> Self {
+        self.at(self.positions.clone().gather(1, rows))
     }
 }
 

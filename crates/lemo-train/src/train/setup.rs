@@ -328,11 +328,19 @@ fn check_context_parallel(config: &TrainConfig, seq_len: usize) -> Result<()> {
             config.gpus
         );
     }
-    if !seq_len.is_multiple_of(2 * group) {
+    // lemo's token blocks must not straddle two ranks' chunks.
+    let unit = match config.method {
+        Method::Lemo if group > 1 => 2 * group * config.lemo.block_size,
+        _ => 2 * group,
+    };
+    if !seq_len.is_multiple_of(unit) {
         bail!(
-            "--seq-len {seq_len}: --context-parallel {group} splits each sequence into {} equal chunks, so the length must be a multiple of {}",
+            "--seq-len {seq_len}: --context-parallel {group} splits each sequence into {} equal chunks{}, so the length must be a multiple of {unit}",
             2 * group,
-            2 * group
+            match unit == 2 * group {
+                true => String::new(),
+                false => format!(" of whole {}-token blocks", config.lemo.block_size),
+            }
         );
     }
     Ok(())

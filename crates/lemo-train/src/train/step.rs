@@ -2,10 +2,12 @@
 
 use burn::tensor::ElementConversion;
 use burn::tensor::backend::AutodiffBackend;
+use lemo_kernels::exchange::Exchange;
 use lemo_kernels::{LemoBackend, host_reads};
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::ActivationPlan;
 use lemo_models::decoder::Batch;
+use lemo_models::sequence_split::SequenceSplit;
 use lemo_models::token_plan::TokenSparsity;
 
 use super::optim::{self, NamedTensors};
@@ -68,21 +70,32 @@ where
 }
 
 /// Summed next-token loss of `sequences` over their scored predictions, and the number of these
-/// (evaluation mode: dense attention, no graph).
+/// (evaluation mode: dense attention, no graph); with a `sequence_group`, of this rank's
+/// positions of each sequence (summed over the group: the whole sequences').
 pub fn validation_sums<B: LemoBackend>(
     model: &CausalLm<B>,
     sequences: &[Sequence],
     segment: usize,
-) -> (f64, usize) {
+    sequence_group: Option<&Exchange>,
+) -> anyhow::Result<(f64, usize)> {
     let device = model.lm_head_weight().device();
     let (mut sum, mut count) = (0.0, 0usize);
     for sequence in sequences {
         let one = std::slice::from_ref(sequence);
         let (tokens, labels) = (int_tokens::<B>(one, &device), int_labels::<B>(one, &device));
-        let (loss, n) =
-            model.next_token_loss_sum(tokens, labels, segment, &mut TokenSparsity::Dense);
+        let (loss, n) = match sequence_group {
+            Some(group) => {
+                let split = SequenceSplit::zigzag(tokens.dims()[1], group.clone())?;
+                let batch = Batch {
+                    split: Some(split),
+                    ..Batch::new(tokens, labels)
+                };
+                model.split_loss_sum(batch, segment)
+            }
+            None => model.next_token_loss_sum(tokens, labels, segment, &mut TokenSparsity::Dense),
+        };
         sum += loss.into_scalar().elem::<f64>();
         count += n;
     }
-    (sum, count)
+    Ok((sum, count))
 }

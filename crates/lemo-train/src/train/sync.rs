@@ -10,6 +10,7 @@ use super::optim::NamedTensors;
 use super::replica::LocalStep;
 use crate::distributed::Communicator;
 use crate::memory::PeakTracker;
+use lemo_kernels::exchange::Exchange;
 
 /// Sums `grads` over the ranks as one flat bucket laid out by `layout` (a parameter without a
 /// gradient on this rank contributes zeros). One rank returns `grads` as they are.
@@ -108,20 +109,22 @@ impl StepTotals {
     }
 }
 
-/// Mean loss of `sequences` scored by all ranks together: rank r scores every ranks-th one.
+/// Mean loss of `sequences` scored by all ranks together: rank r scores every ranks-th one; with
+/// a `sequence_group`, group g scores every groups-th one, each of its ranks its positions.
 pub fn validation_loss<B: lemo_kernels::LemoBackend>(
     model: &lemo_models::CausalLm<B>,
     sequences: &[crate::data::Sequence],
     segment: usize,
-    comm: &mut Communicator,
+    (comm, sequence_group): (&mut Communicator, Option<&Exchange>),
 ) -> Result<f64> {
+    let group_size = sequence_group.map_or(1, Exchange::ranks);
     let mine: Vec<crate::data::Sequence> = sequences
         .iter()
-        .skip(comm.rank())
-        .step_by(comm.ranks())
+        .skip(comm.rank() / group_size)
+        .step_by(comm.ranks() / group_size)
         .cloned()
         .collect();
-    let (sum, count) = super::step::validation_sums(model, &mine, segment);
+    let (sum, count) = super::step::validation_sums(model, &mine, segment, sequence_group)?;
     let mut totals = [sum, count as f64];
     comm.sum_host(&mut totals)?;
     Ok(totals[0] / totals[1].max(1.0))

@@ -10,6 +10,7 @@ use burn::backend::Autodiff;
 use burn::module::AutodiffModule;
 use burn::tensor::backend::Backend;
 use lemo_kernels::LemoBackend;
+use lemo_kernels::exchange::Exchange;
 
 use super::TrainSummary;
 use super::coordinator::{Coordinator, StepRecord};
@@ -60,7 +61,7 @@ pub fn train_rank<B: LemoBackend>(
         .map_or(config.steps, |n| (start_step + n).min(config.steps));
     let mut stopped = false;
     if start_step == 0 && !setup.val_sequences.is_empty() {
-        let val = validation(setup, &replica, comm)?;
+        let val = validation(setup, &replica, comm, sequence_group.as_ref())?;
         if let Some(coordinator) = &mut coordinator {
             coordinator.validation(0, val)?;
         }
@@ -131,7 +132,7 @@ pub fn train_rank<B: LemoBackend>(
         if !setup.val_sequences.is_empty()
             && ((config.val_every > 0 && done.is_multiple_of(config.val_every)) || is_last)
         {
-            let val = validation(setup, &replica, comm)?;
+            let val = validation(setup, &replica, comm, sequence_group.as_ref())?;
             if let Some(coordinator) = &mut coordinator {
                 coordinator.validation(done, val)?;
             }
@@ -184,6 +185,7 @@ fn validation<B: LemoBackend>(
     setup: &Setup,
     replica: &Replica<B>,
     comm: &mut Communicator,
+    sequence_group: Option<&Exchange>,
 ) -> Result<f64> {
     let mut eval_model = replica.model.valid();
     eval_model.set_shifted_group(None);
@@ -191,6 +193,6 @@ fn validation<B: LemoBackend>(
         &eval_model,
         &setup.val_sequences,
         setup.config.loss_segment,
-        comm,
+        (comm, sequence_group),
     )
 }

@@ -193,8 +193,8 @@ pub struct TrainConfig {
     /// divides --gpus; --gpus 4 --context-parallel 2 is two data-parallel groups of two). A rank
     /// holds 2/(2N) of each sequence's tokens (zig-zag, so the causal work is balanced) through
     /// every layer and gathers the keys and values of the others for attention: activations per
-    /// rank shrink N-fold, so sequences N times longer fit. --method lora; the sequence length
-    /// must be a multiple of 2N.
+    /// rank shrink N-fold, so sequences N times longer fit. --method lora, or lemo with
+    /// --batch-size 1; the sequence length must be a multiple of 2N (lemo: of 2N x --block-size).
     #[arg(long, default_value_t = 1)]
     pub context_parallel: usize,
     /// How long a rank waits for the others (a rank that died or hangs) before the run ends

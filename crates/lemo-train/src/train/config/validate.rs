@@ -4,6 +4,7 @@
 use anyhow::{Result, bail};
 
 use super::TrainConfig;
+use crate::lemo::ScoreSource;
 use crate::method::Method;
 use crate::modelio;
 
@@ -64,15 +65,7 @@ impl TrainConfig {
             bail!("--loss-segment must be positive");
         }
         self.s2.validate(self.method)?;
-        if self.context_parallel == 0 {
-            bail!("--context-parallel must be at least 1");
-        }
-        if self.context_parallel > 1 && self.method != Method::Lora {
-            bail!(
-                "--context-parallel {} trains with --method lora: the token elimination of lemo and the S2 groups of longlora do not split over ranks yet",
-                self.context_parallel
-            );
-        }
+        self.check_context_parallel()?;
         let in_range = |flag: &str, value: f64, range: Range| -> Result<()> {
             if !range.contains(value) {
                 bail!("--{flag} {value} is outside {}", range.describe());
@@ -96,6 +89,36 @@ impl TrainConfig {
 }
 
 impl TrainConfig {
+    /// What a sequence split over ranks trains: `lora`, and `lemo` one sequence at a time with
+    /// scores computed from the sequence (predictors read whole sequences).
+    fn check_context_parallel(&self) -> Result<()> {
+        let group = self.context_parallel;
+        if group == 0 {
+            bail!("--context-parallel must be at least 1");
+        }
+        if group == 1 {
+            return Ok(());
+        }
+        match self.method {
+            Method::Lora => Ok(()),
+            Method::Longlora => bail!(
+                "--context-parallel {group}: the S2 groups of --method longlora do not split over ranks; use --method lora or lemo"
+            ),
+            Method::Lemo if self.batch_size != 1 => bail!(
+                "--context-parallel {group} with --method lemo trains one sequence per micro-batch (each rank keeps its share of that sequence's rows): use --batch-size 1 and --grad-accum for more"
+            ),
+            Method::Lemo
+                if self.lemo.predictors.is_some()
+                    || matches!(self.lemo.scores, Some(ScoreSource::Predicted)) =>
+            {
+                bail!(
+                    "--context-parallel {group} with --method lemo scores each rank's blocks from the sequence itself: predictors read whole sequences, so leave --predictors out (--scores sampled or exact)"
+                )
+            }
+            Method::Lemo => Ok(()),
+        }
+    }
+
     /// The first of the LeMo-only files given (they would be ignored by another method).
     fn lemo_files_given(&self) -> Option<&'static str> {
         [
