@@ -95,6 +95,31 @@ fn assert_same_training(a: &Path, b: &Path, adapter_tolerance: f32) {
     }
 }
 
+/// `train FLAGS --resume CUT` ends with one line `error: ...` holding each of `expected`, and
+/// leaves the checkpoints as they were.
+fn assert_resume_refused(cut: &Path, flags: &[&str], expected: &[&str]) {
+    let checkpoints = std::fs::read_dir(cut.join("checkpoints")).unwrap().count();
+    let output = lemo()
+        .arg("train")
+        .args(flags)
+        .arg("--resume")
+        .arg(cut)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success());
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    for part in expected {
+        assert!(stderr.contains(part), "{part:?} in {stderr}");
+    }
+    assert_eq!(
+        std::fs::read_dir(cut.join("checkpoints")).unwrap().count(),
+        checkpoints,
+        "a refused resume leaves the checkpoints as they were"
+    );
+}
+
 fn adapter(out: &Path) -> BTreeMap<String, Vec<f32>> {
     let bytes = std::fs::read(out.join("adapter/adapter_model.safetensors")).unwrap();
     let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -193,27 +218,7 @@ fn two_ranks_resume_exactly_and_refuse_another_rank_count() {
         &cut,
         &["--batch-size", "1", "--gpus", "2", "--stop-after", "3"],
     ));
-    let checkpoints = std::fs::read_dir(cut.join("checkpoints")).unwrap().count();
-
-    let output = lemo()
-        .args(["train", "--gpus", "1", "--resume"])
-        .arg(&cut)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(
-        stderr.starts_with("error: ")
-            && stderr.contains("2 rank(s)")
-            && stderr.contains("--gpus 2"),
-        "{stderr}"
-    );
-    assert_eq!(
-        std::fs::read_dir(cut.join("checkpoints")).unwrap().count(),
-        checkpoints,
-        "a refused resume leaves the checkpoints as they were"
-    );
+    assert_resume_refused(&cut, &["--gpus", "1"], &["2 rank(s)", "--gpus 2"]);
 
     succeed(
         lemo()
@@ -379,28 +384,6 @@ fn sequence_groups_refuse_what_they_cannot_split() {
         "2",
     ];
     succeed(train(&cut, &[&split[..], &["--stop-after", "2"]].concat()));
-    let checkpoints = std::fs::read_dir(cut.join("checkpoints")).unwrap().count();
-    let output = lemo()
-        .args([
-            "train",
-            "--gpus",
-            "2",
-            "--context-parallel",
-            "1",
-            "--resume",
-        ])
-        .arg(&cut)
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success());
-    assert_eq!(stderr.lines().count(), 1, "{stderr}");
-    assert!(
-        stderr.contains("resume with --context-parallel 2"),
-        "{stderr}"
-    );
-    assert_eq!(
-        std::fs::read_dir(cut.join("checkpoints")).unwrap().count(),
-        checkpoints
-    );
+    let another = ["--gpus", "2", "--context-parallel", "1"];
+    assert_resume_refused(&cut, &another, &["resume with --context-parallel 2"]);
 }
