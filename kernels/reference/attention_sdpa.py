@@ -35,9 +35,11 @@ PARITY_CASES = [
     ("gqa_batch2_h64_s512", 2, 8, 2, 512, 64, None, None),
     ("window_gqa_h128", 1, 8, 4, 1200, 128, 256, None),
     ("s2_gqa_h128", 1, 8, 4, 1100, 128, None, 256),
-    # Groups of multiples of 128 (the shifted half's first and last 128): cuDNN runs them folded.
+    # Groups of multiples of 128 (the shifted half's first and last 128): cuDNN runs them as
+    # causal attention over the groups, folded into the batch by strides.
     ("s2_folded_gqa_h128", 1, 8, 4, 1024, 128, None, 256),
     ("s2_folded_short_last_h128", 2, 8, 8, 1152, 128, None, 256),
+    ("s2_folded_gqa_batch2_h64", 2, 8, 2, 1536, 64, None, 512),
 ]
 
 

@@ -5,7 +5,7 @@
 use burn::backend::Autodiff;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
-use lemo_kernels::attention::{self, AttentionOptions, reference, shifted_fold};
+use lemo_kernels::attention::{self, AttentionOptions, reference};
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
 use lemo_test_support::{random, seed_backend as seed};
 
@@ -48,51 +48,9 @@ fn assert_close<B: Backend, const D: usize>(
     lemo_test_support::assert_close(what, actual, expected, TOLERANCE);
 }
 
-/// The attention under test: the public entry points (the backend's kernels), or S2 attention
-/// folded into causal attention over its groups (the way the fused path runs it).
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Path {
-    Dispatch,
-    Folded,
-}
-
-impl Path {
-    fn with_lse<B: LemoBackend>(
-        self,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        options: AttentionOptions,
-    ) -> (Tensor<B, 4>, Tensor<B, 3>) {
-        match self {
-            Path::Dispatch => attention::attention_with_lse(q, k, v, options),
-            Path::Folded => shifted_fold::attention_with_lse(q, k, v, options).expect("folds"),
-        }
-    }
-
-    fn output<B: LemoBackend>(
-        self,
-        q: Tensor<B, 4>,
-        k: Tensor<B, 4>,
-        v: Tensor<B, 4>,
-        options: AttentionOptions,
-    ) -> Tensor<B, 4> {
-        match self {
-            Path::Dispatch => attention::attention(q, k, v, options),
-            Path::Folded => shifted_fold::attention(q, k, v, options).expect("folds"),
-        }
-    }
-}
-
 /// Forward, lse and (when `gradients`) dq, dk, dv of `attention` on backend `B` against the
 /// reference differentiated by Burn's autodiff.
 fn check<B: LemoBackend>(case: Case, options: AttentionOptions, gradients: bool) {
-    check_path::<B>(case, options, gradients, Path::Dispatch);
-}
-
-/// [`check`] of `path`; the folded path also back-propagates a known output (the reference's
-/// output and lse), and computes the backward pass from it, as the reference backward does.
-fn check_path<B: LemoBackend>(case: Case, options: AttentionOptions, gradients: bool, path: Path) {
     type A<B> = Autodiff<B>;
     let device = Default::default();
     seed::<B>(&device);
@@ -113,7 +71,7 @@ fn check_path<B: LemoBackend>(case: Case, options: AttentionOptions, gradients: 
         &device,
     );
 
-    let (out, lse) = path.with_lse(q.clone(), k.clone(), v.clone(), options);
+    let (out, lse) = attention::attention_with_lse(q.clone(), k.clone(), v.clone(), options);
     let (expected_out, expected_lse) =
         reference::attention_with_lse(q.clone(), k.clone(), v.clone(), options);
     assert_close("output", out, expected_out.clone());
@@ -127,7 +85,7 @@ fn check_path<B: LemoBackend>(case: Case, options: AttentionOptions, gradients: 
         let k = Tensor::<A<B>, 4>::from_inner(k.clone()).require_grad();
         let v = Tensor::<A<B>, 4>::from_inner(v.clone()).require_grad();
         let out = if flash {
-            path.output(q.clone(), k.clone(), v.clone(), options)
+            attention::attention(q.clone(), k.clone(), v.clone(), options)
         } else {
             reference::attention(q.clone(), k.clone(), v.clone(), options)
         };
@@ -143,44 +101,6 @@ fn check_path<B: LemoBackend>(case: Case, options: AttentionOptions, gradients: 
     assert_close("dq", dq, expected_dq);
     assert_close("dk", dk, expected_dk);
     assert_close("dv", dv, expected_dv);
-    if path == Path::Folded {
-        let leaf = |t: &Tensor<B, 4>| Tensor::<A<B>, 4>::from_inner(t.clone()).require_grad();
-        let (q_leaf, k_leaf, v_leaf) = (leaf(&q), leaf(&k), leaf(&v));
-        let known = (
-            Tensor::from_inner(expected_out.clone()),
-            Tensor::from_inner(expected_lse.clone()),
-        );
-        let value = shifted_fold::attention_with_value(
-            q_leaf.clone(),
-            k_leaf.clone(),
-            v_leaf.clone(),
-            known,
-            options,
-        )
-        .expect("folds");
-        assert_close("known value", value.clone().inner(), expected_out.clone());
-        let grads = (value * Tensor::from_inner(weights.clone()))
-            .sum()
-            .backward();
-        let (dq, dk, dv) = reference::attention_backward(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            expected_out.clone(),
-            expected_lse.clone(),
-            weights.clone(),
-            options,
-        );
-        assert_close("known dq", q_leaf.grad(&grads).unwrap(), dq.clone());
-        assert_close("known dk", k_leaf.grad(&grads).unwrap(), dk.clone());
-        assert_close("known dv", v_leaf.grad(&grads).unwrap(), dv.clone());
-        let (out, lse) = (expected_out, expected_lse);
-        let (fq, fk, fv) =
-            shifted_fold::attention_backward(q, k, v, out, lse, weights, options).expect("folds");
-        assert_close("folded backward dq", fq, dq);
-        assert_close("folded backward dk", fk, dk);
-        assert_close("folded backward dv", fv, dv);
-    }
 }
 
 #[test]
@@ -246,56 +166,6 @@ fn decode_with_kv_cache() {
         single,
         AttentionOptions::causal(64).with_sliding_window(10),
         false,
-    );
-}
-
-/// S2 folded into causal attention over its groups: MHA with short last groups in both halves
-/// (46 tokens in groups of 8: the unshifted half ends with 6, the shifted one starts with 4 and
-/// ends with 2), on the reference backend.
-#[test]
-fn folded_shifted_groups_mha_cpu() {
-    let options = AttentionOptions::causal(16).with_shifted_groups(8);
-    let case = Case::self_attention(2, 4, 4, 46, 16);
-    check_path::<CpuBackend>(case, options, true, Path::Folded);
-}
-
-/// GQA (3 query heads per K/V head, one K/V head per half) on a length of whole groups, where
-/// the shifted half's two partial groups run batched.
-#[test]
-fn folded_shifted_groups_gqa_cpu() {
-    let options = AttentionOptions::causal(16).with_shifted_groups(8);
-    let case = Case::self_attention(1, 6, 2, 40, 16);
-    check_path::<CpuBackend>(case, options, true, Path::Folded);
-}
-
-/// The fold on the kernels of the wgpu backend, GQA with a short last group.
-#[test]
-fn folded_shifted_groups_wgpu() {
-    let options = AttentionOptions::causal(32).with_shifted_groups(16);
-    let case = Case::self_attention(1, 4, 2, 56, 32);
-    check_path::<WgpuBackend>(case, options, true, Path::Folded);
-}
-
-/// Where a K/V head serves query heads of both halves, or with a sliding window, the fold does
-/// not apply (the S2 kernels run instead).
-#[test]
-fn fold_declines_shared_kv_heads_and_windows() {
-    type B = CpuBackend;
-    let device = Default::default();
-    let tensor = |heads| Tensor::<B, 4>::zeros([1, heads, 16, 8], &device);
-    let options = AttentionOptions::causal(8).with_shifted_groups(8);
-    let shared = shifted_fold::attention(tensor(3), tensor(1), tensor(1), options);
-    assert!(shared.is_none(), "3 query heads on one K/V head");
-    let windowed = options.with_sliding_window(4);
-    assert!(shifted_fold::attention(tensor(2), tensor(2), tensor(2), windowed).is_none());
-    assert!(
-        shifted_fold::attention(tensor(2), tensor(1), tensor(1), options).is_none(),
-        "2 query heads on one K/V head"
-    );
-    let folded = shifted_fold::attention(tensor(4), tensor(2), tensor(2), options);
-    assert!(
-        folded.is_some(),
-        "4 query heads on 2 K/V heads: one per half"
     );
 }
 

@@ -8,7 +8,7 @@
 //! (CubeCL profiling), warm-up then median, FLOPs counted like the SDPA script
 //! (forward `4 * B * H * S^2 * D / 2` with H the query heads, backward 2.5x the forward; with
 //! `--s2-group G`, S2 attention in groups of G, its FLOPs counted over the groups: on cuDNN it
-//! runs folded into causal attention over the groups).
+//! runs as causal attention over the groups, folded into the batch by strides).
 //!
 //! Usage: `attention_bench [--parity-dir DIR] [--seqs 4096,16384,65536] [--heads 32]
 //!         [--kv-heads 32,8] [--head-dim 128] [--iterations 5] [--variants plain,tensor-core]
@@ -23,7 +23,7 @@ use burn::tensor::{DType, Distribution, Tensor, TensorData};
 use burn_cubecl::{BoolElement, CubeBackend, CubeRuntime};
 use cubecl::prelude::{ComputeClient, Runtime};
 use lemo_kernels::attention::{
-    self, AttentionOptions, FlashKernel, set_flash_kernel, shifted_fold, tensor_core_supported,
+    self, AttentionOptions, FlashKernel, set_flash_kernel, tensor_core_supported,
 };
 use lemo_kernels::{CudaBackend, WgpuBackend};
 use serde_json::{Value, json};
@@ -297,9 +297,10 @@ fn throughput<R: CubeRuntime, BT: BoolElement>(args: &Args, dtype: DType) -> Vec
                 ),
                 // Each half of the heads over its own groups.
                 Some(group) => {
-                    let pairs: f64 = shifted_fold::group_lengths(seq, group)
-                        .iter()
-                        .map(|&len| (len as f64).powi(2) / 2.0)
+                    let pairs: f64 = [0, group / 2]
+                        .into_iter()
+                        .flat_map(|shift| AttentionOptions::shifted_groups(seq, group, shift))
+                        .map(|groups| (groups.len() as f64).powi(2) / 2.0)
                         .sum();
                     let flops = 4.0 * args.head_dim as f64 * args.heads as f64 / 2.0 * pairs;
                     (causal.with_shifted_groups(group), flops)

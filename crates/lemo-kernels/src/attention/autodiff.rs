@@ -104,10 +104,6 @@ impl<B: LemoBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> 
         )
     }
 
-    fn lemo_fused_attention_length_multiple(q: &FloatTensor<Self>) -> Option<usize> {
-        B::lemo_fused_attention_length_multiple(&q.primitive)
-    }
-
     fn lemo_block_scores(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,

@@ -66,14 +66,6 @@ pub trait AttentionBackend: ComputeBackend {
         )
     }
 
-    /// The length multiple at which this backend runs plain causal attention of `q`'s dtype and
-    /// head dim on a fused path faster than its S2 kernels (cuDNN on CUDA), if it has one: S2
-    /// attention then runs as causal attention over its groups ([`attention::shifted_fold`])
-    /// where every group's length is a multiple of it.
-    fn lemo_fused_attention_length_multiple(_q: &FloatTensor<Self>) -> Option<usize> {
-        None
-    }
-
     /// Block informativeness `[batch, q_blocks, k_blocks]` over the query rows `query_stride`
     /// samples; see [`block_scores::block_scores`].
     fn lemo_block_scores(
@@ -138,15 +130,6 @@ where
             return result;
         }
         attention::flash::backward::<R, F, I, BT>(q, k, v, out, lse, grad_out, options)
-    }
-
-    fn lemo_fused_attention_length_multiple(q: &FloatTensor<Self>) -> Option<usize> {
-        #[cfg(feature = "cuda")]
-        if attention::flash_kernel() == attention::FlashKernel::Cudnn {
-            return attention::cudnn::causal_length_multiple(q);
-        }
-        let _ = q;
-        None
     }
 
     /// On tensor-core devices the tensor-core tile kernel ([`block_scores::mma`], blocks of a

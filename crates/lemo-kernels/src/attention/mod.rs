@@ -8,7 +8,6 @@ pub(crate) mod cudnn;
 pub(crate) mod flash;
 pub mod reference;
 pub mod ring;
-pub mod shifted_fold;
 
 #[cfg(feature = "cuda")]
 pub use cudnn::set_cudnn_dq_accumulator_limit;
@@ -78,7 +77,8 @@ impl AttentionOptions {
     /// sequence, i.e. `group * kept / seq` tokens, rounded to a multiple of twice
     /// [`FUSED_ATTENTION_LENGTH_MULTIPLE`] where that is at least one (then with a kept count
     /// that is a multiple of it, every group of either half is too, and the fused path runs
-    /// them), else to an even count of at least 2. The last group may be shorter.
+    /// them), else to an even count of at least 2. The last group may be shorter (cuDNN takes
+    /// it where it is a multiple of [`FUSED_ATTENTION_LENGTH_MULTIPLE`] too).
     pub fn over_kept_rows(self, seq: usize, kept: usize) -> Self {
         let Some(group) = self.shifted_group else {
             return self;
@@ -96,6 +96,24 @@ impl AttentionOptions {
         }
     }
 
+    /// The S2 groups of a sequence of `len` positions for query heads shifted by `shift` (see
+    /// [`Self::group_shift`]): consecutive ranges cut where `(position + shift) % group == 0`.
+    pub fn shifted_groups(
+        len: usize,
+        group: usize,
+        shift: usize,
+    ) -> impl Iterator<Item = std::ops::Range<usize>> {
+        let mut start = 0;
+        std::iter::from_fn(move || {
+            (start < len).then(|| {
+                let end = (((start + shift) / group + 1) * group - shift).min(len);
+                let range = start..end;
+                start = end;
+                range
+            })
+        })
+    }
+
     /// How far the S2 groups of query head `head` (out of `q_heads`) are shifted.
     pub fn group_shift(&self, head: usize, q_heads: usize) -> usize {
         match self.shifted_group {
@@ -105,42 +123,18 @@ impl AttentionOptions {
     }
 }
 
-/// Whether S2 attention with `options` over `q` runs as causal attention over its groups
-/// ([`shifted_fold`]): where the backend has a fused causal path for `q` that takes every
-/// group's length, and the groups fill the sequence. A sequence ending in a shorter group stays
-/// on the S2 kernels: folded on cuDNN, its gradients failed the GPU parity check
-/// (`kernels/results/gpu-test-h200-4bd704b.json`, 1152 tokens in groups of 256: dq off by
-/// 200x), while whole groups passed.
-fn runs_folded<B: LemoBackend>(q: &Tensor<B, 4>, options: &AttentionOptions) -> bool {
-    let Some(group) = options.shifted_group else {
-        return false;
-    };
-    let primitive = q.clone().into_primitive().tensor();
-    q.dims()[2].is_multiple_of(group)
-        && B::lemo_fused_attention_length_multiple(&primitive).is_some_and(|multiple| {
-            shifted_fold::group_lengths(q.dims()[2], group)
-                .iter()
-                .all(|len| len.is_multiple_of(multiple))
-        })
-}
-
 /// `softmax(q k^T * scale + mask) v` for `q: [batch, q_heads, q_len, head_dim]` and
 /// `k, v: [batch, kv_heads, kv_len, head_dim]`, where `q_heads` is a multiple of `kv_heads`
 /// (query head `h` reads key/value head `h / (q_heads / kv_heads)`) and the queries are the last
 /// `q_len` positions of the `kv_len` keys (so `q_len < kv_len` is decoding with a KV cache).
 /// On CubeCL backends this runs the flash kernels (O(S) memory, also under autodiff), or
-/// cuDNN's on CUDA, where S2 attention runs folded (see [`runs_folded`]).
+/// cuDNN's on CUDA (S2 attention as causal attention over its groups, see `cudnn::segments`).
 pub fn attention<B: LemoBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     v: Tensor<B, 4>,
     options: AttentionOptions,
 ) -> Tensor<B, 4> {
-    if runs_folded(&q, &options)
-        && let Some(out) = shifted_fold::attention(q.clone(), k.clone(), v.clone(), options)
-    {
-        return out;
-    }
     Tensor::from_primitive(TensorPrimitive::Float(B::lemo_attention(
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),
@@ -157,12 +151,6 @@ pub fn attention_with_lse<B: LemoBackend>(
     v: Tensor<B, 4>,
     options: AttentionOptions,
 ) -> (Tensor<B, 4>, Tensor<B, 3>) {
-    if runs_folded(&q, &options)
-        && let Some(result) =
-            shifted_fold::attention_with_lse(q.clone(), k.clone(), v.clone(), options)
-    {
-        return result;
-    }
     let (out, lse) = B::lemo_attention_forward(
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),
@@ -186,17 +174,6 @@ pub fn attention_with_value<B: LemoBackend>(
     (out, lse): (Tensor<B, 4>, Tensor<B, 3>),
     options: AttentionOptions,
 ) -> Tensor<B, 4> {
-    if runs_folded(&q, &options)
-        && let Some(value) = shifted_fold::attention_with_value(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            (out.clone(), lse.clone()),
-            options,
-        )
-    {
-        return value;
-    }
     Tensor::from_primitive(TensorPrimitive::Float(B::lemo_attention_with_value(
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),
@@ -219,19 +196,6 @@ pub fn attention_backward<B: LemoBackend>(
     grad_out: Tensor<B, 4>,
     options: AttentionOptions,
 ) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
-    if runs_folded(&q, &options)
-        && let Some(grads) = shifted_fold::attention_backward(
-            q.clone(),
-            k.clone(),
-            v.clone(),
-            out.clone(),
-            lse.clone(),
-            grad_out.clone(),
-            options,
-        )
-    {
-        return grads;
-    }
     let (dq, dk, dv) = B::lemo_attention_backward(
         q.into_primitive().tensor(),
         k.into_primitive().tensor(),

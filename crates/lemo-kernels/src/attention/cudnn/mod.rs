@@ -8,22 +8,23 @@
 //! restricted to `K` (the token-sparse backward), as with the CubeCL kernels. Work
 //! O(batch * heads * len^2 / 2 * head_dim); memory O(inputs) plus cuDNN's workspace.
 //!
-//! Used for 16-bit inputs, plain causal masks (no sliding window; S2 comes here folded into
-//! causal groups, see [`super::shifted_fold`]) and equal query and key lengths that are a
-//! multiple of 128, with head dims up to 128, where `libcudnn.so.9` loads; everything else (and
-//! every shape whose graph cuDNN refuses, reported once) stays on the CubeCL kernels. The length
-//! rule is measured: at other lengths the backward engine reads the rows past the end of its
-//! inputs, up to the next multiple of 128, and its gradients come out wrong unless that memory
-//! happens to hold zeros (cudnn-frontend builds a padding-masked graph for them).
+//! Used for 16-bit inputs, causal masks or LongLoRA's S2 groups (causal attention within each
+//! group, over strided views: see [`segments`]; no sliding window), and equal query and key
+//! lengths whose segments are multiples of 128, with head dims up to 128, where `libcudnn.so.9`
+//! loads; everything else (and every shape whose graph cuDNN refuses, reported once) stays on the
+//! CubeCL kernels. The length rule is measured: at other lengths the backward engine reads the
+//! rows past the end of its inputs, up to the next multiple of 128, and its gradients come out
+//! wrong unless that memory happens to hold zeros (cudnn-frontend builds a padding-masked graph
+//! for them).
 
 mod descriptor;
 mod graph;
 mod sdpa;
+mod segments;
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::ffi::c_void;
-use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 
@@ -39,6 +40,7 @@ use cudarc::driver::sys::CUcontext;
 use self::descriptor::check;
 use self::graph::{TensorId, sequence_major};
 use self::sdpa::{AttentionGraph, Direction, GraphKey, build};
+use self::segments::{Segment, View, pieces, segments};
 use super::AttentionOptions;
 use crate::cuda_interop::{SideStream, current_context, downcast};
 
@@ -54,17 +56,18 @@ fn library_usable() -> bool {
     })
 }
 
-/// Whether cuDNN takes attention with these inputs and options (before asking cuDNN itself).
+/// The graph calls of attention with these inputs and options, where cuDNN takes them (before
+/// asking cuDNN itself).
 fn applies(
     q: &CubeTensor<CudaRuntime>,
     k: &CubeTensor<CudaRuntime>,
     options: &AttentionOptions,
-) -> bool {
-    options.sliding_window.is_none()
-        && options.shifted_group.is_none()
-        && q.meta.shape()[2] == k.meta.shape()[2]
-        && q.meta.shape()[2].is_multiple_of(super::FUSED_ATTENTION_LENGTH_MULTIPLE)
-        && takes_dtype_and_head_dim(q)
+) -> Option<Vec<Segment>> {
+    let dims: [usize; 4] = q.meta.shape().dims();
+    let takes = options.sliding_window.is_none()
+        && dims[2] == k.meta.shape()[2]
+        && takes_dtype_and_head_dim(q);
+    takes.then(|| segments(dims, k.meta.shape()[1], options))?
 }
 
 /// Whether cuDNN takes queries of `q`'s dtype and head dim (at the lengths [`applies`] names).
@@ -74,13 +77,6 @@ fn takes_dtype_and_head_dim(q: &CubeTensor<CudaRuntime>) -> bool {
         && head_dim.is_multiple_of(8)
         && head_dim <= 128
         && library_usable()
-}
-
-/// The length multiple at which cuDNN takes plain causal attention of `q`'s dtype and head dim,
-/// if it takes it at all (see [`crate::AttentionBackend::lemo_fused_attention_length_multiple`]).
-pub(crate) fn causal_length_multiple<R: CubeRuntime>(q: &CubeTensor<R>) -> Option<usize> {
-    let q = downcast::<_, CubeTensor<CudaRuntime>>(q.clone())?;
-    takes_dtype_and_head_dim(&q).then_some(super::FUSED_ATTENTION_LENGTH_MULTIPLE)
 }
 
 fn data_type(dtype: DType) -> DataType {
@@ -133,16 +129,34 @@ fn empty_sequence_major(
     tensor
 }
 
-/// `q, k, v` as cuDNN reads them, or `None` where cuDNN does not take them.
+/// `q, k, v` as cuDNN reads them and the graph calls that compute their attention, or `None`
+/// where cuDNN does not take them.
 fn operands<R: CubeRuntime>(
     q: &CubeTensor<R>,
     k: &CubeTensor<R>,
     v: &CubeTensor<R>,
     options: &AttentionOptions,
-) -> Option<[Operand; 3]> {
+) -> Option<([Operand; 3], Vec<Segment>)> {
     let [q, k, v] = [q, k, v].map(|t| downcast::<_, CubeTensor<CudaRuntime>>(t.clone()));
     let (q, k, v) = (q?, k?, v?);
-    applies(&q, &k, options).then(|| [operand(q), operand(k), operand(v)])
+    let segments = applies(&q, &k, options)?;
+    Some(([operand(q), operand(k), operand(v)], segments))
+}
+
+/// `tensor`'s buffer from `view`'s first element on (no copy: writing it writes `tensor`).
+/// Burn's slice would copy where the offset is not aligned to the pool's alignment, and a
+/// gradient written into such a copy would be lost without an error.
+fn at(tensor: &CubeTensor<CudaRuntime>, view: View) -> CubeTensor<CudaRuntime> {
+    let mut at = tensor.clone();
+    at.handle = at
+        .handle
+        .offset_start((view.offset * tensor.dtype.size()) as u64);
+    at
+}
+
+/// Strides of the `lse` rows `[batch, q_heads, len]` (contiguous), read as `[.., len, 1]`.
+fn row_strides([_, q_heads, len, _]: [i64; 4]) -> [i64; 4] {
+    [q_heads * len, len, 1, 1]
 }
 
 /// Forward: `(out, lse)` as [`crate::attention::attention_with_lse`], or `None` where cuDNN does
@@ -153,32 +167,43 @@ pub(crate) fn try_forward<R: CubeRuntime>(
     v: &CubeTensor<R>,
     options: &AttentionOptions,
 ) -> Option<(CubeTensor<R>, CubeTensor<R>)> {
-    let [
-        (q, q_dims, q_strides),
-        (k, k_dims, k_strides),
-        (v, _, v_strides),
-    ] = operands(q, k, v, options)?;
-    let [batch, q_heads, len, _] = q_dims.map(|d| d as usize);
+    let ([(q, q_dims, q_strides), (k, _, k_strides), (v, _, v_strides)], segments) =
+        operands(q, k, v, options)?;
+    let [batch, q_heads, len, head_dim] = q_dims.map(|d| d as usize);
     let out = empty_sequence_major(&q, q_dims, q.dtype);
     let lse = empty(&q, &[batch, q_heads, len], DType::F32);
-    let key = GraphKey {
-        direction: Direction::Forward,
-        dtype: q.dtype,
-        q_dims,
-        kv_heads: k_dims[1],
-        strides: [
-            q_strides,
-            k_strides,
-            v_strides,
-            sequence_major(q_dims),
-            sequence_major(q_dims),
-            sequence_major(q_dims),
-            sequence_major(q_dims),
-        ],
-        scale_bits: options.scale.to_bits(),
-    };
-    let tensors = [&q, &k, &v, &out, &lse];
-    run(key, &tensors)?;
+    for segment in &segments {
+        let queries = |strides| segment.view(&segment.q_heads, head_dim, strides);
+        let keys = |strides| segment.view(&segment.kv_heads, head_dim, strides);
+        let [q_view, out_view] = [q_strides, sequence_major(q_dims)].map(queries);
+        let [k_view, v_view] = [k_strides, v_strides].map(keys);
+        let lse_view = segment.view(&segment.q_heads, 1, row_strides(q_dims));
+        let key = GraphKey {
+            direction: Direction::Forward,
+            dtype: q.dtype,
+            q_dims: q_view.dims,
+            kv_heads: k_view.dims[1],
+            strides: [
+                q_view.strides,
+                k_view.strides,
+                v_view.strides,
+                out_view.strides,
+                out_view.strides,
+                out_view.strides,
+                out_view.strides,
+            ],
+            row_strides: lse_view.strides,
+            scale_bits: options.scale.to_bits(),
+        };
+        let tensors = [
+            &at(&q, q_view),
+            &at(&k, k_view),
+            &at(&v, v_view),
+            &at(&out, out_view),
+            &at(&lse, lse_view),
+        ];
+        run(key, &tensors)?;
+    }
     Some((downcast(out)?, downcast(lse)?))
 }
 
@@ -187,66 +212,15 @@ static DQ_ACCUMULATOR_LIMIT: AtomicU64 = AtomicU64::new(0);
 
 /// Caps the f32 dQ accumulator one cuDNN backward graph writes (`None`, the default: the largest
 /// buffer the device pool cuts from its small pages, see [`crate::memory::pooled_buffer_limit`]).
-/// A larger backward pass runs in pieces of whole key/value head groups, one sequence at a time,
-/// so a long sequence never reserves a large page for that scratch. Any limit gives the same
-/// gradients; benchmarks and the GPU parity checks set a small one to run the pieces.
+/// A larger backward pass runs in [`pieces`] of whole key/value head groups, one sequence at a
+/// time, so a long sequence never reserves a large page for that scratch. Any limit gives the
+/// same gradients; benchmarks and the GPU parity checks set a small one to run the pieces.
 pub fn set_cudnn_dq_accumulator_limit(bytes: Option<u64>) {
     DQ_ACCUMULATOR_LIMIT.store(bytes.unwrap_or(0), Ordering::Relaxed);
 }
 
-/// One backward graph's share: these sequences, these key/value heads and their query heads.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Piece {
-    batch: Range<usize>,
-    kv_heads: Range<usize>,
-}
-
-/// The backward pass whole when its f32 dQ accumulator (`[batch, q_heads, len, head_dim]`) fits
-/// `limit` bytes, else in pieces of one sequence and as many whole key/value head groups as fit
-/// (at least one; split evenly). O(batch * kv_heads) pieces at most.
-fn backward_pieces(
-    [batch, q_heads, len, head_dim]: [usize; 4],
-    kv_heads: usize,
-    limit: Option<u64>,
-) -> Vec<Piece> {
-    let per_kv_head = (q_heads / kv_heads * len * head_dim * 4) as u64;
-    let Some(limit) = limit.filter(|&limit| per_kv_head * (batch * kv_heads) as u64 > limit) else {
-        return vec![Piece {
-            batch: 0..batch,
-            kv_heads: 0..kv_heads,
-        }];
-    };
-    let fitting = (limit / per_kv_head).clamp(1, kv_heads as u64) as usize;
-    let size = kv_heads.div_ceil(kv_heads.div_ceil(fitting));
-    (0..batch)
-        .flat_map(|sequence| {
-            (0..kv_heads).step_by(size).map(move |head| Piece {
-                batch: sequence..sequence + 1,
-                kv_heads: head..(head + size).min(kv_heads),
-            })
-        })
-        .collect()
-}
-
-/// `tensor` restricted to `ranges` of its leading dims: the same buffer at an offset, strides
-/// unchanged (no copy, so writing the view writes `tensor`). Not Burn's slice, which copies
-/// where the offset is not aligned to the pool's alignment: a gradient written into such a copy
-/// would be lost without an error.
-fn narrow(tensor: &CubeTensor<CudaRuntime>, ranges: &[Range<usize>]) -> CubeTensor<CudaRuntime> {
-    let mut view = tensor.clone();
-    let mut offset = 0;
-    for (dim, range) in ranges.iter().enumerate() {
-        offset += range.start * tensor.meta.strides()[dim];
-        view.meta.shape_mut()[dim] = range.len();
-    }
-    view.handle = view
-        .handle
-        .offset_start((offset * tensor.dtype.size()) as u64);
-    view
-}
-
 /// Backward: `(dq, dk, dv)` as [`crate::attention::attention_backward`], or `None` where cuDNN
-/// does not apply. Run whole or in [`backward_pieces`].
+/// does not apply. Each segment runs whole or in [`pieces`].
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn try_backward<R: CubeRuntime>(
     q: &CubeTensor<R>,
@@ -260,11 +234,14 @@ pub(crate) fn try_backward<R: CubeRuntime>(
     if lse.dtype != DType::F32 {
         return None;
     }
-    let [
-        (q, q_dims, q_strides),
-        (k, k_dims, k_strides),
-        (v, _, v_strides),
-    ] = operands(q, k, v, options)?;
+    let (
+        [
+            (q, q_dims, q_strides),
+            (k, k_dims, k_strides),
+            (v, _, v_strides),
+        ],
+        segments,
+    ) = operands(q, k, v, options)?;
     let dtype = q.dtype;
     let as_dtype = |t: &CubeTensor<R>| {
         let t = downcast::<_, CubeTensor<CudaRuntime>>(t.clone())?;
@@ -281,50 +258,59 @@ pub(crate) fn try_backward<R: CubeRuntime>(
     let grad_q = empty_sequence_major(&q, q_dims, dtype);
     let grad_k = empty_sequence_major(&q, k_dims, dtype);
     let grad_v = empty_sequence_major(&q, k_dims, dtype);
-    let [_, q_heads, len, head_dim] = q_dims.map(|d| d as usize);
-    let group = q_heads / k_dims[1] as usize;
+    let head_dim = q_dims[3] as usize;
     let limit = match DQ_ACCUMULATOR_LIMIT.load(Ordering::Relaxed) {
         0 => crate::memory::cube_pooled_buffer_limit::<CudaRuntime>(&q.device),
         bytes => Some(bytes),
     };
-    let strides = [
-        q_strides,
-        k_strides,
-        v_strides,
-        out_strides,
-        grad_out_strides,
-        sequence_major(q_dims),
-        sequence_major(k_dims),
-    ];
-    for piece in backward_pieces(q_dims.map(|d| d as usize), k_dims[1] as usize, limit) {
-        let (sequences, kv_heads) = (piece.batch.clone(), piece.kv_heads.clone());
-        let q_heads = kv_heads.start * group..kv_heads.end * group;
-        let queries =
-            |t: &CubeTensor<CudaRuntime>| narrow(t, &[sequences.clone(), q_heads.clone()]);
-        let keys = |t: &CubeTensor<CudaRuntime>| narrow(t, &[sequences.clone(), kv_heads.clone()]);
-        let piece_q_dims = [sequences.len(), q_heads.len(), len, head_dim];
+    let pieces = segments
+        .into_iter()
+        .flat_map(|segment| pieces(segment, head_dim, limit));
+    for piece in pieces {
+        let queries = |strides| piece.view(&piece.q_heads, head_dim, strides);
+        let keys = |strides| piece.view(&piece.kv_heads, head_dim, strides);
+        let [q_view, out_view, grad_out_view, grad_q_view] = [
+            q_strides,
+            out_strides,
+            grad_out_strides,
+            sequence_major(q_dims),
+        ]
+        .map(queries);
+        let [k_view, v_view, grad_kv_view] =
+            [k_strides, v_strides, sequence_major(k_dims)].map(keys);
+        let lse_view = piece.view(&piece.q_heads, 1, row_strides(q_dims));
         let key = GraphKey {
             direction: Direction::Backward,
             dtype,
-            q_dims: piece_q_dims.map(|d| d as i64),
-            kv_heads: kv_heads.len() as i64,
-            strides,
+            q_dims: q_view.dims,
+            kv_heads: k_view.dims[1],
+            strides: [
+                q_view.strides,
+                k_view.strides,
+                v_view.strides,
+                out_view.strides,
+                grad_out_view.strides,
+                grad_q_view.strides,
+                grad_kv_view.strides,
+            ],
+            row_strides: lse_view.strides,
             scale_bits: options.scale.to_bits(),
         };
         // Scratch the graph reads back: `rowsum(dO * O)` and dQ's f32 accumulator (cleared by
         // cuDNN).
-        let softmax_sum = empty(&q, &piece_q_dims[..3], DType::F32);
-        let dq_accum = empty(&q, &piece_q_dims, DType::F32);
+        let piece_dims = q_view.dims.map(|d| d as usize);
+        let softmax_sum = empty(&q, &piece_dims[..3], DType::F32);
+        let dq_accum = empty(&q, &piece_dims, DType::F32);
         let tensors = [
-            &queries(&q),
-            &keys(&k),
-            &keys(&v),
-            &queries(&out),
-            &queries(&lse),
-            &queries(&grad_out),
-            &queries(&grad_q),
-            &keys(&grad_k),
-            &keys(&grad_v),
+            &at(&q, q_view),
+            &at(&k, k_view),
+            &at(&v, v_view),
+            &at(&out, out_view),
+            &at(&lse, lse_view),
+            &at(&grad_out, grad_out_view),
+            &at(&grad_q, grad_q_view),
+            &at(&grad_k, grad_kv_view),
+            &at(&grad_v, grad_kv_view),
             &softmax_sum,
             &dq_accum,
         ];
@@ -450,57 +436,4 @@ fn with_state<T>(
         Entry::Vacant(entry) => entry.insert(ContextState::new()?),
     };
     f(state, context)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{Piece, backward_pieces};
-
-    fn pieces(batch: usize, q_heads: usize, kv_heads: usize, limit: Option<u64>) -> Vec<Piece> {
-        backward_pieces([batch, q_heads, 1024, 128], kv_heads, limit)
-    }
-
-    #[test]
-    fn a_backward_within_the_limit_runs_whole() {
-        let whole = vec![Piece {
-            batch: 0..2,
-            kv_heads: 0..8,
-        }];
-        // 2 * 32 * 1024 * 128 f32: 32 MiB.
-        assert_eq!(pieces(2, 32, 8, None), whole);
-        assert_eq!(pieces(2, 32, 8, Some(32 << 20)), whole);
-    }
-
-    #[test]
-    fn a_larger_backward_splits_per_sequence_into_even_head_groups() {
-        // One key/value head with its 4 query heads: 2 MiB; 5 fit in 10 MiB, so 8 heads go in
-        // two groups of 4, per sequence.
-        let split = pieces(2, 32, 8, Some(10 << 20));
-        let expected: Vec<Piece> = [(0, 0..4), (0, 4..8), (1, 0..4), (1, 4..8)]
-            .into_iter()
-            .map(|(sequence, kv_heads)| Piece {
-                batch: sequence..sequence + 1,
-                kv_heads,
-            })
-            .collect();
-        assert_eq!(split, expected);
-        // Uneven: 3 of 8 fit, so three groups of at most 3.
-        let uneven: Vec<_> = pieces(1, 8, 8, Some(3 << 19))
-            .into_iter()
-            .map(|piece| piece.kv_heads)
-            .collect();
-        assert_eq!(uneven, [0..3, 3..6, 6..8]);
-    }
-
-    #[test]
-    fn a_head_group_past_the_limit_still_runs_alone() {
-        let single: Vec<_> = pieces(1, 32, 8, Some(1))
-            .into_iter()
-            .map(|piece| piece.kv_heads)
-            .collect();
-        assert_eq!(
-            single,
-            (0..8).map(|head| head..head + 1).collect::<Vec<_>>()
-        );
-    }
 }

@@ -19,12 +19,14 @@ pub(super) enum Direction {
 pub(super) struct GraphKey {
     pub direction: Direction,
     pub dtype: DType,
-    /// `[batch, q_heads, len, head_dim]`.
+    /// `[batch, q_heads, len, head_dim]` (S2: the groups folded into the batch).
     pub q_dims: [i64; 4],
     pub kv_heads: i64,
     /// Forward: q, k, v, out (then out again); backward: q, k, v, out, dO, dQ, and dK and dV
     /// (stored alike).
     pub strides: [[i64; 4]; 7],
+    /// The `lse` rows, `[batch, q_heads, len, 1]`.
+    pub row_strides: [i64; 4],
     pub scale_bits: u32,
 }
 
@@ -147,7 +149,7 @@ fn forward_graph(handle: sys::cudnnHandle_t, key: &GraphKey) -> Result<Attention
     )?;
     let log_sum = graph.intermediate(row_dims, FLOAT)?;
     graph.unary(Pointwise::CUDNN_POINTWISE_LOG, sum, log_sum)?;
-    let lse = graph.bound(row_dims, contiguous(row_dims), FLOAT)?;
+    let lse = graph.bound(row_dims, key.row_strides, FLOAT)?;
     graph.binary(Pointwise::CUDNN_POINTWISE_ADD, max, log_sum, lse)?;
     // The second product's left operand must have the inputs' dtype.
     let probabilities = graph.intermediate(masked.dims, dtype)?;
@@ -188,7 +190,7 @@ fn backward_graph(handle: sys::cudnnHandle_t, key: &GraphKey) -> Result<Attentio
     let out = graph.bound(key.q_dims, key.strides[3], dtype)?;
     let grad_out = graph.bound(key.q_dims, key.strides[4], dtype)?;
     let row_dims = [batch, q_heads, len, 1];
-    let lse = graph.bound(row_dims, contiguous(row_dims), FLOAT)?;
+    let lse = graph.bound(row_dims, key.row_strides, FLOAT)?;
     let grad_q = graph.bound(key.q_dims, key.strides[5], dtype)?;
     let grad_k = graph.bound(kv_dims, key.strides[6], dtype)?;
     let grad_v = graph.bound(kv_dims, key.strides[6], dtype)?;
