@@ -28,18 +28,23 @@ import torch
 import torch.nn.functional as F
 
 PARITY_CASES = [
-    # name, batch, q_heads, kv_heads, seq, head_dim, window, S2 group
-    ("causal_h128", 1, 8, 8, 1000, 128, None, None),
-    ("causal_h128_s1024", 1, 8, 8, 1024, 128, None, None),
-    ("gqa_batch2_h64", 2, 8, 2, 777, 64, None, None),
-    ("gqa_batch2_h64_s512", 2, 8, 2, 512, 64, None, None),
-    ("window_gqa_h128", 1, 8, 4, 1200, 128, 256, None),
-    ("s2_gqa_h128", 1, 8, 4, 1100, 128, None, 256),
+    # name, batch, q_heads, kv_heads, seq, head_dim, window, S2 group, queries (the last
+    # q_len positions; None: every position)
+    ("causal_h128", 1, 8, 8, 1000, 128, None, None, None),
+    ("causal_h128_s1024", 1, 8, 8, 1024, 128, None, None, None),
+    ("gqa_batch2_h64", 2, 8, 2, 777, 64, None, None, None),
+    ("gqa_batch2_h64_s512", 2, 8, 2, 512, 64, None, None, None),
+    ("window_gqa_h128", 1, 8, 4, 1200, 128, 256, None, None),
+    ("s2_gqa_h128", 1, 8, 4, 1100, 128, None, 256, None),
     # Groups of multiples of 128 (the shifted half's first and last 128): cuDNN runs them as
     # causal attention over the groups, folded into the batch by strides.
-    ("s2_folded_gqa_h128", 1, 8, 4, 1024, 128, None, 256),
-    ("s2_folded_short_last_h128", 2, 8, 8, 1152, 128, None, 256),
-    ("s2_folded_gqa_batch2_h64", 2, 8, 2, 1536, 64, None, 512),
+    ("s2_folded_gqa_h128", 1, 8, 4, 1024, 128, None, 256, None),
+    ("s2_folded_short_last_h128", 2, 8, 8, 1152, 128, None, 256, None),
+    ("s2_folded_gqa_batch2_h64", 2, 8, 2, 1536, 64, None, 512, None),
+    # Queries that end a longer sequence (a rank's chunk of a split sequence, decoding with a
+    # cache): causal attention aligned at the bottom right.
+    ("causal_last_queries_gqa_h128", 2, 8, 2, 1536, 128, None, None, 512),
+    ("causal_last_queries_h64_ragged", 1, 4, 4, 1000, 64, None, None, 300),
 ]
 
 
@@ -60,13 +65,19 @@ def hidden_mask(seq, heads, window, group, device):
     return hidden
 
 
+def query_mask(q, k, window, group):
+    """`hidden_mask` over `k`'s positions, for queries that are the last of them."""
+    mask = hidden_mask(k.shape[2], q.shape[1], window, group, q.device)
+    return mask[:, k.shape[2] - q.shape[2]:, :]
+
+
 def reference_attention(q, k, v, window, group):
     """Materialized float32 attention with K/V heads repeated for GQA."""
     heads = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(heads, dim=1)
     v = v.repeat_interleave(heads, dim=1)
     scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
-    mask = hidden_mask(q.shape[2], q.shape[1], window, group, q.device)
+    mask = query_mask(q, k, window, group)
     scores = scores.masked_fill(mask, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
 
@@ -76,9 +87,10 @@ def sdpa(q, k, v, window, group):
     if heads > 1:
         k = k.repeat_interleave(heads, dim=1)
         v = v.repeat_interleave(heads, dim=1)
-    if window is None and group is None:
+    if window is None and group is None and q.shape[2] == k.shape[2]:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    allowed = ~hidden_mask(q.shape[2], q.shape[1], window, group, q.device)
+    # `is_causal` aligns the mask at the top left: fewer queries need it spelled out.
+    allowed = ~query_mask(q, k, window, group)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
 
 
@@ -97,13 +109,16 @@ def write_parity(directory, seed):
     os.makedirs(directory, exist_ok=True)
     generator = torch.Generator(device="cuda").manual_seed(seed)
     cases = []
-    for name, batch, q_heads, kv_heads, seq, head_dim, window, group in PARITY_CASES:
-        def randn(heads):
+    for name, batch, q_heads, kv_heads, seq, head_dim, window, group, q_len in PARITY_CASES:
+        q_len = q_len or seq
+
+        def randn(heads, rows):
             return torch.randn(
-                batch, heads, seq, head_dim, device="cuda", generator=generator
+                batch, heads, rows, head_dim, device="cuda", generator=generator
             ).to(torch.bfloat16)
 
-        q, k, v, grad_out = randn(q_heads), randn(kv_heads), randn(kv_heads), randn(q_heads)
+        q, grad_out = randn(q_heads, q_len), randn(q_heads, q_len)
+        k, v = randn(kv_heads, seq), randn(kv_heads, seq)
         expected = forward_backward(
             lambda q, k, v: reference_attention(q, k, v, window, group),
             [q.float(), k.float(), v.float()],
@@ -128,6 +143,7 @@ def write_parity(directory, seed):
                 "q_heads": q_heads,
                 "kv_heads": kv_heads,
                 "seq": seq,
+                "q_len": q_len,
                 "head_dim": head_dim,
                 "window": window,
                 "group": group,

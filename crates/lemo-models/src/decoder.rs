@@ -444,18 +444,19 @@ fn layers_output<B: LemoBackend, D: Decoder<B>>(
 
 /// What a pass over a batch runs on: this rank's tokens (every token without a split), the
 /// target each of its positions is scored against in the whole sequence (the next token may be
-/// another rank's), and how many of them are scored.
-struct PassInputs<B: Backend> {
+/// another rank's), how many of them are scored, and the state every layer shares.
+struct PassInputs<B: Backend, S> {
     tokens: Tensor<B, 2, Int>,
     targets: Tensor<B, 2, Int>,
     predictions: usize,
     split: Option<SequenceSplit>,
     /// Tokens of each whole sequence.
     len: usize,
+    shared: S,
 }
 
-impl<B: Backend> PassInputs<B> {
-    fn of(batch: Batch<B>) -> Self {
+impl<B: Backend, S> PassInputs<B, S> {
+    fn of<D: Decoder<B, Shared = S>>(decoder: &D, batch: Batch<B>) -> Self {
         let Batch {
             tokens,
             labels,
@@ -474,12 +475,14 @@ impl<B: Backend> PassInputs<B> {
                 batch * split.positions().iter().filter(|&&p| p + 1 < len).count()
             }
         };
+        let shared = decoder.shared(0..len, batch, split.as_ref());
         Self {
             tokens,
             targets,
             predictions,
             split,
             len,
+            shared,
         }
     }
 }
@@ -496,11 +499,10 @@ pub fn split_loss_sum<B: LemoBackend, D: Decoder<B>>(
         tokens,
         targets,
         predictions,
-        split,
-        len,
-    } = PassInputs::of(batch);
-    let [batch, local] = tokens.dims();
-    let shared = decoder.shared(0..len, batch, split.as_ref());
+        shared,
+        ..
+    } = PassInputs::of(decoder, batch);
+    let local = tokens.dims()[1];
     let hidden = layers_output(
         decoder,
         tokens,
@@ -741,10 +743,9 @@ where
         predictions,
         split,
         len,
-    } = PassInputs::of(batch);
-    let [batch, local] = tokens.dims();
-    let shared = decoder.shared(0..len, batch, split.as_ref());
-    let positions = 0..local;
+        shared,
+    } = PassInputs::of(decoder, batch);
+    let positions = 0..tokens.dims()[1];
     let StoredForward {
         layers: mut stored,
         last: h,

@@ -22,6 +22,7 @@ use std::ops::Range;
 
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
+use lemo_kernels::attention::ring::zigzag_positions;
 use lemo_kernels::attention::{attention, attention_with_lse, attention_with_value};
 use lemo_kernels::block_scores::block_scores;
 use lemo_kernels::exchange::{Exchange, all_gather_rows};
@@ -55,24 +56,18 @@ impl SequenceSplit {
                 2 * ranks.max(1)
             )));
         }
+        let layout = zigzag_positions(seq, ranks);
+        // The ranks' rows gathered in rank order: each position's row is its index there.
+        let mut gathered_row = vec![0; seq];
+        for (row, &position) in layout.concat().iter().enumerate() {
+            gathered_row[position] = row as i64;
+        }
+        let own = &layout[exchange.rank()];
         let chunk = seq / (2 * ranks);
-        let chunk_range = |index: usize| index * chunk..(index + 1) * chunk;
-        let rank = exchange.rank();
-        // Rank `owner` holds chunk `owner` then its mirror: the gathered rows of chunk `c` start
-        // at `2 * chunk * owner`, plus `chunk` for the mirror.
-        let gathered_row = (0..seq)
-            .map(|position| {
-                let index = position / chunk;
-                let (owner, second) = match index < ranks {
-                    true => (index, 0),
-                    false => (2 * ranks - 1 - index, 1),
-                };
-                ((2 * owner + second) * chunk + position % chunk) as i64
-            })
-            .collect();
+        let chunk_from = |first: usize| own[first]..own[first] + chunk;
         Ok(Self {
             seq,
-            chunks: [chunk_range(rank), chunk_range(2 * ranks - 1 - rank)],
+            chunks: [chunk_from(0), chunk_from(chunk)],
             gathered_row,
             exchange,
         })

@@ -177,9 +177,17 @@ fn relative_error(actual: &[f32], expected: &[f32]) -> f64 {
     (error / scale.max(1e-12)) as f64
 }
 
+/// `[batch, heads, rows, head_dim]` of a manifest case's queries (`q_heads`, its `q_len` last
+/// positions where given) or keys (`kv_heads`, every position).
 fn dims(case: &Value, heads_key: &str) -> [usize; 4] {
     let get = |key: &str| case[key].as_u64().expect("manifest field") as usize;
-    [get("batch"), get(heads_key), get("seq"), get("head_dim")]
+    let rows = match heads_key {
+        "q_heads" => case["q_len"]
+            .as_u64()
+            .map_or(get("seq"), |q_len| q_len as usize),
+        _ => get("seq"),
+    };
+    [get("batch"), get(heads_key), rows, get("head_dim")]
 }
 
 /// Our bf16 errors against the float32 reference, next to SDPA's, for every manifest case.

@@ -197,9 +197,15 @@ impl GraphBuilder {
         self.pointwise_in(mode, DataType::CUDNN_DATA_FLOAT, x, Some(b), None, y, None)
     }
 
-    /// `visible = row >= column` over the last two dims of `scores` (`[.., rows, cols]`): the
-    /// causal mask, aligned at the top left.
-    pub fn causal_mask(&mut self, scores: TensorId) -> Result<TensorId, String> {
+    /// `visible = row + offset >= column` over the last two dims of `scores` (`[.., rows,
+    /// cols]`): the causal mask of queries that are the last `rows` of `cols` positions, with
+    /// `offset` (`cols - rows`, an INT32 scalar passed by value) aligning it at the bottom right;
+    /// `None`: equal lengths.
+    pub fn causal_mask(
+        &mut self,
+        scores: TensorId,
+        offset: Option<TensorId>,
+    ) -> Result<TensorId, String> {
         let dims = scores.dims;
         let mut index = |axis| {
             let index = self.intermediate(dims, DataType::CUDNN_DATA_INT32)?;
@@ -214,7 +220,20 @@ impl GraphBuilder {
             )?;
             Ok::<_, String>(index)
         };
-        let (rows, columns) = (index(2)?, index(3)?);
+        let (mut rows, columns) = (index(2)?, index(3)?);
+        if let Some(offset) = offset {
+            let shifted = self.intermediate(dims, DataType::CUDNN_DATA_INT32)?;
+            self.pointwise_in(
+                Pointwise::CUDNN_POINTWISE_ADD,
+                DataType::CUDNN_DATA_INT32,
+                rows,
+                Some(offset),
+                None,
+                shifted,
+                None,
+            )?;
+            rows = shifted;
+        }
         let visible = self.intermediate(dims, DataType::CUDNN_DATA_BOOLEAN)?;
         self.pointwise_in(
             Pointwise::CUDNN_POINTWISE_CMP_GE,

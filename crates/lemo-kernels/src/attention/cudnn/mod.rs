@@ -8,9 +8,10 @@
 //! restricted to `K` (the token-sparse backward), as with the CubeCL kernels. Work
 //! O(batch * heads * len^2 / 2 * head_dim); memory O(inputs) plus cuDNN's workspace.
 //!
-//! Used for 16-bit inputs, causal masks or LongLoRA's S2 groups (causal attention within each
-//! group, over strided views: see [`segments`]; no sliding window), and equal query and key
-//! lengths whose segments are multiples of 128, with head dims up to 128, where `libcudnn.so.9`
+//! Used for 16-bit inputs, causal masks (queries the last of the keys where there are fewer) or
+//! LongLoRA's S2 groups (causal attention within each group, over strided views: see
+//! [`segments`]; no sliding window), query and key lengths and S2 groups that are multiples of
+//! 128, with head dims up to 128, where `libcudnn.so.9`
 //! loads; everything else (and every shape whose graph cuDNN refuses, reported once) stays on the
 //! CubeCL kernels. The length rule is measured: at other lengths the backward engine reads the
 //! rows past the end of its inputs, up to the next multiple of 128, and its gradients come out
@@ -64,10 +65,9 @@ fn applies(
     options: &AttentionOptions,
 ) -> Option<Vec<Segment>> {
     let dims: [usize; 4] = q.meta.shape().dims();
-    let takes = options.sliding_window.is_none()
-        && dims[2] == k.meta.shape()[2]
-        && takes_dtype_and_head_dim(q);
-    takes.then(|| segments(dims, k.meta.shape()[1], options))?
+    let [_, kv_heads, kv_len, _] = k.meta.shape().dims();
+    let takes = options.sliding_window.is_none() && takes_dtype_and_head_dim(q);
+    takes.then(|| segments(dims, [kv_heads, kv_len], options))?
 }
 
 /// Whether cuDNN takes queries of `q`'s dtype and head dim (at the lengths [`applies`] names).
@@ -173,28 +173,15 @@ pub(crate) fn try_forward<R: CubeRuntime>(
     let out = empty_sequence_major(&q, q_dims, q.dtype);
     let lse = empty(&q, &[batch, q_heads, len], DType::F32);
     for segment in &segments {
-        let queries = |strides| segment.view(&segment.q_heads, head_dim, strides);
-        let keys = |strides| segment.view(&segment.kv_heads, head_dim, strides);
+        let queries = |strides| segment.queries(head_dim, strides);
+        let keys = |strides| segment.keys(head_dim, strides);
         let [q_view, out_view] = [q_strides, sequence_major(q_dims)].map(queries);
         let [k_view, v_view] = [k_strides, v_strides].map(keys);
-        let lse_view = segment.view(&segment.q_heads, 1, row_strides(q_dims));
-        let key = GraphKey {
-            direction: Direction::Forward,
-            dtype: q.dtype,
-            q_dims: q_view.dims,
-            kv_heads: k_view.dims[1],
-            strides: [
-                q_view.strides,
-                k_view.strides,
-                v_view.strides,
-                out_view.strides,
-                out_view.strides,
-                out_view.strides,
-                out_view.strides,
-            ],
-            row_strides: lse_view.strides,
-            scale_bits: options.scale.to_bits(),
-        };
+        let lse_view = segment.queries(1, row_strides(q_dims));
+        let views = [
+            q_view, k_view, v_view, out_view, out_view, out_view, out_view,
+        ];
+        let key = GraphKey::of(Direction::Forward, q.dtype, views, lse_view, options.scale);
         let tensors = [
             &at(&q, q_view),
             &at(&k, k_view),
@@ -267,8 +254,8 @@ pub(crate) fn try_backward<R: CubeRuntime>(
         .into_iter()
         .flat_map(|segment| pieces(segment, head_dim, limit));
     for piece in pieces {
-        let queries = |strides| piece.view(&piece.q_heads, head_dim, strides);
-        let keys = |strides| piece.view(&piece.kv_heads, head_dim, strides);
+        let queries = |strides| piece.queries(head_dim, strides);
+        let keys = |strides| piece.keys(head_dim, strides);
         let [q_view, out_view, grad_out_view, grad_q_view] = [
             q_strides,
             out_strides,
@@ -278,24 +265,17 @@ pub(crate) fn try_backward<R: CubeRuntime>(
         .map(queries);
         let [k_view, v_view, grad_kv_view] =
             [k_strides, v_strides, sequence_major(k_dims)].map(keys);
-        let lse_view = piece.view(&piece.q_heads, 1, row_strides(q_dims));
-        let key = GraphKey {
-            direction: Direction::Backward,
-            dtype,
-            q_dims: q_view.dims,
-            kv_heads: k_view.dims[1],
-            strides: [
-                q_view.strides,
-                k_view.strides,
-                v_view.strides,
-                out_view.strides,
-                grad_out_view.strides,
-                grad_q_view.strides,
-                grad_kv_view.strides,
-            ],
-            row_strides: lse_view.strides,
-            scale_bits: options.scale.to_bits(),
-        };
+        let lse_view = piece.queries(1, row_strides(q_dims));
+        let views = [
+            q_view,
+            k_view,
+            v_view,
+            out_view,
+            grad_out_view,
+            grad_q_view,
+            grad_kv_view,
+        ];
+        let key = GraphKey::of(Direction::Backward, dtype, views, lse_view, options.scale);
         // Scratch the graph reads back: `rowsum(dO * O)` and dQ's f32 accumulator (cleared by
         // cuDNN).
         let piece_dims = q_view.dims.map(|d| d as usize);
@@ -395,14 +375,14 @@ fn run(key: GraphKey, tensors: &[&CubeTensor<CudaRuntime>]) -> Option<()> {
                 let Some(Ok(graph)) = state.graphs.get(&key) else {
                     return Err("graph built above".into());
                 };
-                let mut scalars: Vec<f32> = graph.scalars.iter().map(|&(_, value)| value).collect();
+                let mut scalars: Vec<u32> = graph.scalars.iter().map(|&(_, bits)| bits).collect();
                 let mut bindings: Vec<(TensorId, *mut c_void)> = graph
                     .bound
                     .iter()
                     .map(|&(tensor, index)| (tensor, pointers[index] as *mut c_void))
                     .collect();
                 for ((tensor, _), value) in graph.scalars.iter().zip(scalars.iter_mut()) {
-                    bindings.push((*tensor, (value as *mut f32).cast()));
+                    bindings.push((*tensor, (value as *mut u32).cast()));
                 }
                 // SAFETY: the pointers are live cubecl buffers of the described sizes (kept alive by
                 // `resources` until enqueued, and by the context-wide join afterwards).

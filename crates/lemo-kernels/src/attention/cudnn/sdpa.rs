@@ -7,6 +7,7 @@ use cudarc::cudnn::sys::{self, cudnnDataType_t as DataType, cudnnPointwiseMode_t
 
 use super::data_type;
 use super::graph::{GraphBuilder, Plan, TensorId, contiguous};
+use super::segments::View;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(super) enum Direction {
@@ -22,6 +23,8 @@ pub(super) struct GraphKey {
     /// `[batch, q_heads, len, head_dim]` (S2: the groups folded into the batch).
     pub q_dims: [i64; 4],
     pub kv_heads: i64,
+    /// Keys, at least `len`: the queries are the last `len` of them.
+    pub kv_len: i64,
     /// Forward: q, k, v, out (then out again); backward: q, k, v, out, dO, dQ, and dK and dV
     /// (stored alike).
     pub strides: [[i64; 4]; 7],
@@ -30,12 +33,36 @@ pub(super) struct GraphKey {
     pub scale_bits: u32,
 }
 
+impl GraphKey {
+    /// The graph over these views of its bound tensors (in the order of [`Self::strides`]) and
+    /// of the `lse` rows.
+    pub fn of(
+        direction: Direction,
+        dtype: DType,
+        views: [View; 7],
+        rows: View,
+        scale: f32,
+    ) -> Self {
+        Self {
+            direction,
+            dtype,
+            q_dims: views[0].dims,
+            kv_heads: views[1].dims[1],
+            kv_len: views[1].dims[2],
+            strides: views.map(|view| view.strides),
+            row_strides: rows.strides,
+            scale_bits: scale.to_bits(),
+        }
+    }
+}
+
 /// A built graph: its plan, which of the caller's tensors each bound graph tensor reads (a
-/// transposed view reads the same buffer as its tensor), and its by-value scalars.
+/// transposed view reads the same buffer as its tensor), and its by-value scalars (the bits of an
+/// f32 or an i32).
 pub(super) struct AttentionGraph {
     pub plan: Plan,
     pub bound: Vec<(TensorId, usize)>,
-    pub scalars: Vec<(TensorId, f32)>,
+    pub scalars: Vec<(TensorId, u32)>,
 }
 
 pub(super) fn build(handle: sys::cudnnHandle_t, key: &GraphKey) -> Result<AttentionGraph, String> {
@@ -55,8 +82,8 @@ fn transposed(dims: [i64; 4], strides: [i64; 4]) -> ([i64; 4], [i64; 4]) {
 
 const FLOAT: DataType = DataType::CUDNN_DATA_FLOAT;
 
-/// `scale * Q K^T` (`[batch, q_heads, len, len]`, f32 in the graph); query head `h` reads key
-/// head `h / (q_heads / kv_heads)` through the matmul's batch broadcast.
+/// `scale * Q K^T` (`[batch, q_heads, len, kv_len]`, f32 in the graph); query head `h` reads
+/// key head `h / (q_heads / kv_heads)` through the matmul's batch broadcast.
 fn scaled_scores(
     graph: &mut GraphBuilder,
     q: TensorId,
@@ -64,7 +91,7 @@ fn scaled_scores(
     scale: TensorId,
 ) -> Result<TensorId, String> {
     let [batch, q_heads, len, _] = q.dims;
-    let dims = [batch, q_heads, len, len];
+    let dims = [batch, q_heads, len, k_transposed.dims[3]];
     let products = graph.intermediate(dims, FLOAT)?;
     graph.matmul(q, k_transposed, products)?;
     let scaled = graph.intermediate(dims, FLOAT)?;
@@ -72,51 +99,57 @@ fn scaled_scores(
     Ok(scaled)
 }
 
-/// `scores` with `hidden` (`-inf`) above the diagonal.
-fn causal(
-    graph: &mut GraphBuilder,
-    scores: TensorId,
-    hidden: TensorId,
-) -> Result<TensorId, String> {
-    let visible = graph.causal_mask(scores)?;
+/// `scores` with `hidden` (`-inf`) above the diagonal, aligned at the bottom right.
+fn causal(graph: &mut GraphBuilder, scores: TensorId, inputs: &Inputs) -> Result<TensorId, String> {
+    let (visible, hidden) = (graph.causal_mask(scores, inputs.offset)?, inputs.hidden);
     let masked = graph.intermediate(scores.dims, FLOAT)?;
     graph.select(scores, hidden, visible, masked)?;
     Ok(masked)
 }
 
-/// The inputs both graphs read: q, K^T (over k's buffer), and the scale and `-inf` scalars.
+/// The inputs both graphs read: q, K^T (over k's buffer), the scale and `-inf` scalars, and
+/// the causal mask's offset where there are more keys than queries.
 struct Inputs {
     q: TensorId,
     k_transposed: TensorId,
     scale: TensorId,
     hidden: TensorId,
+    offset: Option<TensorId>,
 }
 
 fn inputs(graph: &mut GraphBuilder, key: &GraphKey) -> Result<(Inputs, [i64; 4]), String> {
     let dtype = data_type(key.dtype);
     let [batch, _, len, head_dim] = key.q_dims;
-    let kv_dims = [batch, key.kv_heads, len, head_dim];
+    let kv_dims = [batch, key.kv_heads, key.kv_len, head_dim];
     let q = graph.bound(key.q_dims, key.strides[0], dtype)?;
     let (kt_dims, kt_strides) = transposed(kv_dims, key.strides[1]);
     let k_transposed = graph.bound(kt_dims, kt_strides, dtype)?;
     let scale = graph.scalar(FLOAT)?;
     let hidden = graph.scalar(FLOAT)?;
+    let offset = match key.kv_len == len {
+        true => None,
+        false => Some(graph.scalar(DataType::CUDNN_DATA_INT32)?),
+    };
     Ok((
         Inputs {
             q,
             k_transposed,
             scale,
             hidden,
+            offset,
         },
         kv_dims,
     ))
 }
 
-fn scalars(inputs: &Inputs, key: &GraphKey) -> Vec<(TensorId, f32)> {
-    vec![
-        (inputs.scale, f32::from_bits(key.scale_bits)),
-        (inputs.hidden, f32::NEG_INFINITY),
-    ]
+fn scalars(inputs: &Inputs, key: &GraphKey) -> Vec<(TensorId, u32)> {
+    let mut scalars = vec![
+        (inputs.scale, key.scale_bits),
+        (inputs.hidden, f32::NEG_INFINITY.to_bits()),
+    ];
+    let offset = (key.kv_len - key.q_dims[2]) as i32;
+    scalars.extend(inputs.offset.map(|tensor| (tensor, offset as u32)));
+    scalars
 }
 
 /// Forward: `M = rowmax(S)`, `E = exp(S - M)`, `L = rowsum(E)`, `Stats = M + ln L`,
@@ -127,7 +160,7 @@ fn forward_graph(handle: sys::cudnnHandle_t, key: &GraphKey) -> Result<Attention
     let (inputs, kv_dims) = inputs(&mut graph, key)?;
     let v = graph.bound(kv_dims, key.strides[2], dtype)?;
     let scores = scaled_scores(&mut graph, inputs.q, inputs.k_transposed, inputs.scale)?;
-    let masked = causal(&mut graph, scores, inputs.hidden)?;
+    let masked = causal(&mut graph, scores, &inputs)?;
 
     let [batch, q_heads, len, _] = key.q_dims;
     let row_dims = [batch, q_heads, len, 1];
@@ -213,7 +246,7 @@ fn backward_graph(handle: sys::cudnnHandle_t, key: &GraphKey) -> Result<Attentio
     let scores_dims = scores.dims;
     let centered = graph.intermediate(scores_dims, FLOAT)?;
     graph.binary(Pointwise::CUDNN_POINTWISE_SUB, scores, lse, centered)?;
-    let masked = causal(&mut graph, centered, inputs.hidden)?;
+    let masked = causal(&mut graph, centered, &inputs)?;
     let probabilities = graph.intermediate(scores_dims, FLOAT)?;
     graph.unary(Pointwise::CUDNN_POINTWISE_EXP, masked, probabilities)?;
     let (transposed_dims, transposed_strides) = transposed(scores_dims, contiguous(scores_dims));
@@ -228,7 +261,8 @@ fn backward_graph(handle: sys::cudnnHandle_t, key: &GraphKey) -> Result<Attentio
                        target: TensorId|
      -> Result<(), String> {
         if grouped {
-            let per_query_head = graph.intermediate([batch, q_heads, len, head_dim], dtype)?;
+            let per_query_head =
+                graph.intermediate([batch, q_heads, kv_dims[2], head_dim], dtype)?;
             graph.matmul(lhs, rhs, per_query_head)?;
             graph.reduction(
                 sys::cudnnReduceTensorOp_t::CUDNN_REDUCE_TENSOR_ADD,
@@ -274,7 +308,7 @@ fn backward_graph(handle: sys::cudnnHandle_t, key: &GraphKey) -> Result<Attentio
     graph.unary(Pointwise::CUDNN_POINTWISE_IDENTITY, dq_accum, grad_q)?;
 
     let mut scalars = scalars(&inputs, key);
-    scalars.push((one, 1.0));
+    scalars.push((one, 1f32.to_bits()));
     Ok(AttentionGraph {
         plan: graph.plan(handle)?,
         bound: vec![

@@ -16,7 +16,8 @@ use super::super::{AttentionOptions, FUSED_ATTENTION_LENGTH_MULTIPLE};
 
 /// One graph call: these sequences, query heads and the K/V heads they read, over `groups`
 /// groups of `len` positions from `start`, `group_stride` positions apart (folded into the
-/// graph's batch; more than one group only within one sequence).
+/// graph's batch; more than one group only within one sequence), and the `kv_len` keys whose
+/// last `len` the queries are (`len` but for plain causal attention with fewer queries).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Segment {
     pub sequences: Range<usize>,
@@ -26,6 +27,7 @@ pub(super) struct Segment {
     pub groups: usize,
     pub group_stride: usize,
     pub len: usize,
+    pub kv_len: usize,
 }
 
 /// Where a segment reads or writes one tensor: the element offset of its first value, and the
@@ -43,9 +45,19 @@ impl Segment {
         self.sequences.len() * self.groups
     }
 
-    /// The segment's view of a tensor `[batch, heads, len, x]` with `strides` (in elements), over
-    /// `heads` of its heads.
-    pub fn view(&self, heads: &Range<usize>, x: usize, strides: [i64; 4]) -> View {
+    /// The segment's view of a query-shaped tensor `[batch, q_heads, len, x]` with `strides`.
+    pub fn queries(&self, x: usize, strides: [i64; 4]) -> View {
+        self.view(&self.q_heads, self.len, x, strides)
+    }
+
+    /// The segment's view of a key-shaped tensor `[batch, kv_heads, kv_len, x]` with `strides`.
+    pub fn keys(&self, x: usize, strides: [i64; 4]) -> View {
+        self.view(&self.kv_heads, self.kv_len, x, strides)
+    }
+
+    /// The view of `rows` rows over `heads` of a tensor `[batch, heads, len, x]` with `strides`
+    /// (in elements).
+    fn view(&self, heads: &Range<usize>, rows: usize, x: usize, strides: [i64; 4]) -> View {
         let [sequence, head, position, _] = strides.map(|s| s as usize);
         let folded_stride = if self.groups > 1 {
             self.group_stride * position
@@ -54,7 +66,7 @@ impl Segment {
         };
         View {
             offset: self.sequences.start * sequence + heads.start * head + self.start * position,
-            dims: [self.folded(), heads.len(), self.len, x].map(|d| d as i64),
+            dims: [self.folded(), heads.len(), rows, x].map(|d| d as i64),
             strides: [folded_stride as i64, strides[1], strides[2], strides[3]],
         }
     }
@@ -123,13 +135,14 @@ fn halves(q_heads: usize, kv_heads: usize, group: usize) -> Option<Vec<Half>> {
     )
 }
 
-/// The calls of attention over `q: [batch, q_heads, len, _]` and `kv_heads` K/V heads with
-/// `options`, or `None` where cuDNN cannot run them: a group length that is not a multiple of
-/// [`FUSED_ATTENTION_LENGTH_MULTIPLE`] (the engine reads rows up to the next multiple, which
-/// here belong to the next group) or K/V heads shared across the S2 halves.
+/// The calls of attention over `q: [batch, q_heads, len, _]` and `kv_heads` K/V heads of
+/// `kv_len` keys with `options`, or `None` where cuDNN cannot run them: a length or group length
+/// that is not a multiple of [`FUSED_ATTENTION_LENGTH_MULTIPLE`] (the engine reads rows up to
+/// the next multiple, which may belong to the next group), fewer keys than queries, S2 with more
+/// keys than queries, or K/V heads shared across the S2 halves.
 pub(super) fn segments(
     [batch, q_heads, len, _]: [usize; 4],
-    kv_heads: usize,
+    [kv_heads, kv_len]: [usize; 2],
     options: &AttentionOptions,
 ) -> Option<Vec<Segment>> {
     let whole = Segment {
@@ -140,19 +153,19 @@ pub(super) fn segments(
         groups: 1,
         group_stride: len,
         len,
+        kv_len,
     };
+    let fused = |len: usize| len.is_multiple_of(FUSED_ATTENTION_LENGTH_MULTIPLE);
     let Some(group) = options.shifted_group else {
-        return len
-            .is_multiple_of(FUSED_ATTENTION_LENGTH_MULTIPLE)
-            .then(|| vec![whole]);
+        return (fused(len) && fused(kv_len) && kv_len >= len).then(|| vec![whole]);
     };
+    if kv_len != len {
+        return None;
+    }
     let mut segments = Vec::new();
     for half in halves(q_heads, kv_heads, group)? {
         let mut runs = runs(len, group, half.shift);
-        if runs
-            .iter()
-            .any(|run| !run.len.is_multiple_of(FUSED_ATTENTION_LENGTH_MULTIPLE))
-        {
+        if runs.iter().any(|run| !fused(run.len)) {
             return None;
         }
         let of_half = |start, groups, group_stride, len| Segment {
@@ -162,6 +175,7 @@ pub(super) fn segments(
             groups,
             group_stride,
             len,
+            kv_len: len,
             ..whole.clone()
         };
         // The shifted half's half groups at either end: one call, `group_stride` apart.
@@ -305,7 +319,7 @@ mod tests {
         ];
         for (batch, q_heads, kv_heads, len, group) in cases {
             let options = options(group);
-            let segments = segments([batch, q_heads, len, 64], kv_heads, &options)
+            let segments = segments([batch, q_heads, len, 64], [kv_heads, len], &options)
                 .unwrap_or_else(|| panic!("{len} tokens in groups of {group:?} run on cuDNN"));
             let dims = [batch, q_heads, len];
             assert_eq!(
@@ -320,7 +334,7 @@ mod tests {
     fn an_s2_half_runs_in_at_most_three_calls() {
         // 32K in groups of 8192, MHA: the unshifted half in one call; the shifted half's three
         // whole groups in one and its two half groups at either end in one.
-        let calls = segments([1, 32, 32768, 128], 32, &options(Some(8192))).unwrap();
+        let calls = segments([1, 32, 32768, 128], [32, 32768], &options(Some(8192))).unwrap();
         let layout: Vec<_> = calls
             .iter()
             .map(|s| (s.q_heads.clone(), s.start, s.groups, s.group_stride, s.len))
@@ -337,11 +351,26 @@ mod tests {
 
     #[test]
     fn lengths_cudnn_cannot_take_are_declined() {
-        assert!(segments([1, 4, 1000, 64], 4, &options(None)).is_none());
+        assert!(segments([1, 4, 1000, 64], [4, 1000], &options(None)).is_none());
         // Groups of 200 end at positions that are not multiples of 128.
-        assert!(segments([1, 4, 1024, 64], 4, &options(Some(200))).is_none());
+        assert!(segments([1, 4, 1024, 64], [4, 1024], &options(Some(200))).is_none());
         // 9 query heads on 3: K/V head 1 serves both halves.
-        assert!(segments([1, 9, 1024, 64], 3, &options(Some(256))).is_none());
+        assert!(segments([1, 9, 1024, 64], [3, 1024], &options(Some(256))).is_none());
+        // More queries than keys; S2 over queries that are the last of more keys.
+        assert!(segments([1, 4, 1024, 64], [4, 512], &options(None)).is_none());
+        assert!(segments([1, 4, 512, 64], [4, 1024], &options(Some(256))).is_none());
+        assert!(segments([1, 4, 512, 64], [4, 1000], &options(None)).is_none());
+    }
+
+    #[test]
+    fn queries_that_end_a_longer_key_sequence_run_in_one_call() {
+        // A rank's chunk of a split sequence: 512 queries against the 1536 keys up to its end.
+        let calls = segments([2, 8, 512, 128], [2, 1536], &options(None)).unwrap();
+        assert_eq!(calls.len(), 1);
+        let strides = [1536 * 2 * 128, 128, 2 * 128, 1];
+        let keys = calls[0].keys(128, strides);
+        assert_eq!((keys.offset, keys.dims), (0, [2, 2, 1536, 128]));
+        assert_eq!(calls[0].queries(128, strides).dims, [2, 8, 512, 128]);
     }
 
     #[test]
@@ -358,8 +387,9 @@ mod tests {
             groups: 3,
             group_stride: 256,
             len: 256,
+            kv_len: 256,
         };
-        let view = segment.view(&segment.q_heads, dim, strides);
+        let view = segment.queries(dim, strides);
         // Element of (folded group 2, head 1 of the view, row 5, column 7).
         let index = |[f, h, r, c]: [i64; 4]| {
             view.offset as i64
@@ -383,9 +413,13 @@ mod tests {
     }
 
     fn whole(batch: usize, q_heads: usize, kv_heads: usize) -> Segment {
-        segments([batch, q_heads, 1024, 128], kv_heads, &options(None))
-            .unwrap()
-            .remove(0)
+        segments(
+            [batch, q_heads, 1024, 128],
+            [kv_heads, 1024],
+            &options(None),
+        )
+        .unwrap()
+        .remove(0)
     }
 
     #[test]
@@ -433,7 +467,8 @@ mod tests {
     #[test]
     fn pieces_of_an_s2_half_keep_its_heads_and_groups() {
         // The shifted half of 32 heads over 4 groups: heads 16..32, split in two.
-        let half = segments([1, 32, 32768, 128], 32, &options(Some(8192))).unwrap()[2].clone();
+        let half =
+            segments([1, 32, 32768, 128], [32, 32768], &options(Some(8192))).unwrap()[2].clone();
         let split = pieces(half.clone(), 128, Some(3 * 8192 * 128 * 4 * 8));
         let heads: Vec<_> = split.iter().map(|s| s.q_heads.clone()).collect();
         assert_eq!(heads, [16..24, 24..32]);
