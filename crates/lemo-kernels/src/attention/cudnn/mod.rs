@@ -8,15 +8,14 @@
 //! restricted to `K` (the token-sparse backward), as with the CubeCL kernels. Work
 //! O(batch * heads * len^2 / 2 * head_dim); memory O(inputs) plus cuDNN's workspace.
 //!
-//! Used for 16-bit inputs, causal masks (queries the last of the keys where there are fewer) or
-//! LongLoRA's S2 groups (causal attention within each group, over strided views: see
-//! [`segments`]; no sliding window), query and key lengths and S2 groups that are multiples of
-//! 128, with head dims up to 128, where `libcudnn.so.9`
-//! loads; everything else (and every shape whose graph cuDNN refuses, reported once) stays on the
-//! CubeCL kernels. The length rule is measured: at other lengths the backward engine reads the
-//! rows past the end of its inputs, up to the next multiple of 128, and its gradients come out
-//! wrong unless that memory happens to hold zeros (cudnn-frontend builds a padding-masked graph
-//! for them).
+//! Used for 16-bit inputs, causal masks (aligned at the bottom right where the queries are the
+//! last of more keys) or LongLoRA's S2 groups (causal attention within each group, over strided
+//! views: see [`segments`]; no sliding window), query and key lengths and S2 groups that are
+//! multiples of 128, with head dims up to 128, where `libcudnn.so.9` loads; everything else (and
+//! every shape whose graph cuDNN refuses, reported once) stays on the CubeCL kernels. The length
+//! rule is measured: at other lengths the backward engine reads the rows past the end of its
+//! inputs, up to the next multiple of 128, and its gradients come out wrong unless that memory
+//! happens to hold zeros (cudnn-frontend builds a padding-masked graph for them).
 
 mod descriptor;
 mod graph;
