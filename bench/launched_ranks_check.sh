@@ -11,7 +11,9 @@
 #   bench/launched_ranks_check.sh
 #
 # env: LEMO (default target/release/lemo-train), PYTHON (default python3), GPUS (default 2),
-#      PORT (default 29533), COMMIT, RESULTS, WORK.
+#      PORT (default 29533), COMMIT, RESULTS, WORK, EXTRA (more train flags for every run, e.g.
+#      "--context-parallel 2": one sequence group over the processes).
+#      The tiny preset runs in f32 and its sequences split over up to 4 ranks.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LEMO=${LEMO:-target/release/lemo-train}
@@ -25,7 +27,7 @@ mkdir -p "$WORK"
 # shellcheck source=bench/nccl_env.sh
 . bench/nccl_env.sh
 
-tiny="$LEMO train --preset tiny --device cuda --precision f32 --val-every 3 --checkpoint-every 0 --batch-size 1 --cache-dir none"
+tiny="$LEMO train --preset tiny --device cuda --precision f32 --val-every 3 --checkpoint-every 0 --batch-size 1 --cache-dir none ${EXTRA:-}"
 COMMANDS=("$tiny --steps 6 --gpus $GPUS --out $WORK/threads")
 $tiny --steps 6 --gpus "$GPUS" --out "$WORK/threads" > "$WORK/threads.log" 2>&1
 
@@ -77,9 +79,9 @@ finish killed
 
 printf '%s\n' "${COMMANDS[@]}" > "$WORK/commands.txt"
 GPU=$(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)
-"$PYTHON" - "$WORK" "$RESULTS" "$COMMIT" "$GPU" "$GPUS" "$killed_at" <<'PY'
+"$PYTHON" - "$WORK" "$RESULTS" "$COMMIT" "$GPU" "$GPUS" "$killed_at" "${EXTRA:-}" <<'PY'
 import datetime, json, os, sys
-work, out, commit, gpu, gpus, killed_at = sys.argv[1:7]
+work, out, commit, gpu, gpus, killed_at, extra = sys.argv[1:8]
 def losses(run):
     path = os.path.join(work, run, "metrics.jsonl")
     if not os.path.exists(path):
@@ -97,7 +99,7 @@ if threads and processes and len(threads) == len(processes):
     difference = max(abs(a[2] - b[2]) / abs(a[2]) for a, b in zip(threads, processes))
 killed = status("killed")
 result = {
-    "what": f"train under a launcher, one process per GPU ({gpus} GPUs), against {gpus} ranks of one process",
+    "what": f"train under a launcher, one process per GPU ({gpus} GPUs), against {gpus} ranks of one process" + (f", with {extra}" if extra else ""),
     "gpu": gpu, "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
     "commands": open(os.path.join(work, "commands.txt")).read().splitlines(),
     "equivalence": {"threads": threads, "processes": processes, "max_relative_difference": difference,

@@ -23,8 +23,11 @@
 //! - `models`: `lemo-train eval --device cuda` in bf16 and f32 on every transformers fixture
 //!   against the loss transformers computed;
 //! - `nccl`: two ranks of batch one against one rank of batch two (`train --gpus 2`), and one
-//!   sequence split over two ranks against one rank (`--context-parallel 2`), where the machine
-//!   has two GPUs or more; otherwise reported as skipped.
+//!   sequence split over two ranks against one rank (`--context-parallel 2`, its keys and values
+//!   gathered by NCCL on the devices), dense and with token elimination, where the machine has
+//!   two GPUs or more; otherwise reported as skipped.
+//!
+//! `--groups` runs some of them (a full run takes most of a device call).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -44,6 +47,8 @@ const BINARIES: [(&str, &str); 4] = [
     ("lemo-train", "lemo-train"),
     ("xtask", "xtask"),
 ];
+/// The groups of checks, in the order they run.
+pub const GROUPS: [&str; 4] = ["kernels", "attention", "models", "nccl"];
 /// Relative tolerance of a model's loss against transformers', by precision.
 const LOSS_TOLERANCES: [(&str, f64); 2] = [("bf16", 1e-2), ("f32", 1e-3)];
 
@@ -106,7 +111,16 @@ fn skipped(group: &str, check: &str, reason: &str) -> Value {
 
 /// Runs every check with the binaries of `bundle/bin`, writes the results to `out` and fails
 /// when a check failed.
-pub fn run_checks(root: &Path, bundle: &Path, out: &Path) -> Result<()> {
+pub fn run_checks(root: &Path, bundle: &Path, out: &Path, groups: &[String]) -> Result<()> {
+    for group in groups {
+        if !GROUPS.contains(&group.as_str()) {
+            bail!(
+                "--groups: unknown group {group:?} (the groups: {})",
+                GROUPS.join(", ")
+            );
+        }
+    }
+    let chosen = |group: &str| groups.iter().any(|g| g == group);
     let started = Instant::now();
     let bin = |name: &str| bundle.join("bin").join(name);
     let work = tempfile_dir()?;
@@ -145,13 +159,21 @@ pub fn run_checks(root: &Path, bundle: &Path, out: &Path) -> Result<()> {
         Ok((passed, failed, skips))
     };
     let mut checks = Vec::new();
-    checks.extend(kernel_checks(&env, &bin("compute_bench"), &work));
-    write(&checks, false)?;
-    checks.extend(attention_checks(root, &env, &bin("attention_bench"), &work));
-    write(&checks, false)?;
-    checks.extend(model_checks(root, &env, &bin("lemo-train")));
-    write(&checks, false)?;
-    checks.extend(nccl_checks(root, &env, &bin("lemo-train"), &work));
+    if chosen("kernels") {
+        checks.extend(kernel_checks(&env, &bin("compute_bench"), &work));
+        write(&checks, false)?;
+    }
+    if chosen("attention") {
+        checks.extend(attention_checks(root, &env, &bin("attention_bench"), &work));
+        write(&checks, false)?;
+    }
+    if chosen("models") {
+        checks.extend(model_checks(root, &env, &bin("lemo-train")));
+        write(&checks, false)?;
+    }
+    if chosen("nccl") {
+        checks.extend(nccl_checks(root, &env, &bin("lemo-train"), &work));
+    }
     let (passed, failed, skips) = write(&checks, true)?;
     println!(
         "{passed} passed, {failed} failed, {skips} skipped ({})",
@@ -404,17 +426,19 @@ fn json_output(mut command: Command) -> Option<Value> {
 
 /// Two ranks on two GPUs train as one: two NCCL ranks of batch one as one rank of batch two
 /// (data parallelism), and one sequence split over two ranks as one rank of batch one (context
-/// parallelism); the logged losses agree.
+/// parallelism); the logged losses agree. With token elimination the ranks keep rows of their
+/// own, so only the first step's loss (an exact forward pass) is one rank's.
 fn nccl_checks(root: &Path, env: &Environment, lemo: &Path, work: &Path) -> Vec<Value> {
     const DATA: &str = "data parallel over NCCL: 2 ranks x batch 1 vs 1 rank x batch 2";
     const CONTEXT: &str =
         "context parallel: 1 sequence over 2 ranks (--context-parallel 2) vs 1 rank x batch 1";
+    const CONTEXT_LEMO: &str =
+        "context parallel with token elimination (--method lemo): first step's loss vs 1 rank";
     if env.gpus.len() < 2 {
         let reason = "one GPU on this machine (run on two or more)";
-        return vec![
-            skipped("nccl", DATA, reason),
-            skipped("nccl", CONTEXT, reason),
-        ];
+        return [DATA, CONTEXT, CONTEXT_LEMO]
+            .map(|check| skipped("nccl", check, reason))
+            .to_vec();
     }
     let fixture = root.join("crates/lemo-models/tests/fixtures/hf/llama_gqa_tied");
     let train = |name: &str, ranks: &[&str], batch: &str| -> Option<Vec<f64>> {
@@ -427,7 +451,7 @@ fn nccl_checks(root: &Path, env: &Environment, lemo: &Path, work: &Path) -> Vec<
             .arg(fixture.join("tokens.jsonl"))
             .args([
                 "--seq-len",
-                "32",
+                "64",
                 "--steps",
                 "3",
                 "--warmup-steps",
@@ -476,8 +500,34 @@ fn nccl_checks(root: &Path, env: &Environment, lemo: &Path, work: &Path) -> Vec<
     let one_rank = train("one_rank", &["--gpus", "1"], "2");
     let split = train("split", &["--gpus", "2", "--context-parallel", "2"], "1");
     let whole = train("whole", &["--gpus", "1"], "1");
+    // Chunks of 64 / 4 tokens: one token block each.
+    let lemo_args = [
+        "--method",
+        "lemo",
+        "--attention-keep",
+        "0.5",
+        "--block-size",
+        "16",
+    ];
+    let lemo_split = train(
+        "lemo_split",
+        &[&lemo_args[..], &["--gpus", "2", "--context-parallel", "2"]].concat(),
+        "1",
+    );
+    let lemo_whole = train(
+        "lemo_whole",
+        &[&lemo_args[..], &["--gpus", "1"]].concat(),
+        "1",
+    );
+    let first = |losses: Option<Vec<f64>>| losses.map(|l| l.into_iter().take(1).collect());
     vec![
         outcome("nccl", DATA, error(two_ranks, one_rank), 1e-4),
         outcome("nccl", CONTEXT, error(split, whole), 1e-4),
+        outcome(
+            "nccl",
+            CONTEXT_LEMO,
+            error(first(lemo_split), first(lemo_whole)),
+            1e-4,
+        ),
     ]
 }

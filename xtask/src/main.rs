@@ -83,7 +83,7 @@ enum GpuTest {
     /// Build, strip and pack what `run` needs into `.device/gpu-test.tar.xz` (carry it to the GPU
     /// machine and unpack it there with `tar -xJf gpu-test.tar.xz -C DIR`).
     Bundle,
-    /// Run every GPU check with the unpacked bundle's binaries and write the results file.
+    /// Run the GPU checks with the unpacked bundle's binaries and write the results file.
     Run {
         /// The folder holding the unpacked bundle (`bin/`, `COMMIT`).
         #[arg(long, default_value = gpu_test::BUNDLE_DIR)]
@@ -91,6 +91,9 @@ enum GpuTest {
         /// The results file (commit it under kernels/results/).
         #[arg(long, default_value = "kernels/results/gpu-test.json")]
         out: PathBuf,
+        /// The groups of checks to run (kernels, attention, models, nccl), comma-separated.
+        #[arg(long, value_delimiter = ',', default_values_t = gpu_test::GROUPS.map(String::from))]
+        groups: Vec<String>,
     },
 }
 
@@ -187,9 +190,11 @@ fn main() -> Result<()> {
             let archive = gpu_test::bundle(&root)?;
             println!("{}", archive.display());
         }
-        Task::GpuTest(GpuTest::Run { bundle, out }) => {
-            gpu_test::run_checks(&std::env::current_dir()?, &bundle, &out)?
-        }
+        Task::GpuTest(GpuTest::Run {
+            bundle,
+            out,
+            groups,
+        }) => gpu_test::run_checks(&std::env::current_dir()?, &bundle, &out, &groups)?,
         Task::Ci => run(Command::new("bash")
             .arg(root.join(".ci/run"))
             .current_dir(&root))?,

@@ -7,7 +7,6 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind, unary};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::Exchange;
 use super::backend::ExchangeBackend;
@@ -26,8 +25,7 @@ impl<B: ExchangeBackend> Backward<B, 1> for AllGatherBackward {
     ) {
         let exchange = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            let grad = Tensor::<B, 2>::from_primitive(TensorPrimitive::Float(grad));
-            exchange.scatter(grad).into_primitive().tensor()
+            B::lemo_reduce_scatter_rows(grad, &exchange)
         });
     }
 }

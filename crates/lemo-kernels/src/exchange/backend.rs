@@ -1,5 +1,6 @@
-//! The exchange family of backend operations: a plain all-gather on every backend, with its
-//! reduce-scatter as the backward pass under autodiff.
+//! The exchange family of backend operations: an all-gather and a reduce-scatter through the
+//! host on every backend, on the device on CUDA when the group has device collectives; under
+//! autodiff the reduce-scatter is the all-gather's backward pass.
 
 use burn::tensor::backend::Backend;
 use burn::tensor::ops::FloatTensor;
@@ -13,9 +14,23 @@ use crate::backend::CpuBackend;
 pub trait ExchangeBackend: Backend {
     /// See [`super::all_gather_rows`].
     fn lemo_all_gather_rows(local: FloatTensor<Self>, exchange: &Exchange) -> FloatTensor<Self> {
-        let local = Tensor::<Self, 2>::from_primitive(TensorPrimitive::Float(local));
-        exchange.gather(local).into_primitive().tensor()
+        through_host(local, |local| exchange.gather::<Self>(local))
     }
+
+    /// This rank's rows `[rows, width]` of the sum over the ranks of `full: [ranks * rows,
+    /// width]` (the backward pass of [`Self::lemo_all_gather_rows`]).
+    fn lemo_reduce_scatter_rows(full: FloatTensor<Self>, exchange: &Exchange) -> FloatTensor<Self> {
+        through_host(full, |full| exchange.scatter::<Self>(full))
+    }
+}
+
+fn through_host<B: Backend>(
+    rows: FloatTensor<B>,
+    collective: impl FnOnce(Tensor<B, 2>) -> Tensor<B, 2>,
+) -> FloatTensor<B> {
+    collective(Tensor::from_primitive(TensorPrimitive::Float(rows)))
+        .into_primitive()
+        .tensor()
 }
 
 impl ExchangeBackend for CpuBackend {}
@@ -27,4 +42,23 @@ where
     I: IntElement,
     BT: BoolElement,
 {
+    fn lemo_all_gather_rows(local: FloatTensor<Self>, exchange: &Exchange) -> FloatTensor<Self> {
+        #[cfg(feature = "cuda")]
+        let local =
+            match super::cuda::on_device(local, exchange, super::cuda::Collective::AllGather) {
+                Ok(gathered) => return gathered,
+                Err(local) => local,
+            };
+        through_host(local, |local| exchange.gather::<Self>(local))
+    }
+
+    fn lemo_reduce_scatter_rows(full: FloatTensor<Self>, exchange: &Exchange) -> FloatTensor<Self> {
+        #[cfg(feature = "cuda")]
+        let full =
+            match super::cuda::on_device(full, exchange, super::cuda::Collective::ReduceScatter) {
+                Ok(scattered) => return scattered,
+                Err(full) => full,
+            };
+        through_host(full, |full| exchange.scatter::<Self>(full))
+    }
 }

@@ -5,17 +5,20 @@
 //! rows (a reduce-scatter), so gradients reach the rank that computed the rows.
 //!
 //! How the rows travel is the caller's: a [`RowExchange`] moves host values (the ranks of one
-//! process share memory), so any backend takes part. The collective runs once per call in the
-//! forward pass and once in the backward pass, and every rank of the group must make the same
-//! calls in the same order.
+//! process share memory), so any backend takes part; one that also has collectives on device
+//! memory ([`DeviceRowExchange`], NCCL) moves CUDA tensors without the host. The collective runs
+//! once per call in the forward pass and once in the backward pass, and every rank of the group
+//! must make the same calls in the same order.
 
 mod autodiff;
 pub mod backend;
+#[cfg(feature = "cuda")]
+mod cuda;
 
 use std::sync::Arc;
 
 use burn::tensor::backend::Backend;
-use burn::tensor::{Tensor, TensorData, TensorPrimitive};
+use burn::tensor::{DType, Tensor, TensorData, TensorPrimitive};
 
 use backend::ExchangeBackend;
 
@@ -36,6 +39,46 @@ pub trait RowExchange: Send + Sync {
     fn reduce_scatter(&self, full: Vec<f32>) -> Vec<f32>;
     /// Returns once every rank of the group has called it.
     fn barrier(&self);
+    /// The group's collectives on device memory, when it has them.
+    fn device(&self) -> Option<&dyn DeviceRowExchange> {
+        None
+    }
+}
+
+/// Collectives of a sequence group on buffers of each rank's CUDA device (NCCL).
+///
+/// Both run on cubecl's device thread with the rank's CUDA context current, are enqueued on
+/// `stream` (which already waits for the kernels that wrote `send`), and return once they have
+/// finished. A collective that fails returns the reason and leaves the failure with the group,
+/// as [`RowExchange`]'s do.
+pub trait DeviceRowExchange: Send + Sync {
+    /// Every rank's `count` values of `dtype` at `send`, concatenated in rank order at `recv`.
+    ///
+    /// # Safety
+    /// `send` holds `count` values and `recv` room for `ranks * count`, live device buffers of
+    /// the current context; `stream` is a stream of that context.
+    unsafe fn all_gather(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        stream: usize,
+    ) -> Result<(), String>;
+
+    /// This rank's share, `count` values at `recv`, of the sum over the ranks of the
+    /// `ranks * count` values of `dtype` at `send`.
+    ///
+    /// # Safety
+    /// As [`Self::all_gather`], with the sizes of `send` and `recv` swapped.
+    unsafe fn reduce_scatter(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        stream: usize,
+    ) -> Result<(), String>;
 }
 
 /// A shared handle on a rank's [`RowExchange`].
@@ -66,7 +109,7 @@ impl Exchange {
     }
 
     /// Every rank's `local: [rows, width]` stacked in rank order, `[ranks * rows, width]`, in
-    /// `local`'s dtype, outside any graph.
+    /// `local`'s dtype, outside any graph, through the host.
     fn gather<B: Backend>(&self, local: Tensor<B, 2>) -> Tensor<B, 2> {
         let [rows, width] = local.dims();
         let values = self.0.all_gather(host_values(local.clone()));
@@ -75,7 +118,7 @@ impl Exchange {
     }
 
     /// This rank's rows `[rows, width]` of the sum over the ranks of `full:
-    /// [ranks * rows, width]`, in `full`'s dtype, outside any graph.
+    /// [ranks * rows, width]`, in `full`'s dtype, outside any graph, through the host.
     fn scatter<B: Backend>(&self, full: Tensor<B, 2>) -> Tensor<B, 2> {
         let [total, width] = full.dims();
         let values = self.0.reduce_scatter(host_values(full.clone()));

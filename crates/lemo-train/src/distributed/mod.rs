@@ -143,17 +143,43 @@ impl Communicator {
     }
 
     /// This rank's end of its sequence group (context parallelism): the `size` consecutive
-    /// ranks from `rank / size * size`. Its collectives run in process memory, so the group's
-    /// ranks must be this process's.
-    pub fn sequence_group(&self, size: usize) -> Result<Exchange> {
-        if self.group.ranks() < self.world && size > 1 {
+    /// ranks from `rank / size * size`. Rows on CUDA devices travel through an NCCL
+    /// communicator split from the world's (every rank makes its group at the same point); the
+    /// few host values run in process memory when the group's ranks are all this process's, and
+    /// through that communicator when they are not.
+    pub fn sequence_group(&mut self, size: usize) -> Result<Exchange> {
+        let first = self.rank / size * size;
+        let first_here = self.rank - self.local;
+        let in_process = first >= first_here && first + size <= first_here + self.group.ranks();
+        let index = self.rank - first;
+        #[cfg(feature = "cuda")]
+        {
+            let (rank, group) = (self.rank, self.group.clone());
+            if let Some(world) = self.nccl()? {
+                let mut comm = |group| -> Result<nccl::SequenceComm> {
+                    Ok(nccl::SequenceComm::new(
+                        world.split(first, rank)?,
+                        group,
+                        rank,
+                    ))
+                };
+                let sequence_group = match in_process {
+                    true => {
+                        let subgroup = group.subgroup(first - first_here, size);
+                        SequenceGroup::new(subgroup.clone(), index).on_device(comm(subgroup)?)
+                    }
+                    false => SequenceGroup::spanning(index, size, comm(group)?),
+                };
+                return Ok(Exchange(Arc::new(sequence_group)));
+            }
+        }
+        if !in_process {
             bail!(
-                "--context-parallel {size}: the ranks of a sequence group exchange keys and values in process memory, so they run in one process: use --gpus N rather than a launcher with one process per GPU"
+                "--context-parallel {size}: a sequence group over several processes exchanges keys and values through NCCL, which needs --device cuda"
             );
         }
-        let first = self.local / size * size;
-        let group = SequenceGroup::new(self.group.subgroup(first, size), self.local - first);
-        Ok(Exchange(Arc::new(group)))
+        let subgroup = self.group.subgroup(first - first_here, size);
+        Ok(Exchange(Arc::new(SequenceGroup::new(subgroup, index))))
     }
 
     /// Sums a flat f32 bucket over the ranks; every rank gets the sum.

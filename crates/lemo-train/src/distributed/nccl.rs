@@ -1,5 +1,7 @@
-//! NCCL all-reduce of a cubecl CUDA buffer, through cudarc's bindings (NCCL is loaded at run
-//! time as `libnccl.so`).
+//! NCCL collectives on cubecl's CUDA buffers, through cudarc's bindings (NCCL is loaded at run
+//! time as `libnccl.so`): the all-reduce of the gradient buckets, and the all-gather and
+//! reduce-scatter of a sequence group's rows (context parallelism) on a communicator split from
+//! the world's.
 //!
 //! cubecl's own communicator (Burn's `distributed` feature) shares its unique id through a
 //! process-global map and initializes and waits without a deadline; here the unique id is a
@@ -11,6 +13,7 @@
 
 use std::ffi::c_void;
 use std::mem::MaybeUninit;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -23,6 +26,7 @@ use cudarc::driver::result as driver;
 use cudarc::driver::sys as driver_sys;
 use cudarc::nccl::result as nccl;
 use cudarc::nccl::sys as nccl_sys;
+use lemo_kernels::exchange::DeviceRowExchange;
 
 use super::PeerFailure;
 use super::local::LocalGroup;
@@ -173,6 +177,51 @@ impl NcclComm {
         Ok(Self { device, handles })
     }
 
+    /// The communicator of the ranks that pass the same `color` (this one among them ordered by
+    /// `key`); every rank of this communicator calls it, and it returns once all have.
+    pub fn split(&mut self, color: usize, key: usize) -> Result<Self> {
+        let client = CudaRuntime::client(&self.device);
+        let parent = self.handles;
+        let index = self.device.index;
+        let handles = client
+            .exclusive(move || -> Result<Handles, String> {
+                let parent = parent;
+                let context = primary_context(index)?;
+                let stream = driver::stream::create(driver::stream::StreamKind::NonBlocking)
+                    .map_err(|e| e.to_string())?;
+                let done =
+                    driver::event::create(driver_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                        .map_err(|e| e.to_string())?;
+                let mut comm = MaybeUninit::uninit();
+                // SAFETY: every rank of the parent calls this, in the same order as its other
+                // collectives; a null config inherits the parent's.
+                unsafe {
+                    nccl_sys::ncclCommSplit(
+                        parent.comm,
+                        color as i32,
+                        key as i32,
+                        comm.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                }
+                .result()
+                .map_err(|e| format!("ncclCommSplit: {:?}", e.0))?;
+                Ok(Handles {
+                    context,
+                    // SAFETY: initialized by the successful call above.
+                    comm: unsafe { comm.assume_init() },
+                    stream,
+                    done,
+                })
+            })
+            .map_err(|e| anyhow::anyhow!("{e:?}"))?
+            .map_err(|e| anyhow::anyhow!("NCCL on CUDA device {index}: {e}"))?;
+        Ok(Self {
+            device: self.device.clone(),
+            handles,
+        })
+    }
+
     /// Sums `values` over the ranks, in place, through a device buffer of this rank (the host
     /// values of a step when the ranks are in several processes).
     pub fn sum_host(&mut self, values: &mut [f64], group: &LocalGroup) -> Result<()> {
@@ -210,19 +259,24 @@ impl NcclComm {
         Ok(())
     }
 
-    /// The value of a finished sum; a sum that failed aborts the communicator (NCCL cannot go
-    /// on after a peer is lost) and becomes a [`PeerFailure`].
+    /// The value of a finished sum; a sum that failed aborts the communicator and becomes a
+    /// [`PeerFailure`].
     fn abort_on_failure<T>(&mut self, outcome: Result<T, String>) -> Result<T> {
         outcome.map_err(|why| {
-            if !self.handles.comm.is_null() {
-                // SAFETY: the communicator is not used again after an abort.
-                unsafe {
-                    let _ = nccl::comm_abort(self.handles.comm);
-                }
-                self.handles.comm = std::ptr::null_mut();
-            }
+            self.abort();
             PeerFailure(format!("sum on CUDA device {}: {why}", self.device.index)).into()
         })
+    }
+
+    /// Ends the communicator after a failed collective: NCCL cannot go on once a peer is lost.
+    fn abort(&mut self) {
+        if !self.handles.comm.is_null() {
+            // SAFETY: the communicator is not used again after an abort.
+            unsafe {
+                let _ = nccl::comm_abort(self.handles.comm);
+            }
+            self.handles.comm = std::ptr::null_mut();
+        }
     }
 
     /// Sums `bucket` (f32, on this rank's device) over the ranks, in place.
@@ -272,6 +326,145 @@ impl NcclComm {
             downcast::<_, B::FloatTensorPrimitive>(tensor).expect("the type it came from"),
         )))
     }
+}
+
+/// One rank's communicator of its sequence group (split from the world's): the all-gather and
+/// reduce-scatter of the group's rows on the device, for [`lemo_kernels::exchange`].
+pub struct SequenceComm {
+    comm: Mutex<NcclComm>,
+    /// The process's ranks, whose stops end a wait.
+    group: Arc<LocalGroup>,
+    /// The rank, in the world: named when one of its collectives fails.
+    rank: usize,
+}
+
+impl SequenceComm {
+    pub fn new(comm: NcclComm, group: Arc<LocalGroup>, rank: usize) -> Self {
+        Self {
+            comm: Mutex::new(comm),
+            group,
+            rank,
+        }
+    }
+
+    /// Enqueues a collective on `stream` and waits for it. A collective that fails aborts the
+    /// communicator and stops the group, so the step's next collective on the host reports it.
+    ///
+    /// # Safety
+    /// `enqueue` is given a live communicator and a stream of the current context.
+    unsafe fn run(
+        &self,
+        what: &str,
+        stream: usize,
+        enqueue: impl FnOnce(
+            nccl_sys::ncclComm_t,
+            nccl_sys::cudaStream_t,
+        ) -> Result<nccl::NcclStatus, nccl::NcclError>,
+    ) -> Result<(), String> {
+        let mut comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        let handles = comm.handles;
+        if handles.comm.is_null() {
+            return Err(format!(
+                "{what}: the sequence group's NCCL communicator was aborted"
+            ));
+        }
+        let deadline = Instant::now() + self.group.timeout();
+        // SAFETY: the handles are live and of the current context (cubecl's primary one); the
+        // stream is the caller's promise.
+        let outcome = unsafe {
+            enqueue(handles.comm, stream as nccl_sys::cudaStream_t)
+                .map_err(|e| format!("{:?}", e.0))
+                .and_then(|_| {
+                    driver::event::record(handles.done, stream as driver_sys::CUstream)
+                        .map_err(|e| e.to_string())
+                })
+                .and_then(|()| wait(handles.comm, handles.done, deadline, &self.group))
+        };
+        outcome.map_err(|why| {
+            comm.abort();
+            let why = format!("{what} on CUDA device {}: {why}", comm.device.index);
+            self.group.stop(self.rank, why.clone());
+            why
+        })
+    }
+}
+
+impl SequenceComm {
+    /// The sum of `values` over the group (host values of a group spanning processes).
+    pub fn sum_host(&self, mut values: Vec<f64>) -> Result<Vec<f64>> {
+        let mut comm = self.comm.lock().unwrap_or_else(|e| e.into_inner());
+        if comm.handles.comm.is_null() {
+            bail!("the sequence group's NCCL communicator was aborted");
+        }
+        comm.sum_host(&mut values, &self.group)?;
+        Ok(values)
+    }
+}
+
+impl DeviceRowExchange for SequenceComm {
+    unsafe fn all_gather(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        stream: usize,
+    ) -> Result<(), String> {
+        let dtype = nccl_dtype(dtype)?;
+        // SAFETY: the buffers and the stream are the caller's promise.
+        unsafe {
+            self.run("all-gather of a sequence group", stream, |comm, stream| {
+                nccl::all_gather(
+                    send as *const c_void,
+                    recv as *mut c_void,
+                    count,
+                    dtype,
+                    comm,
+                    stream,
+                )
+            })
+        }
+    }
+
+    unsafe fn reduce_scatter(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DType,
+        stream: usize,
+    ) -> Result<(), String> {
+        let dtype = nccl_dtype(dtype)?;
+        // SAFETY: the buffers and the stream are the caller's promise.
+        unsafe {
+            self.run(
+                "reduce-scatter of a sequence group",
+                stream,
+                |comm, stream| {
+                    nccl::reduce_scatter(
+                        send as *const c_void,
+                        recv as *mut c_void,
+                        count,
+                        dtype,
+                        nccl_sys::ncclRedOp_t::ncclSum,
+                        comm,
+                        stream,
+                    )
+                },
+            )
+        }
+    }
+}
+
+fn nccl_dtype(dtype: DType) -> Result<nccl_sys::ncclDataType_t, String> {
+    use nccl_sys::ncclDataType_t::*;
+    Ok(match dtype {
+        DType::F64 => ncclFloat64,
+        DType::F32 => ncclFloat32,
+        DType::F16 => ncclFloat16,
+        DType::BF16 => ncclBfloat16,
+        other => return Err(format!("NCCL exchanges float rows, not {other:?}")),
+    })
 }
 
 /// Polls `done` until it fires, the deadline passes, another rank stops, or NCCL reports an

@@ -1,32 +1,77 @@
-//! The sequence groups of context parallelism between the ranks of one process: the all-gather
-//! and reduce-scatter of [`lemo_kernels::exchange`] as sums of the group's host values (an
-//! all-gather is the sum of each rank's values placed in its own part of a zeroed buffer).
+//! The sequence groups of context parallelism: the all-gather and reduce-scatter of
+//! [`lemo_kernels::exchange`] through NCCL on the ranks' GPUs, and through the host (on the CPU
+//! backends, and for the barrier) as sums of the group's host values (an all-gather is the sum
+//! of each rank's values placed in its own part of a zeroed buffer): in process memory when
+//! the group's ranks share the process, through NCCL when it spans processes.
 
 use std::sync::Arc;
 
-use lemo_kernels::exchange::RowExchange;
+use lemo_kernels::exchange::{DeviceRowExchange, RowExchange};
 
 use super::local::LocalGroup;
 
 /// One rank's end of a sequence group.
 pub struct SequenceGroup {
-    group: Arc<LocalGroup>,
+    /// The group's ranks when they are all in this process; `None` when the group spans
+    /// processes (its host values then travel through NCCL).
+    local: Option<Arc<LocalGroup>>,
     /// The rank's index in the group.
     index: usize,
+    ranks: usize,
+    /// The group's NCCL communicator, when its ranks are CUDA devices.
+    #[cfg(feature = "cuda")]
+    device: Option<super::nccl::SequenceComm>,
 }
 
 impl SequenceGroup {
+    /// Rank `index` of a group whose ranks are all this process's.
     pub fn new(group: Arc<LocalGroup>, index: usize) -> Self {
-        Self { group, index }
+        Self {
+            ranks: group.ranks(),
+            local: Some(group),
+            index,
+            #[cfg(feature = "cuda")]
+            device: None,
+        }
+    }
+
+    /// The group with its NCCL communicator for rows on the device.
+    #[cfg(feature = "cuda")]
+    pub fn on_device(self, comm: super::nccl::SequenceComm) -> Self {
+        Self {
+            device: Some(comm),
+            ..self
+        }
+    }
+
+    /// Rank `index` of a group of `ranks` ranks in several processes, joined by `comm`.
+    #[cfg(feature = "cuda")]
+    pub fn spanning(index: usize, ranks: usize, comm: super::nccl::SequenceComm) -> Self {
+        Self {
+            local: None,
+            index,
+            ranks,
+            device: Some(comm),
+        }
     }
 
     /// The sum of `values` over the group; zeros when the group has stopped (the failure stays
     /// with the group, and the step's next collective reports it).
     fn sum(&self, values: Vec<f64>) -> Vec<f32> {
         let len = values.len();
-        match self.group.sum(self.index, values) {
-            Ok(sum) => sum.iter().map(|&v| v as f32).collect(),
-            Err(_) => vec![0.0; len],
+        let sum = match &self.local {
+            Some(group) => group.sum(self.index, values).ok().map(|sum| sum.to_vec()),
+            #[cfg(feature = "cuda")]
+            None => self
+                .device
+                .as_ref()
+                .and_then(|comm| comm.sum_host(values).ok()),
+            #[cfg(not(feature = "cuda"))]
+            None => None,
+        };
+        match sum {
+            Some(sum) => sum.iter().map(|&v| v as f32).collect(),
+            None => vec![0.0; len],
         }
     }
 }
@@ -37,7 +82,7 @@ impl RowExchange for SequenceGroup {
     }
 
     fn ranks(&self) -> usize {
-        self.group.ranks()
+        self.ranks
     }
 
     fn all_gather(&self, local: Vec<f32>) -> Vec<f32> {
@@ -56,8 +101,20 @@ impl RowExchange for SequenceGroup {
         sum[self.index * share..(self.index + 1) * share].to_vec()
     }
 
+    /// Ranks in other processes have autodiff graphs of their own: only the ranks of this
+    /// process need to meet (see [`lemo_kernels::exchange::Exchange::before_backward`]).
     fn barrier(&self) {
-        self.sum(Vec::new());
+        if self.local.is_some() {
+            self.sum(Vec::new());
+        }
+    }
+
+    fn device(&self) -> Option<&dyn DeviceRowExchange> {
+        #[cfg(feature = "cuda")]
+        if let Some(comm) = &self.device {
+            return Some(comm);
+        }
+        None
     }
 }
 

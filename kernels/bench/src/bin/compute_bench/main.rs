@@ -7,7 +7,8 @@
 //! of tensors copied to page-locked host memory and back against the same values read plainly; f32
 //! GEMMs (ours and Burn's) against the CPU; fused kernels against their Burn references; the
 //! dequantize kernel (every format, f32 and bf16 output) against its Burn reference;
-//! the segment-based loss against the plain full-logits loss (loss and gradients).
+//! the segment-based loss against the plain full-logits loss (loss and gradients); the
+//! exchange's all-gather and reduce-scatter on the device against the same through the host.
 //! Throughput: each kernel timed as a loop of back-to-back calls between two device
 //! synchronizations (cubecl's profiler), after warm-up, median of repeats; the PyTorch script
 //! `kernels/reference/compute_torch.py` times the same shapes the same way.
@@ -33,6 +34,7 @@ type B = CudaBackend;
 type AD = Autodiff<CudaBackend>;
 type Client = ComputeClient<cubecl::cuda::CudaRuntime>;
 
+mod exchange;
 mod past_2_31;
 
 /// Measured device copy bandwidth the fused kernels are compared with comes from the PyTorch
@@ -766,6 +768,7 @@ fn main() {
     parity.extend(section("gemm_parity", &mut errors, gemm_parity).unwrap_or_default());
     parity.extend(section("gemm_ordering", &mut errors, ordering_check));
     parity.extend(section("host_copy", &mut errors, host_copy_check));
+    parity.extend(section("exchange", &mut errors, exchange::parity).unwrap_or_default());
     memory_cleanup::<B>(&device());
     parity.extend(section("past_2_31", &mut errors, past_2_31::parity).unwrap_or_default());
     memory_cleanup::<B>(&device());
