@@ -31,7 +31,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
@@ -103,6 +103,25 @@ fn outcome(group: &str, check: &str, error: Option<f64>, tolerance: f64) -> Valu
     let ok = error.is_some_and(|e| e.is_finite() && e <= tolerance);
     json!({"group": group, "check": check, "relative_error": error, "tolerance": tolerance,
            "ok": ok})
+}
+
+/// `command`'s exit status, or `None` when it does not start or runs past `limit` (then it is
+/// killed: one check that hangs must not take the rest of the run with it).
+fn status_within(command: &mut Command, limit: Duration) -> Option<std::process::ExitStatus> {
+    let mut child = command.spawn().ok()?;
+    let started = Instant::now();
+    loop {
+        if let Some(status) = child.try_wait().ok()? {
+            return Some(status);
+        }
+        if started.elapsed() >= limit {
+            eprintln!("gpu-test: killed after {} s", limit.as_secs());
+            let _ = child.kill();
+            let _ = child.wait();
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 fn skipped(group: &str, check: &str, reason: &str) -> Value {
@@ -466,13 +485,15 @@ fn nccl_checks(root: &Path, env: &Environment, lemo: &Path, work: &Path) -> Vec<
                 "0",
                 "--cache-dir",
                 "none",
+                "--collective-timeout",
+                "60s",
             ])
             .args(["--device", "cuda", "--precision", "f32"])
             .args(ranks)
             .args(["--batch-size", batch, "--out"])
             .arg(&out);
         eprintln!("gpu-test: {command:?}");
-        let status = command.status().ok()?;
+        let status = status_within(&mut command, Duration::from_secs(120))?;
         if !status.success() {
             return None;
         }

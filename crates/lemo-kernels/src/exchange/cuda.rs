@@ -20,7 +20,9 @@ use cubecl::cuda::CudaRuntime;
 use super::Exchange;
 use crate::cuda_interop::{SideStream, current_context, downcast};
 
-/// The collective's stream of each context, made at its first collective.
+/// The collectives' stream of each context, made at its first collective; taken out while a
+/// collective runs, so that the ranks of one process (each on its own device thread) never wait
+/// on each other for this lock while they wait on each other in the collective.
 static STREAMS: Mutex<Option<HashMap<usize, SideStream>>> = Mutex::new(None);
 
 #[derive(Clone, Copy)]
@@ -76,30 +78,38 @@ pub(super) fn on_device<R: CubeRuntime>(
     let outcome = client
         .exclusive(move || -> Result<(), String> {
             let context = current_context()?;
-            let mut streams = STREAMS.lock().unwrap_or_else(|e| e.into_inner());
-            let streams = streams.get_or_insert_with(HashMap::new);
-            if !streams.contains_key(&(context as usize)) {
-                streams.insert(context as usize, SideStream::new()?);
-            }
-            let stream = streams
-                .get_mut(&(context as usize))
-                .expect("inserted above");
+            let taken = STREAMS
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert_with(HashMap::new)
+                .remove(&(context as usize));
+            let mut stream = match taken {
+                Some(stream) => stream,
+                None => SideStream::new()?,
+            };
             let device = group.0.device().expect("checked above");
             // SAFETY: both buffers are live cubecl buffers of the current context with the
             // sizes the collective needs (held until it returns, and it returns once finished);
             // the stream waits for the kernels that wrote `send`.
-            unsafe {
-                stream.join_inputs(context)?;
-                let on = stream.stream as usize;
-                match collective {
-                    Collective::AllGather => {
-                        device.all_gather(send_pointer, recv_pointer, count, summed_in, on)
+            let outcome = unsafe {
+                stream.join_inputs(context).and_then(|()| {
+                    let on = stream.stream as usize;
+                    match collective {
+                        Collective::AllGather => {
+                            device.all_gather(send_pointer, recv_pointer, count, summed_in, on)
+                        }
+                        Collective::ReduceScatter => {
+                            device.reduce_scatter(send_pointer, recv_pointer, count, summed_in, on)
+                        }
                     }
-                    Collective::ReduceScatter => {
-                        device.reduce_scatter(send_pointer, recv_pointer, count, summed_in, on)
-                    }
-                }
-            }
+                })
+            };
+            STREAMS
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .get_or_insert_with(HashMap::new)
+                .insert(context as usize, stream);
+            outcome
         })
         .map_err(|e| format!("{e:?}"))
         .and_then(|outcome| outcome);
