@@ -44,21 +44,21 @@ where
 {
     fn lemo_all_gather_rows(local: FloatTensor<Self>, exchange: &Exchange) -> FloatTensor<Self> {
         #[cfg(feature = "cuda")]
-        let local =
-            match super::cuda::on_device(local, exchange, super::cuda::Collective::AllGather) {
-                Ok(gathered) => return gathered,
-                Err(local) => local,
-            };
+        if let Some(gathered) =
+            super::cuda::on_device(&local, exchange, super::cuda::Collective::AllGather)
+        {
+            return gathered;
+        }
         through_host(local, |local| exchange.gather::<Self>(local))
     }
 
     fn lemo_reduce_scatter_rows(full: FloatTensor<Self>, exchange: &Exchange) -> FloatTensor<Self> {
         #[cfg(feature = "cuda")]
-        let full =
-            match super::cuda::on_device(full, exchange, super::cuda::Collective::ReduceScatter) {
-                Ok(scattered) => return scattered,
-                Err(full) => full,
-            };
+        if let Some(scattered) =
+            super::cuda::on_device(&full, exchange, super::cuda::Collective::ReduceScatter)
+        {
+            return scattered;
+        }
         through_host(full, |full| exchange.scatter::<Self>(full))
     }
 }

@@ -33,20 +33,16 @@ pub(super) enum Collective {
     ReduceScatter,
 }
 
-/// `collective` of `rows: [rows, width]` over `exchange`'s group on the device, or `rows` back
-/// when it is not a CUDA tensor or the group has no device collectives. A collective that fails
+/// `collective` of `rows: [rows, width]` over `exchange`'s group on the device; `None` when
+/// `rows` is not a CUDA tensor or the group has no device collectives. A collective that fails
 /// gives zeros (the failure stays with the group, see [`super::RowExchange`]).
 pub(super) fn on_device<R: CubeRuntime>(
-    rows: CubeTensor<R>,
+    rows: &CubeTensor<R>,
     exchange: &Exchange,
     collective: Collective,
-) -> Result<CubeTensor<R>, CubeTensor<R>> {
-    if exchange.0.device().is_none() {
-        return Err(rows);
-    }
-    let Some(tensor) = downcast::<_, CubeTensor<CudaRuntime>>(rows.clone()) else {
-        return Err(rows);
-    };
+) -> Option<CubeTensor<R>> {
+    exchange.0.device()?;
+    let tensor = downcast::<_, CubeTensor<CudaRuntime>>(rows.clone())?;
     let dtype = tensor.dtype;
     let summed_in = match collective {
         Collective::AllGather => dtype,
@@ -118,5 +114,5 @@ pub(super) fn on_device<R: CubeRuntime>(
         Ok(()) => output,
         Err(_) => zeros_client(client, tensor.device.clone(), shape, summed_in),
     };
-    Ok(downcast(cast(output, dtype)).expect("the runtime it came from"))
+    Some(downcast(cast(output, dtype)).expect("the runtime it came from"))
 }

@@ -143,9 +143,56 @@ fn primary_context(index: usize) -> Result<driver_sys::CUcontext, String> {
 impl NcclComm {
     /// Rank `rank` of `ranks` on CUDA device `index`; returns once every rank has joined.
     pub fn new(rank: usize, ranks: usize, index: usize, id: &UniqueId) -> Result<Self> {
+        let id = id.0;
+        Self::make(index, move || {
+            let mut comm = MaybeUninit::uninit();
+            // SAFETY: every rank calls this with the same id and its own rank.
+            unsafe { nccl::comm_init_rank(comm.as_mut_ptr(), ranks as i32, id, rank as i32) }
+                .map_err(|e| match e.0 {
+                    nccl_sys::ncclResult_t::ncclInvalidUsage => format!(
+                        "ncclCommInitRank: {:?} (two ranks on one GPU? each needs its own LOCAL_RANK)",
+                        e.0
+                    ),
+                    _ => format!("ncclCommInitRank: {:?}", e.0),
+                })?;
+            // SAFETY: initialized by the successful call above.
+            Ok(unsafe { comm.assume_init() })
+        })
+    }
+
+    /// The communicator of the ranks that pass the same `color` (this one among them ordered by
+    /// `key`); every rank of this communicator calls it, and it returns once all have.
+    pub fn split(&mut self, color: usize, key: usize) -> Result<Self> {
+        let parent = self.handles;
+        Self::make(self.device.index, move || {
+            let parent = parent;
+            let mut comm = MaybeUninit::uninit();
+            // SAFETY: every rank of the parent calls this, in the same order as its other
+            // collectives; a null config inherits the parent's.
+            unsafe {
+                nccl_sys::ncclCommSplit(
+                    parent.comm,
+                    color as i32,
+                    key as i32,
+                    comm.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
+            .map_err(|e| format!("ncclCommSplit: {:?}", e.0))?;
+            // SAFETY: initialized by the successful call above.
+            Ok(unsafe { comm.assume_init() })
+        })
+    }
+
+    /// A communicator made by `join` on CUDA device `index`, on cubecl's device thread with the
+    /// device's primary context current, with a stream and an event of its own.
+    fn make(
+        index: usize,
+        join: impl FnOnce() -> Result<nccl_sys::ncclComm_t, String> + Send,
+    ) -> Result<Self> {
         let device = CudaDevice::new(index);
         let client = CudaRuntime::client(&device);
-        let id = id.0;
         let handles = client
             .exclusive(move || -> Result<Handles, String> {
                 let context = primary_context(index)?;
@@ -154,20 +201,9 @@ impl NcclComm {
                 let done =
                     driver::event::create(driver_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
                         .map_err(|e| e.to_string())?;
-                let mut comm = MaybeUninit::uninit();
-                // SAFETY: every rank calls this with the same id and its own rank.
-                unsafe { nccl::comm_init_rank(comm.as_mut_ptr(), ranks as i32, id, rank as i32) }
-                    .map_err(|e| match e.0 {
-                        nccl_sys::ncclResult_t::ncclInvalidUsage => format!(
-                            "ncclCommInitRank: {:?} (two ranks on one GPU? each needs its own LOCAL_RANK)",
-                            e.0
-                        ),
-                        _ => format!("ncclCommInitRank: {:?}", e.0),
-                    })?;
-                // SAFETY: initialized by the successful call above.
                 Ok(Handles {
                     context,
-                    comm: unsafe { comm.assume_init() },
+                    comm: join()?,
                     stream,
                     done,
                 })
@@ -175,51 +211,6 @@ impl NcclComm {
             .map_err(|e| anyhow::anyhow!("{e:?}"))?
             .map_err(|e| anyhow::anyhow!("NCCL on CUDA device {index}: {e}"))?;
         Ok(Self { device, handles })
-    }
-
-    /// The communicator of the ranks that pass the same `color` (this one among them ordered by
-    /// `key`); every rank of this communicator calls it, and it returns once all have.
-    pub fn split(&mut self, color: usize, key: usize) -> Result<Self> {
-        let client = CudaRuntime::client(&self.device);
-        let parent = self.handles;
-        let index = self.device.index;
-        let handles = client
-            .exclusive(move || -> Result<Handles, String> {
-                let parent = parent;
-                let context = primary_context(index)?;
-                let stream = driver::stream::create(driver::stream::StreamKind::NonBlocking)
-                    .map_err(|e| e.to_string())?;
-                let done =
-                    driver::event::create(driver_sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                        .map_err(|e| e.to_string())?;
-                let mut comm = MaybeUninit::uninit();
-                // SAFETY: every rank of the parent calls this, in the same order as its other
-                // collectives; a null config inherits the parent's.
-                unsafe {
-                    nccl_sys::ncclCommSplit(
-                        parent.comm,
-                        color as i32,
-                        key as i32,
-                        comm.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    )
-                }
-                .result()
-                .map_err(|e| format!("ncclCommSplit: {:?}", e.0))?;
-                Ok(Handles {
-                    context,
-                    // SAFETY: initialized by the successful call above.
-                    comm: unsafe { comm.assume_init() },
-                    stream,
-                    done,
-                })
-            })
-            .map_err(|e| anyhow::anyhow!("{e:?}"))?
-            .map_err(|e| anyhow::anyhow!("NCCL on CUDA device {index}: {e}"))?;
-        Ok(Self {
-            device: self.device.clone(),
-            handles,
-        })
     }
 
     /// Sums `values` over the ranks, in place, through a device buffer of this rank (the host
