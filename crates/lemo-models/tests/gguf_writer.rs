@@ -2,8 +2,6 @@
 //! the same configuration and the same tensors (F32 vectors exactly, F16 matrices to f16 rounding,
 //! Q8_0 matrices within half a quantization step).
 
-mod common;
-
 use std::collections::HashMap;
 
 use half::f16;
@@ -155,7 +153,10 @@ fn llama3_scaling_travels_as_rope_freqs() {
     for (i, (ours, want)) in factors.iter().zip(expected).enumerate() {
         assert!((ours - want).abs() < 1e-4, "factor {i}: {ours} vs {want}");
     }
-    common::transformers::assert_nll_matches_transformers(&path, "llama_rope_llama3_old_config");
+    crate::common::transformers::assert_nll_matches_transformers(
+        &path,
+        "llama_rope_llama3_old_config",
+    );
 }
 
 #[test]
@@ -170,7 +171,7 @@ fn yarn_scaling_travels_as_llama_cpp_keys() {
     assert_eq!(key("type"), Some(Value::String("yarn".into())));
     assert_eq!(key("original_context_length"), Some(Value::U32(2048)));
     assert_eq!(file.llama_config().unwrap().rope, config.rope);
-    common::transformers::assert_nll_matches_transformers(&path, "llama_rope_yarn");
+    crate::common::transformers::assert_nll_matches_transformers(&path, "llama_rope_yarn");
 }
 
 #[test]

@@ -4,11 +4,9 @@
 //! scores cost one read per token-eliminating block. Counted the way `bench` counts them
 //! (`lemo_kernels::host_reads`, per thread).
 
-mod common;
-
+use crate::common::{half_kept, trainable_model};
 use burn::backend::Autodiff;
 use burn::tensor::{Distribution, Int, Tensor};
-use common::{half_kept, trainable_model};
 use lemo_kernels::{CpuBackend, host_reads};
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::{ActivationPlan, LayerActivations};

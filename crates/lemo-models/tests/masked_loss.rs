@@ -3,12 +3,10 @@
 //! loss with ignored labels equals a plain cross-entropy over the kept positions alone, with the
 //! same gradients, through the plain, the recomputing and the token-eliminating passes.
 
-mod common;
-
+use crate::common::{GradientSums, assert_same_gradients, half_kept, trainable_model};
 use burn::backend::Autodiff;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Distribution, ElementConversion, Int, Tensor, TensorData};
-use common::{GradientSums, assert_same_gradients, half_kept, trainable_model};
 use lemo_kernels::CpuBackend;
 use lemo_kernels::loss::IGNORE_INDEX;
 use lemo_models::CausalLm;

@@ -11,15 +11,13 @@ use lemo_models::lora::LLAMA_PROJECTIONS;
 use lemo_models::{CausalLm, KvCache, LoraConfig};
 use serde_json::Value;
 
-mod common;
-
-use common::transformers::{sequences, tokens};
+use crate::common::transformers::{sequences, tokens};
 use lemo_test_support::{hf_fixture, read_json};
 
 type B = CpuBackend;
 
 fn check_against_transformers(case: &str) {
-    common::transformers::assert_nll_matches_transformers(&hf_fixture(case), case);
+    crate::common::transformers::assert_nll_matches_transformers(&hf_fixture(case), case);
 }
 
 /// The inverse frequencies and cos/sin multiplier each scaling kind gives at load time equal

@@ -1,10 +1,8 @@
 //! Any mix of kept, recomputed and offloaded layers gives the loss and gradients of the plain
 //! backward pass (offload is a host copy on the CPU backend).
 
-mod common;
-
+use crate::common::{GradientSums, assert_same_gradients, trainable_model};
 use burn::backend::Autodiff;
-use common::{GradientSums, assert_same_gradients, trainable_model};
 use lemo_kernels::CpuBackend;
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
@@ -126,7 +124,7 @@ fn recomputed_lemo_gradients_replay_the_kept_rows() {
         &Default::default(),
     );
     // Blocks of 8 tokens: every block keeps the first and last block and the best half.
-    let thresholds = common::half_kept(&model, 8);
+    let thresholds = crate::common::half_kept(&model, 8);
     assert_recomputation_matches(&model, 61, Some(&thresholds));
 }
 
@@ -140,7 +138,7 @@ fn recomputed_lemo_s2_gradients_replay_the_kept_rows() {
         &Default::default(),
     );
     model.set_shifted_group(Some(16));
-    let thresholds = common::half_kept(&model, 8);
+    let thresholds = crate::common::half_kept(&model, 8);
     assert_recomputation_matches(&model, 61, Some(&thresholds));
 }
 
@@ -168,7 +166,7 @@ fn recomputed_frozen_mlp_blocks_back_propagate_from_their_input_alone() {
             "{fixture}: MLP blocks without adapters are frozen"
         );
         assert_recomputation_matches(&model, 37, None);
-        let thresholds = common::half_kept(&model, 8);
+        let thresholds = crate::common::half_kept(&model, 8);
         for dropped_rows in [DroppedRows::Exact, DroppedRows::Residual] {
             println!("{fixture}, token-sparse, {dropped_rows:?} dropped rows");
             assert_recomputation_matches_under(&model, 61, &|| {
@@ -203,7 +201,7 @@ fn recomputed_lemo_layers_with_a_dense_frozen_mlp_block_match() {
         false,
         &Default::default(),
     );
-    let mut thresholds = common::half_kept(&model, 8);
+    let mut thresholds = crate::common::half_kept(&model, 8);
     thresholds.layers[0].mlp = None;
     assert_recomputation_matches(&model, 61, Some(&thresholds));
 }
@@ -217,6 +215,6 @@ fn recomputed_lemo_gradients_match_opt() {
         false,
         &Default::default(),
     );
-    let thresholds = common::half_kept(&model, 8);
+    let thresholds = crate::common::half_kept(&model, 8);
     assert_recomputation_matches(&model, 45, Some(&thresholds));
 }

@@ -3,11 +3,11 @@
 //! dropped rows by recomputing its exact input gradient there); kept sets are per sequence of a
 //! batch; with S2, keeping every row is LongLoRA's S2 attention.
 
-mod common;
-
+use crate::common::{
+    GradientSums, assert_same_gradients, every_token_kept, half_kept, trainable_model,
+};
 use burn::backend::Autodiff;
 use burn::tensor::{Distribution, ElementConversion, Int, Tensor};
-use common::{GradientSums, assert_same_gradients, every_token_kept, half_kept, trainable_model};
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
 use lemo_models::CausalLm;
 use lemo_models::lora::LLAMA_PROJECTIONS;

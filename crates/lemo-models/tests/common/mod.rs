@@ -1,6 +1,4 @@
 //! Helpers shared by the model tests: trainable fixture models and gradient collection.
-// Each test binary uses a subset of these helpers.
-#![allow(dead_code)]
 
 pub mod transformers;
 
