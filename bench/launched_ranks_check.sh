@@ -74,7 +74,8 @@ for _ in $(seq 600); do
 done
 sleep 1
 killed_at=$(date +%s.%N)
-kill -9 "${pids[-1]}"
+# The pid is `timeout`'s: the rank is its child (killing timeout alone leaves the rank running).
+pkill -9 -P "${pids[-1]}"
 finish killed
 
 printf '%s\n' "${COMMANDS[@]}" > "$WORK/commands.txt"

@@ -13,12 +13,14 @@ h, f, layers, vocab = (cfg[k] for k in ("hidden_size", "intermediate_size", "num
 g = torch.Generator(device="cuda").manual_seed(0)
 def w(*shape):
     return (torch.randn(*shape, device="cuda", generator=g) * 0.02).to(torch.bfloat16).cpu()
+heads = cfg["num_attention_heads"]
+kv = cfg.get("num_key_value_heads", heads) * cfg.get("head_dim", h // heads)  # grouped-query keys/values
 ones = lambda: torch.ones(h, dtype=torch.bfloat16)
 t = {"model.embed_tokens.weight": w(vocab, h), "model.norm.weight": ones(), "lm_head.weight": w(vocab, h)}
 for i in range(layers):
     p = f"model.layers.{i}."
-    for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        t[p + f"self_attn.{n}.weight"] = w(h, h)
+    t[p + "self_attn.q_proj.weight"], t[p + "self_attn.o_proj.weight"] = w(h, h), w(h, h)
+    t[p + "self_attn.k_proj.weight"], t[p + "self_attn.v_proj.weight"] = w(kv, h), w(kv, h)
     t[p + "mlp.gate_proj.weight"], t[p + "mlp.up_proj.weight"] = w(f, h), w(f, h)
     t[p + "mlp.down_proj.weight"] = w(h, f)
     t[p + "input_layernorm.weight"], t[p + "post_attention_layernorm.weight"] = ones(), ones()

@@ -1,5 +1,5 @@
 //! Parity of the block-informativeness kernel (wgpu, f32) with the materialized reference, exact
-//! and over sampled query rows.
+//! and over sampled query rows, for queries over as many keys and for the last rows of more.
 
 use burn::tensor::Tensor;
 use lemo_kernels::WgpuBackend;
@@ -79,6 +79,45 @@ fn sampled_query_rows_give_the_largest_pair_among_the_rows_read() {
         .reshape([batch, blocks, blocks]);
     let sampled = block_scores::block_scores(q, k, block, stride);
     assert_close("sampled block scores", sampled, expected, 1e-5);
+}
+
+/// Queries that are the last rows of the keys, from a block boundary (a rank's chunk of a split
+/// sequence): their rows of the whole sequence's scores, from the kernel, the GEMM strips and
+/// the reference alike, exact and sampled.
+#[test]
+fn queries_after_an_offset_score_their_rows_of_the_whole_matrix() {
+    let (batch, block) = (2, 32);
+    let [q, k] = inputs(batch, 4, 2, 192, 32);
+    let scale = 32f32.powf(-0.5);
+    for (from, to) in [(64, 192), (96, 170), (0, 100)] {
+        let (queries, keys) = (
+            q.clone().narrow(2, from, to - from),
+            k.clone().narrow(2, 0, to),
+        );
+        let rows = from / block..(to - from).div_ceil(block) + from / block;
+        let whole_rows = |q: Tensor<B, 4>| {
+            reference::block_scores(q.narrow(2, 0, to), keys.clone(), block, scale)
+                .slice([0..batch, rows.clone()])
+        };
+        let expected = whole_rows(q.clone());
+        let name = |what: &str| format!("{what}, queries {from}..{to}");
+        let kernel = block_scores::block_scores(queries.clone(), keys.clone(), block, 1);
+        assert_close(&name("kernel"), kernel, expected.clone(), 1e-5);
+        let strip_bytes = batch * 4 * to * 4 * block;
+        let strips = block_scores::chunked::block_scores_in_strips(
+            queries.clone(),
+            keys.clone(),
+            block,
+            scale,
+            strip_bytes,
+        );
+        assert_close(&name("GEMM strips"), strips, expected.clone(), 1e-5);
+        let direct = reference::block_scores(queries.clone(), keys.clone(), block, scale);
+        assert_close(&name("reference"), direct, expected, 1e-5);
+        let sampled = block_scores::block_scores(queries, keys.clone(), block, 4);
+        let expected = whole_rows(block_scores::only_sampled_query_rows(q.clone(), 4));
+        assert_close(&name("sampled"), sampled, expected, 1e-5);
+    }
 }
 
 #[test]

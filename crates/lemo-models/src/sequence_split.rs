@@ -26,6 +26,7 @@ use lemo_kernels::attention::ring::zigzag_positions;
 use lemo_kernels::attention::{attention, attention_with_lse, attention_with_value};
 use lemo_kernels::block_scores::block_scores;
 use lemo_kernels::exchange::{Exchange, all_gather_rows};
+use lemo_kernels::token_movement::gather_rows;
 use lemo_kernels::{AttentionOptions, LemoBackend};
 use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
@@ -118,7 +119,9 @@ impl SequenceSplit {
 
     /// Every rank's keys and values `[batch, kv_heads, rows, head_dim]` (as many rows on each),
     /// in one collective (so every rank makes the same calls in the same order, in the backward
-    /// pass too), then the rows `order` names of the rank-ordered rows.
+    /// pass too), then the rows `order` names of the rank-ordered rows, each at most once. The
+    /// reordering is a row gather whose backward pass writes each row once (a `select`'s
+    /// backward would accumulate with one thread per column, looping over every row).
     fn gather_rows_of<B: LemoBackend>(
         &self,
         k: Tensor<B, 4>,
@@ -126,14 +129,14 @@ impl SequenceSplit {
         order: Vec<i64>,
     ) -> (Tensor<B, 4>, Tensor<B, 4>) {
         let [batch, kv_heads, rows, head_dim] = k.dims();
+        let width = batch * kv_heads * 2 * head_dim;
         let local = Tensor::cat(vec![k, v], 3)
             .permute([2, 0, 1, 3])
-            .reshape([rows, batch * kv_heads * 2 * head_dim]);
+            .reshape([rows, width]);
         let gathered = self.gather(local);
         let len = order.len();
-        let order = Tensor::from_data(TensorData::new(order, [len]), &gathered.device());
-        let both = gathered
-            .select(0, order)
+        let order = Tensor::from_data(TensorData::new(order, [1, len]), &gathered.device());
+        let both = gather_rows(gathered.unsqueeze_dim::<3>(0), order)
             .reshape([len, batch, kv_heads, 2 * head_dim])
             .permute([1, 2, 0, 3]);
         (
@@ -211,8 +214,8 @@ impl SequenceSplit {
 
     /// This rank's share of the attention block's token-block informativeness: for every key
     /// block of the sequence, the sum of its block scores over this rank's query blocks,
-    /// `[batch, blocks]` (f32), given every position's keys `k`. Each chunk's queries sit at
-    /// their positions behind zero rows, whose scores are 0 and change no block's maximum. The
+    /// `[batch, blocks]` (f32), given every position's keys `k`. Each chunk's queries are the
+    /// last rows of the keys up to the chunk's end, scored at the work of their own blocks. The
     /// chunks must be whole token blocks.
     pub fn attention_column_sums<B: LemoBackend>(
         &self,
@@ -220,21 +223,10 @@ impl SequenceSplit {
         k: Tensor<B, 4>,
         scoring: BlockScoring,
     ) -> Tensor<B, 2> {
-        let [batch, heads, _, head_dim] = q.dims();
         let blocks = self.seq.div_ceil(scoring.block_size);
-        let device = q.device();
         self.chunk_queries(q)
             .into_iter()
-            .zip(&self.chunks)
-            .map(|((queries, end), chunk)| {
-                let queries = match chunk.start {
-                    0 => queries,
-                    start => {
-                        let zeros = Tensor::<B, 4>::zeros([batch, heads, start, head_dim], &device)
-                            .cast(queries.dtype());
-                        Tensor::cat(vec![zeros, queries], 2)
-                    }
-                };
+            .map(|(queries, end)| {
                 let keys = k.clone().narrow(2, 0, end);
                 let sums = block_scores(queries, keys, scoring.block_size, scoring.query_stride)
                     .sum_dim(1)

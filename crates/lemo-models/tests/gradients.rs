@@ -5,7 +5,8 @@
 //! fixture it was made on, and checks the plain backward pass and the recomputing one
 //! (per-layer activation checkpointing), in f32, within 1e-4 of each gradient's largest value;
 //! the GQA case also split over sequence groups of 2 and 4 ranks (context parallelism, ranks on
-//! threads), whose loss and gradients summed over the ranks are the whole sequence's.
+//! threads), whose loss and gradients summed over the ranks are the whole sequence's, and whose
+//! attention token-block scores assembled from the ranks are the whole sequence's.
 //! Every trainable tensor must have an expected gradient and every expected gradient must be
 //! found, so a parameter trained on one side only fails too.
 
@@ -25,11 +26,12 @@ use lemo_models::decoder::Batch;
 use lemo_models::sequence_split::SequenceSplit;
 use lemo_models::token_plan::{BlockRows, LayerPlan, TokenPlan, TokenSparsity};
 use lemo_sparsity::calibration::Block;
+use lemo_sparsity::informativeness::{self, BlockScoring};
 use lemo_sparsity::{KeptRows, LayerThresholds, Thresholds};
 use lemo_test_support::files::HostTensor;
 use lemo_test_support::{
-    assert_close_scalar, assert_close_values, gradient_fixture, hf_fixture, read_json,
-    read_safetensors,
+    assert_close, assert_close_scalar, assert_close_values, gradient_fixture, hf_fixture, random,
+    read_json, read_safetensors, seed_backend,
 };
 
 /// f32 on both sides, summed in different orders.
@@ -459,6 +461,55 @@ fn token_elimination_split_over_ranks_matches_one_rank_on_its_plan() {
                 gradient,
                 TOLERANCE,
             );
+        }
+    }
+}
+
+/// The attention blocks' token-block scores of a sequence split over ranks, assembled from every
+/// rank's share (each of its two chunks scored as the last rows of the keys up to the chunk's
+/// end), are one rank's scores of the whole sequence, exact and sampled.
+#[test]
+fn attention_block_scores_split_over_ranks_are_the_whole_sequences() {
+    type B = CpuBackend;
+    let device = Default::default();
+    seed_backend::<B>(&device);
+    let seq = 64;
+    let q = random::<B, 4>([1, 4, seq, 8], &device);
+    let k = random::<B, 4>([1, 2, seq, 8], &device);
+    for (ranks, query_stride) in [(2, 1), (2, 2), (4, 1), (4, 4)] {
+        let scoring = BlockScoring {
+            block_size: 4,
+            query_stride,
+        };
+        let expected = informativeness::attention(q.clone(), k.clone(), scoring);
+        let group = Arc::new(ThreadGroup {
+            barrier: Barrier::new(ranks),
+            slots: Mutex::new(vec![Vec::new(); ranks]),
+        });
+        let assembled: Vec<Tensor<B, 2>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..ranks)
+                .map(|rank| {
+                    let (group, q, k) = (group.clone(), q.clone(), k.clone());
+                    scope.spawn(move || {
+                        let exchange = Exchange(Arc::new(ThreadRank { group, rank, ranks }));
+                        let split = SequenceSplit::zigzag(seq, exchange).unwrap();
+                        let positions: Vec<i64> =
+                            split.positions().iter().map(|&p| p as i64).collect();
+                        let len = positions.len();
+                        let rows = Tensor::<B, 1, Int>::from_data(
+                            TensorData::new(positions, [len]),
+                            &q.device(),
+                        );
+                        let sums = split.attention_column_sums(q.select(2, rows), k, scoring);
+                        split.whole_scores(Block::Attention, sums, scoring.block_size)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, scores) in assembled.into_iter().enumerate() {
+            let what = format!("{ranks} ranks, query stride {query_stride}: rank {rank}'s scores");
+            assert_close(&what, scores, expected.clone(), 1e-5);
         }
     }
 }

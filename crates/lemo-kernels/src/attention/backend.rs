@@ -151,7 +151,8 @@ where
             && block_scores::mma::QUERY_STRIDES.contains(&query_stride)
         {
             let tiles_per_block = block_size / block_scores::mma::TILE;
-            let tiles = q.meta.shape()[2].div_ceil(block_size) * tiles_per_block;
+            let tiles = |len: usize| len.div_ceil(block_size) * tiles_per_block;
+            let tiles = [tiles(q.meta.shape()[2]), tiles(k.meta.shape()[2])];
             let tile_max = block_scores::mma::tile_maxima(q, k, scale, tiles, query_stride);
             return block_scores::kernel::pool_tile_maxima::<R, F, I, BT>(
                 tile_max,

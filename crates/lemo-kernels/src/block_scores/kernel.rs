@@ -6,7 +6,8 @@ use cubecl::prelude::*;
 use crate::attention::flash::{TileShape, empty_like, load_rows, rows_words, tile_dot};
 
 /// One cube per (key tile, query tile, batch) of `tile x tile` pairs, `lanes` threads per query
-/// row; each thread keeps the head sums of `tile / lanes` pairs in registers.
+/// row; each thread keeps the head sums of `tile / lanes` pairs in registers. The queries are
+/// the last rows of the keys (query row `i` is position `keys - queries + i`).
 #[cube(launch)]
 fn block_scores_kernel<F: Float>(
     q: &Tensor<F>,
@@ -25,7 +26,9 @@ fn block_scores_kernel<F: Float>(
     let key_tile = CUBE_POS_X as usize;
     let query_tile = CUBE_POS_Y as usize;
     let batch = CUBE_POS_Z as usize;
-    let seq = q.shape(2);
+    let queries = q.shape(2);
+    let keys = k.shape(2);
+    let offset = keys - queries;
     let q_heads = q.shape(1);
     let heads_per_kv = q_heads / k.shape(1);
     let out_index = batch * tile_max.stride(0)
@@ -35,7 +38,7 @@ fn block_scores_kernel<F: Float>(
     let q_start = query_tile * tile;
     let key_start = key_tile * tile;
     // Above the diagonal or past the end: no visible pair.
-    if q_start >= seq || key_start >= q_start + tile {
+    if q_start >= queries || key_start >= offset + q_start + tile {
         if thread == 0 {
             tile_max[out_index] = 0.0;
         }
@@ -58,7 +61,7 @@ fn block_scores_kernel<F: Float>(
             q,
             q_offset,
             q_start,
-            seq,
+            queries,
             &mut q_tile,
             thread,
             tile,
@@ -69,7 +72,7 @@ fn block_scores_kernel<F: Float>(
             k,
             k_offset,
             key_start,
-            seq,
+            keys,
             &mut k_tile,
             thread,
             tile,
@@ -89,7 +92,7 @@ fn block_scores_kernel<F: Float>(
     let mut local_max = 0.0f32;
     for c in 0..comptime!(tile / lanes) {
         let key = key_start + lane + c * lanes;
-        if query < seq && key <= query {
+        if query < queries && key <= offset + query {
             local_max = max(local_max, sums[c]);
         }
     }
@@ -107,8 +110,9 @@ fn block_scores_kernel<F: Float>(
 /// Block informativeness (see [`super::block_scores`]): the kernel computes the max over
 /// `tile x tile` sub-blocks (tile = the largest of 32, 16, 8 dividing `block_size`), then a max
 /// pool over `block_size / tile` sub-blocks per side gives the blocks. Output f32
-/// `[batch, q_blocks, k_blocks]`. Work O(batch * q_heads * S^2 / 2 * head_dim) (the causal half
-/// of `Q K^T`); memory O(S^2 / tile^2) for the sub-block maxima, no score matrix.
+/// `[batch, q_blocks, k_blocks]`. Work O(batch * q_heads * rows * keys * head_dim) for `rows`
+/// queries over `keys` keys (half that with as many of each: the causal half of `Q K^T`);
+/// memory O(rows * keys / tile^2) for the sub-block maxima, no score matrix.
 pub(crate) fn block_scores<R, F, I, BT>(
     q: FloatTensor<CubeBackend<R, F, I, BT>>,
     k: FloatTensor<CubeBackend<R, F, I, BT>>,
@@ -121,9 +125,9 @@ where
     I: IntElement,
     BT: BoolElement,
 {
-    let [batch, q_heads, seq, head_dim] = q.meta.shape().dims();
-    let [_, kv_heads, k_seq, _] = k.meta.shape().dims();
-    assert_eq!(seq, k_seq, "block scores need as many queries as keys");
+    let [batch, q_heads, queries, head_dim] = q.meta.shape().dims();
+    let [_, kv_heads, keys, _] = k.meta.shape().dims();
+    super::query_offset(queries, keys, block_size);
     assert!(
         q_heads.is_multiple_of(kv_heads),
         "q heads must be a multiple of kv heads"
@@ -135,15 +139,15 @@ where
         .unwrap_or_else(|| panic!("block size {block_size} is not a multiple of 8"));
     let lanes = TileShape::choose(&q.client, head_dim, |_| 0).lanes;
 
-    let blocks = seq.div_ceil(block_size);
     let tiles_per_block = block_size / tile_size;
-    let tiles = blocks * tiles_per_block;
-    let tile_max = empty_like(&q, [batch, tiles, tiles], DType::F32);
+    let query_tiles = queries.div_ceil(block_size) * tiles_per_block;
+    let key_tiles = keys.div_ceil(block_size) * tiles_per_block;
+    let tile_max = empty_like(&q, [batch, query_tiles, key_tiles], DType::F32);
     let client = q.client.clone();
     let dtype = q.dtype;
     block_scores_kernel::launch::<R>(
         &client,
-        CubeCount::Static(tiles as u32, tiles as u32, batch as u32),
+        CubeCount::Static(key_tiles as u32, query_tiles as u32, batch as u32),
         CubeDim::new_2d(lanes as u32, tile_size as u32),
         q.into_tensor_arg(),
         k.into_tensor_arg(),
@@ -158,8 +162,8 @@ where
     pool_tile_maxima::<R, F, I, BT>(tile_max, tiles_per_block)
 }
 
-/// Block scores `[batch, blocks, blocks]` from tile maxima `[batch, tiles, tiles]`: the max over
-/// each block's `tiles_per_block` tiles per side.
+/// Block scores `[batch, q_blocks, k_blocks]` from tile maxima `[batch, q_tiles, k_tiles]`: the
+/// max over each block's `tiles_per_block` tiles per side.
 pub(crate) fn pool_tile_maxima<R, F, I, BT>(
     tile_max: FloatTensor<CubeBackend<R, F, I, BT>>,
     tiles_per_block: usize,
@@ -175,13 +179,19 @@ where
     if tiles_per_block == 1 {
         return tile_max.into_primitive().tensor();
     }
-    let [batch, tiles, _] = tile_max.dims();
-    let blocks = tiles / tiles_per_block;
+    let [batch, query_tiles, key_tiles] = tile_max.dims();
+    let (query_blocks, key_blocks) = (query_tiles / tiles_per_block, key_tiles / tiles_per_block);
     tile_max
-        .reshape([batch, blocks, tiles_per_block, blocks, tiles_per_block])
+        .reshape([
+            batch,
+            query_blocks,
+            tiles_per_block,
+            key_blocks,
+            tiles_per_block,
+        ])
         .max_dim(4)
         .max_dim(2)
-        .reshape([batch, blocks, blocks])
+        .reshape([batch, query_blocks, key_blocks])
         .into_primitive()
         .tensor()
 }

@@ -6,7 +6,8 @@
 //! no score leaves the registers: work is the causal half of `Q K^T`, memory the tile maxima.
 //! With a query stride `s` (1, 2 or 4) a cube's 64 query rows are every `s`-th row of `s`
 //! consecutive 64-row tiles, read in place through a strided row layout: the work is `1 / s` of
-//! the exact scores'.
+//! the exact scores'. The queries may be the last rows of more keys (a slice of the query tiles
+//! of the whole matrix), at the work of their tiles alone.
 
 use burn::tensor::DType;
 use burn_cubecl::CubeRuntime;
@@ -30,7 +31,7 @@ const _: () = assert!(BLOCK == STREAM, "one tile size for queries and keys");
 pub(crate) const QUERY_STRIDES: [usize; 3] = [1, 2, 4];
 
 /// One cube per (key tile, group of `query_stride` query tiles, batch); tiles above the diagonal
-/// write 0.
+/// write 0. Query row `i` is position `keys - queries + i`, a whole number of tiles on.
 #[cube(launch_unchecked, fast_math = FastMath::all())]
 #[allow(clippy::too_many_arguments)]
 fn block_scores_mma_kernel<F: Float, N: Size>(
@@ -52,8 +53,9 @@ fn block_scores_mma_kernel<F: Float, N: Size>(
     let first_query_tile = CUBE_POS_Y as usize * query_stride;
     let batch = CUBE_POS_Z as usize;
     let tiles = tile_max.shape(1);
+    let offset = k.shape(2) - q.shape(2);
     let out_start = batch * tile_max.stride(0) + key_tile * tile_max.stride(2);
-    if key_tile >= first_query_tile + query_stride {
+    if key_tile >= offset / TILE + first_query_tile + query_stride {
         if thread < query_stride && first_query_tile + thread < tiles {
             tile_max[out_start + (first_query_tile + thread) * tile_max.stride(1)] = 0.0;
         }
@@ -132,7 +134,7 @@ fn block_scores_mma_kernel<F: Float, N: Size>(
     // Accumulator 2n + h holds row h * 8 + lane / 4 of the warp's strip and columns
     // 8n + 2 (lane % 4) + {0, 1}; a key after the query's position is hidden.
     let row_lo = q_start + warp * STRIP + lane / 4;
-    let position_lo = row_lo * query_stride + query_stride - 1;
+    let position_lo = offset + row_lo * query_stride + query_stride - 1;
     let position_hi = position_lo + 8 * query_stride;
     let mut largest = 0.0f32;
     #[unroll]
@@ -169,8 +171,9 @@ fn block_scores_mma_kernel<F: Float, N: Size>(
 }
 
 /// The largest visible head-mean ReLU score of every [`TILE`] x [`TILE`] tile pair, f32
-/// `[batch, tiles, tiles]` (0 above the diagonal; tiles past the end hold zero rows), of
-/// `q: [batch, q_heads, seq, head_dim]` and `k: [batch, kv_heads, seq, head_dim]` (GQA), over
+/// `[batch, query_tiles, key_tiles]` (0 above the diagonal; tiles past the end hold zero rows),
+/// of `q: [batch, q_heads, rows, head_dim]` and `k: [batch, kv_heads, keys, head_dim]` (GQA; the
+/// queries are the last rows of the keys, a multiple of [`TILE`] positions on), over
 /// the query rows `query_stride` samples (one of [`QUERY_STRIDES`]; see
 /// [`super::sampled_query_rows`]), on the tensor cores (the caller checks
 /// [`crate::attention::flash::mma::supports`]).
@@ -178,19 +181,24 @@ pub(crate) fn tile_maxima<R: CubeRuntime>(
     q: CubeTensor<R>,
     k: CubeTensor<R>,
     scale: f32,
-    tiles: usize,
+    [query_tiles, key_tiles]: [usize; 2],
     query_stride: usize,
 ) -> CubeTensor<R> {
-    let [batch, _, seq, head_dim] = q.meta.shape().dims();
+    let [batch, _, rows, head_dim] = q.meta.shape().dims();
+    let keys = k.meta.shape()[2];
     assert!(
-        tiles * TILE >= seq,
-        "{tiles} tiles of {TILE} rows hold {seq} rows"
+        query_tiles * TILE >= rows && key_tiles * TILE >= keys,
+        "{query_tiles} x {key_tiles} tiles of {TILE} rows hold {rows} queries over {keys} keys"
+    );
+    assert!(
+        rows <= keys && (keys - rows).is_multiple_of(TILE),
+        "the queries are the last rows of the keys, a whole number of {TILE}-row tiles on"
     );
     assert!(
         QUERY_STRIDES.contains(&query_stride),
         "the tensor-core block scores read every 1st, 2nd or 4th query row, not every {query_stride}th"
     );
-    let tile_max = empty_like(&q, [batch, tiles, tiles], DType::F32);
+    let tile_max = empty_like(&q, [batch, query_tiles, key_tiles], DType::F32);
     let client = q.client.clone();
     let dtype = q.dtype;
     // SAFETY: every global read is bounds-checked against the tensor shapes in the kernel (rows
@@ -201,8 +209,8 @@ pub(crate) fn tile_maxima<R: CubeRuntime>(
         block_scores_mma_kernel::launch_unchecked::<R>(
             &client,
             CubeCount::Static(
-                tiles as u32,
-                tiles.div_ceil(query_stride) as u32,
+                key_tiles as u32,
+                query_tiles.div_ceil(query_stride) as u32,
                 batch as u32,
             ),
             cube_dim(),

@@ -21,11 +21,14 @@ use burn::tensor::{Tensor, TensorData, TensorPrimitive};
 
 use crate::LemoBackend;
 
-/// Block scores `[batch, q_blocks, k_blocks]` of `q: [batch, q_heads, seq, head_dim]` and
-/// `k: [batch, kv_heads, seq, head_dim]` (GQA: query head `h` reads key head
+/// Block scores `[batch, q_blocks, k_blocks]` of `q: [batch, q_heads, rows, head_dim]` and
+/// `k: [batch, kv_heads, keys, head_dim]` (GQA: query head `h` reads key head
 /// `h / (q_heads / kv_heads)`), with the `1 / sqrt(head_dim)` scale, over the query rows
-/// `query_stride` samples (1: every row, the exact scores). A last partial block holds the
-/// remaining tokens. Computed tile by tile on the kernel backends: O(S) memory.
+/// `query_stride` samples (1: every row, the exact scores). The queries are the last `rows`
+/// positions of the `keys` (as in [`crate::attention::attention`]), starting on a block boundary:
+/// with fewer queries than keys this is one slice of the query blocks of the whole matrix, at
+/// the work of that slice alone (a rank's share of a sequence split over ranks). A last partial
+/// block holds the remaining tokens. Computed tile by tile on the kernel backends: O(S) memory.
 pub fn block_scores<B: LemoBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -33,6 +36,11 @@ pub fn block_scores<B: LemoBackend>(
     query_stride: usize,
 ) -> Tensor<B, 3> {
     assert!(query_stride >= 1, "a query stride of 0 reads no row");
+    let offset = query_offset(q.dims()[2], k.dims()[2], block_size);
+    assert!(
+        offset.is_multiple_of(query_stride),
+        "sampled block scores from query position {offset} would not read the last row of every {query_stride}"
+    );
     let scale = (q.dims()[3] as f32).powf(-0.5);
     Tensor::from_primitive(TensorPrimitive::Float(B::lemo_block_scores(
         q.into_primitive().tensor(),
@@ -41,6 +49,16 @@ pub fn block_scores<B: LemoBackend>(
         scale,
         query_stride,
     )))
+}
+
+/// Where the `rows` queries of block scores start among their `keys` (the queries are the last
+/// rows): a multiple of `block_size`, so that query blocks are whole blocks of the sequence.
+pub(crate) fn query_offset(rows: usize, keys: usize, block_size: usize) -> usize {
+    assert!(
+        rows <= keys && (keys - rows).is_multiple_of(block_size),
+        "block scores of {rows} queries over {keys} keys: the queries must be the last rows, from a multiple of the {block_size}-token block"
+    );
+    keys - rows
 }
 
 /// The query rows block scores read with `query_stride` among `seq`: `s - 1, 2 s - 1, ...`, the

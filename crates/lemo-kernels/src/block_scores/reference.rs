@@ -13,39 +13,43 @@ pub fn block_scores<B: Backend>(
     block_size: usize,
     scale: f32,
 ) -> Tensor<B, 3> {
-    let [batch, q_heads, seq, head_dim] = q.dims();
-    let [_, kv_heads, k_seq, _] = k.dims();
-    assert_eq!(seq, k_seq, "block scores need as many queries as keys");
+    let [batch, q_heads, rows, head_dim] = q.dims();
+    let [_, kv_heads, keys, _] = k.dims();
+    // The queries are the last rows of the keys, from a block boundary.
+    super::query_offset(rows, keys, block_size);
     let group = q_heads / kv_heads;
-    let folded = q.reshape([batch, kv_heads, group * seq, head_dim]);
+    let folded = q.reshape([batch, kv_heads, group * rows, head_dim]);
     let scores = folded
         .matmul(k.swap_dims(2, 3))
         .mul_scalar(scale)
-        .reshape([batch, q_heads, seq, seq]);
+        .reshape([batch, q_heads, rows, keys]);
     let causal = AttentionOptions::causal(head_dim);
-    let hidden = hidden_mask::<B>(1, seq, seq, &causal, &scores.device())
+    let hidden = hidden_mask::<B>(1, rows, keys, &causal, &scores.device())
         .unsqueeze_dim::<4>(0)
-        .expand([batch, q_heads, seq, seq]);
+        .expand([batch, q_heads, rows, keys]);
     let head_mean = scores
         .clamp_min(0.0)
         .mask_fill(hidden, 0.0)
         .sum_dim(1)
         .div_scalar(q_heads as f32)
-        .reshape([batch, seq, seq]);
+        .reshape([batch, rows, keys]);
 
-    let blocks = seq.div_ceil(block_size);
-    let padded = blocks * block_size;
-    // Zero padding is neutral: every real entry is >= 0.
-    let head_mean = if padded > seq {
-        head_mean.pad((0, padded - seq, 0, padded - seq), 0.0)
-    } else {
-        head_mean
-    };
+    // Zero padding to whole blocks is neutral: every real entry is >= 0.
+    let (row_blocks, key_blocks) = (rows.div_ceil(block_size), keys.div_ceil(block_size));
+    let head_mean = head_mean.pad(
+        (
+            0,
+            key_blocks * block_size - keys,
+            0,
+            row_blocks * block_size - rows,
+        ),
+        0.0,
+    );
     head_mean
-        .reshape([batch, blocks, block_size, blocks, block_size])
+        .reshape([batch, row_blocks, block_size, key_blocks, block_size])
         .max_dim(4)
         .max_dim(2)
-        .reshape([batch, blocks, blocks])
+        .reshape([batch, row_blocks, key_blocks])
 }
 
 pub(crate) fn block_scores_primitive<B: Backend>(

@@ -8,9 +8,12 @@
 //!   one step, in place when `x` is not shared;
 //! - [`gather_rows`]: `x[b, rows[b, i]]`, the plain gather (positions, MLP activations).
 //!
-//! `rows: [batch, kept]` holds positions `0..seq` of each sequence, strictly increasing (so causal
-//! attention over the kept rows stays causal). Under autodiff the gather saves only the kept rows
-//! of `x`, never `x` itself, which is what lets the residual stream be updated in place.
+//! `rows: [batch, kept]` holds distinct positions `0..seq` of each sequence (the scatter writes
+//! each row once, without atomics); a token-sparse layer keeps them increasing, so that causal
+//! attention over the kept rows stays causal, and a row permutation (the rows of a sequence
+//! gathered from several ranks, put in position order) is a gather too. Under autodiff the
+//! gather saves only the kept rows of `x`, never `x` itself, which is what lets the residual
+//! stream be updated in place.
 
 pub(crate) mod autodiff;
 pub mod backend;

@@ -5,7 +5,9 @@
 //! tensor-core tile kernel for blocks of a multiple of 64 tokens) and the GEMM strips it
 //! replaced, each against the plain Burn reference in f32 of the same bf16 inputs (it
 //! materializes `S x S`, so small lengths only), MHA and GQA; sampled scores (a query stride
-//! over 1) against the reference on the query rows the stride reads, the others zeroed.
+//! over 1) against the reference on the query rows the stride reads, the others zeroed; queries
+//! that are the last rows of more keys (a rank's chunk of a split sequence) against their rows of
+//! the whole matrix's scores.
 //! Throughput: for each S and kv-head count, the dispatched block scores at each query stride,
 //! the GEMM strips and the attention forward (`lemo_kernels::attention::attention_with_lse`, cuDNN where it takes
 //! the shape), each timed as a loop of back-to-back calls between two device synchronizations
@@ -123,6 +125,32 @@ fn parity(args: &Args) -> Vec<Value> {
                 }
                 eprintln!("parity: {row}");
                 rows.push(row);
+                // Queries that are the last rows of the keys from a block boundary (a rank's
+                // chunk of a split sequence): their rows of the whole matrix's scores.
+                if seq == 2048 {
+                    for (from, to) in [(1024, 2048), (512, 1536)] {
+                        let queries = q.clone().narrow(2, from, to - from);
+                        let keys = k.clone().narrow(2, 0, to);
+                        let whole = reference::block_scores(
+                            only_sampled_query_rows(f32_of(&q).narrow(2, 0, to), stride),
+                            f32_of(&keys),
+                            args.block,
+                            scale,
+                        );
+                        let expected = whole.slice([
+                            0..1,
+                            from / args.block..(to - from).div_ceil(args.block) + from / args.block,
+                        ]);
+                        let dispatched = block_scores(queries, keys, args.block, stride);
+                        let row = json!({
+                            "heads": args.heads, "kv_heads": kv_heads, "seq": seq, "block": args.block,
+                            "query_stride": stride, "queries": [from, to],
+                            "dispatched_rel_max_error": relative_max(dispatched, expected),
+                        });
+                        eprintln!("parity: {row}");
+                        rows.push(row);
+                    }
+                }
             }
         }
     }
