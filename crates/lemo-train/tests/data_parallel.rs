@@ -235,7 +235,7 @@ fn two_ranks_resume_exactly_and_refuse_another_rank_count() {
     assert_eq!(stderr, "error: --gpus must be at least 1\n");
 }
 
-/// Sequence groups of 2 and 4 ranks, each rank training its share of every sequence, against one
+/// Sequence groups of 2, 3 and 4 ranks, each rank training its share of every sequence, against one
 /// rank on the same sequences: the same losses and gradient norms (within 1e-4) at every step,
 /// and the same adapter after six steps within 1e-3 (AdamW's normalized steps magnify the
 /// rounding of gradient entries near zero, which the sums over ranks add up in another order;
@@ -251,9 +251,17 @@ fn sequence_groups_train_as_one_rank() {
     };
     let (one, _) = run("one", &["--batch-size", "1"]);
     let (pair, _) = run("one-of-2", &["--batch-size", "2"]);
-    let cases = [
+    // Three ranks divide neither the 4 query heads nor the 2 K/V heads: the keys and values are
+    // gathered whole, so any group size splits a length that is a multiple of twice its ranks.
+    let (one_192, _) = run("one-192", &["--batch-size", "1", "--seq-len", "192"]);
+    let cases: [(&str, &[&str], &PathBuf); 4] = [
         ("cp2", &["--gpus", "2", "--context-parallel", "2"], &one),
         ("cp4", &["--gpus", "4", "--context-parallel", "4"], &one),
+        (
+            "cp3",
+            &["--gpus", "3", "--context-parallel", "3", "--seq-len", "192"],
+            &one_192,
+        ),
         (
             "dp2-cp2",
             &["--gpus", "4", "--context-parallel", "2"],
@@ -261,7 +269,7 @@ fn sequence_groups_train_as_one_rank() {
         ),
     ];
     for (name, flags, reference) in cases {
-        let (split, stderr) = run(name, &[&flags[..], &["--batch-size", "1"]].concat());
+        let (split, stderr) = run(name, &[flags, &["--batch-size", "1"]].concat());
         assert!(
             stderr.contains(&format!("x {} rank(s)", flags[1])),
             "{stderr}"
