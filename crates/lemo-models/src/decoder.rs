@@ -73,8 +73,8 @@ pub trait Decoder<B: Backend> {
     /// The attention block of layer `index`, `h + attention(norm(h))`. With `sparse`, the pass
     /// already computed the block for every row: that is the value, and the graph (its saved
     /// activations and its backward pass) covers only the kept rows, which attend to one
-    /// another at their original positions (with S2 groups, in groups over the kept rows, see
-    /// [`crate::llama::LlamaAttention`]). With a cache, the keys and values are appended to
+    /// another at their original positions (with S2 groups too, see
+    /// [`crate::kept_s2`]). With a cache, the keys and values are appended to
     /// it (dense only).
     fn attention_block(
         &self,
@@ -84,13 +84,6 @@ pub trait Decoder<B: Backend> {
         sparse: Option<SparseBlock<B, Self::AttentionProducts>>,
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3>;
-
-    /// Whether the kept rows of layer `index`'s token-sparse attention block compute differently
-    /// from its pass over every row (S2 groups over the kept rows), so that the block's value
-    /// needs their graph; otherwise the value is the pass's.
-    fn kept_rows_attend_apart(&self, _index: usize) -> bool {
-        false
-    }
 
     /// The MLP block of layer `index`, `a + mlp(norm(a))`, token-sparse as above.
     fn mlp_block(
@@ -154,6 +147,7 @@ pub struct SparseBlock<B: Backend, P> {
     /// The dropped rows, when the block's backward pass recomputes them (MLP blocks with
     /// [`crate::token_plan::DroppedRows::Exact`]) and there are any.
     pub dropped: Option<Tensor<B, 2, Int>>,
+    kept: BlockRows,
 }
 
 impl<B: Backend, P> SparseBlock<B, P> {
@@ -164,8 +158,15 @@ impl<B: Backend, P> SparseBlock<B, P> {
             rows: kept.rows(),
             whole: kept.whole.clone(),
             dropped: kept.dropped(),
+            kept: kept.clone(),
             pass,
         }
+    }
+
+    /// The kept positions on the host (S2 groups follow them): as selected there, or a
+    /// (counted) read of the device's.
+    pub fn kept_positions(&self) -> KeptRows {
+        self.kept.to_host::<B>()
     }
 
     /// The block's pass over every row, which an attention block always has.
@@ -196,19 +197,6 @@ impl<B: LemoBackend, P> SparseBlock<B, P> {
     pub fn value(&self, x: Tensor<B, 3>) -> Option<Tensor<B, 3>> {
         let pass = self.pass.as_ref()?;
         Some(x.detach() + pass.output.clone())
-    }
-
-    /// The block with `kept`, the graph's output on its kept rows, as the pass's output there:
-    /// for kept rows that compute differently from the pass (S2 attention over the kept rows
-    /// alone), so the value the layer passes on is the one the graph differentiates.
-    pub fn with_kept_output(mut self, kept: Tensor<B, 3>) -> Self {
-        let rows = self.rows.clone();
-        if let Some(pass) = &mut self.pass {
-            let passed = gather_rows(pass.output.clone(), rows.clone());
-            let change = kept.detach() - passed;
-            pass.output = scatter_add_rows(pass.output.clone(), rows, change);
-        }
-        self
     }
 
     /// [`Self::residual`] of an MLP block, whose backward pass also reaches the dropped rows
@@ -245,8 +233,7 @@ pub enum LayerRun {
     Graph,
     /// Its output alone, outside any graph: the forward pass of a layer whose backward pass
     /// rebuilds it. A token-sparse block's value is its pass over every row (the MLP's runs a
-    /// slice of rows at a time, [`mlp_pass_by_slices`]); its kept rows are not computed again,
-    /// but where S2 groups make them attend apart ([`Decoder::kept_rows_attend_apart`]).
+    /// slice of rows at a time, [`mlp_pass_by_slices`]); its kept rows are not computed again.
     Value,
     /// Its graph again, for its backward pass: nothing reads the output's value, only its
     /// gradient's way back to the input. So the MLP block computes no value:
@@ -282,7 +269,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
     let a = match sparse {
         // Outside any graph the block's value is its pass's output: the graph of its kept rows
         // would only gather and scatter copies of what the pass computed.
-        Some(sparse) if run == LayerRun::Value && !decoder.kept_rows_attend_apart(index) => {
+        Some(sparse) if run == LayerRun::Value => {
             sparse.value(h).expect("an attention block has its pass")
         }
         sparse => decoder.attention_block(index, h, shared, sparse, cache),

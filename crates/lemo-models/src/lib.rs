@@ -12,6 +12,7 @@ pub mod embedding;
 pub mod error;
 pub mod export;
 pub mod gguf;
+pub mod kept_s2;
 pub mod llama;
 pub mod llama2c;
 pub mod lora;

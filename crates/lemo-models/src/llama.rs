@@ -25,6 +25,7 @@ use crate::cache::{LayerCache, append_to_cache};
 use crate::config::LlamaConfig;
 use crate::decoder::{Decoder, RowActivations, SparseBlock};
 use crate::embedding::embed;
+use crate::kept_s2::kept_rows_s2_attention;
 use crate::lora::Linear;
 use crate::norm::RmsNorm;
 use crate::rope::{RotaryEmbedding, Rotation};
@@ -63,11 +64,9 @@ impl<B: LemoBackend> LlamaAttention<B> {
     /// The block's output for `x`, in the graph. With `sparse`, `x` holds its kept rows and the
     /// products and the attention output are the kept rows of the pass's (see [`Self::pass`]):
     /// nothing of the forward pass is computed again, and attention back-propagates with the
-    /// pass's `logsumexp`, i.e. as attention over every key restricted to the kept ones. With S2
-    /// groups, the kept rows attend to one another alone, in S2 groups over the compacted rows
-    /// ([`AttentionOptions::over_kept_rows`]; RoPE stays at their original positions): that
-    /// attention and the output projection run here, and the caller puts their value in place of
-    /// the pass's on the kept rows ([`SparseBlock::with_kept_output`]).
+    /// pass's `logsumexp`, i.e. as attention over every key restricted to the kept ones; with S2
+    /// groups, S2 attention at the kept rows' original positions restricted the same way
+    /// ([`kept_rows_s2_attention`]), so the forward pass is LongLoRA's.
     /// With a `split` (dense only), `x` holds this rank's rows of a sequence split over a
     /// sequence group, and attention reads every position's keys and values.
     fn forward(
@@ -98,14 +97,7 @@ impl<B: LemoBackend> LlamaAttention<B> {
                 Some(split) => (split.attention(q, k, v, self.options()), None),
                 None => (attention(q, k, v, self.options()), None),
             },
-            (Some(sparse), Some(_)) => {
-                let seq = sparse.every_row().output.dims()[1];
-                let options = self.options().over_kept_rows(seq, len);
-                let [q_value, k_value, v_value] = [&q, &k, &v].map(|t| t.clone().detach());
-                let known = attention_with_lse(q_value, k_value, v_value, options);
-                (attention_with_value(q, k, v, known, options), None)
-            }
-            (Some(sparse), None) => {
+            (Some(sparse), group) => {
                 let out = product(|p| &p.out).expect("an attention block has its pass");
                 let out = self.heads(out, self.num_heads);
                 let lse = sparse.every_row().products.lse.clone().gather(
@@ -116,10 +108,17 @@ impl<B: LemoBackend> LlamaAttention<B> {
                         .unsqueeze_dim::<3>(1)
                         .expand([batch, self.num_heads, len]),
                 );
-                let out = match (split, &sparse.whole) {
-                    (Some(split), Some(whole)) => {
+                let out = match (split, &sparse.whole, group) {
+                    (Some(split), Some(whole), _) => {
                         split.kept_attention((q, k, v), (out, lse), whole, self.options())
                     }
+                    (_, _, Some(group)) => kept_rows_s2_attention(
+                        (q, k, v),
+                        (out, lse),
+                        &sparse.kept_positions(),
+                        group,
+                        self.options(),
+                    ),
                     _ => attention_with_value(q, k, v, (out, lse), self.options()),
                 };
                 (out, product(|p| &p.o))
@@ -305,10 +304,6 @@ impl<B: LemoBackend> LlamaLayer<B> {
                 let out = self
                     .self_attn
                     .forward(x, &rotation, Some(&sparse), None, split);
-                let sparse = match self.self_attn.shifted_group {
-                    Some(_) => sparse.with_kept_output(out.clone()),
-                    None => sparse,
-                };
                 sparse.residual(h, out)
             }
         }
@@ -515,10 +510,6 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         cache: Option<&mut LayerCache<B>>,
     ) -> Tensor<B, 3> {
         self.layers[index].attention_block(h, shared, sparse, cache)
-    }
-
-    fn kept_rows_attend_apart(&self, index: usize) -> bool {
-        self.layers[index].self_attn.shifted_group.is_some()
     }
 
     fn mlp_block(

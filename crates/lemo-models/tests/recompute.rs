@@ -128,7 +128,7 @@ fn recomputed_lemo_gradients_replay_the_kept_rows() {
     assert_recomputation_matches(&model, 61, Some(&thresholds));
 }
 
-/// With S2 groups over the kept rows (`lemo --s2`), whose value replaces the pass's there.
+/// With S2 at the kept rows' positions (`lemo --s2`).
 #[test]
 fn recomputed_lemo_s2_gradients_replay_the_kept_rows() {
     let mut model = trainable_model(

@@ -34,8 +34,8 @@ fn gqa_model<B: LemoBackend>(device: &B::Device) -> CausalLm<B> {
     burn::module::AutodiffModule::valid(&model)
 }
 
-/// With `shifted_group`, S2 attention (`longlora`) against token elimination whose S2 groups
-/// over the kept rows are then the same groups (`lemo --s2`).
+/// With `shifted_group`, S2 attention (`longlora`) against token elimination with S2 at the kept
+/// rows' positions (`lemo --s2`), which are then every position.
 fn keep_all_equals_dense<B: burn::tensor::backend::AutodiffBackend + LemoBackend>(
     fixture: &str,
     targets: &[&str],
@@ -80,8 +80,8 @@ fn keeping_every_token_gives_the_lora_loss_and_gradients_on_the_cpu() {
     );
 }
 
-/// `lemo --s2` keeping every row lays its S2 groups over all the rows: `longlora`'s loss and
-/// gradients (groups of 16 over 50 tokens: both halves end with a short group).
+/// `lemo --s2` keeping every row: `longlora`'s loss and gradients (groups of 16 over 50 tokens:
+/// both halves end with a short group).
 #[test]
 fn keeping_every_token_with_s2_gives_the_longlora_loss_and_gradients() {
     keep_all_equals_dense::<Autodiff<CpuBackend>>(
@@ -90,6 +90,33 @@ fn keeping_every_token_with_s2_gives_the_longlora_loss_and_gradients() {
         Some(16),
         &Default::default(),
     );
+}
+
+/// `lemo --s2` dropping half of the blocks: the forward pass is still `longlora`'s (the kept
+/// rows take the pass's S2 values at their positions), so the loss is, and gradients reach the
+/// adapters through the kept rows.
+#[test]
+fn dropping_tokens_with_s2_keeps_the_longlora_loss() {
+    type B = Autodiff<CpuBackend>;
+    let device = Default::default();
+    let mut model = trainable_model::<B>("llama_gqa_tied", &LLAMA_PROJECTIONS, false, &device);
+    model.set_shifted_group(Some(16));
+    let [vocab, _] = model.lm_head_weight().dims();
+    let tokens = random_tokens::<B>(vocab, [2, 64], &device);
+    let (dense_loss, _) = loss_and_gradients(&model, tokens.clone(), &mut TokenSparsity::Dense);
+    let thresholds = half_kept(&model, 8);
+    let mut sparsity = TokenSparsity::select(&thresholds);
+    let (sparse_loss, sparse) = loss_and_gradients(&model, tokens, &mut sparsity);
+    let plan = sparsity.into_plan().unwrap();
+    assert!(
+        plan.keep_fraction(Block::Attention) < 1.0,
+        "no block dropped"
+    );
+    assert!(
+        (dense_loss - sparse_loss).abs() <= 1e-5 * dense_loss.abs(),
+        "loss {dense_loss} (longlora) vs {sparse_loss} (lemo --s2)"
+    );
+    assert!(!sparse.is_zero(), "no gradient reached the adapters");
 }
 
 #[test]

@@ -32,9 +32,10 @@ impl Method {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Args, Serialize, Deserialize)]
 #[serde(default)]
 pub struct S2Settings {
-    /// Shifted sparse attention (LongLoRA's S2) while training with --method lemo: in each
-    /// token-eliminating layer the kept rows attend in S2 groups over the kept rows (longlora
-    /// always trains with S2; evaluation is dense either way) [implied by --s2-group-size].
+    /// Shifted sparse attention (LongLoRA's S2) while training with --method lemo: the forward
+    /// pass is S2 attention over every row, and the kept rows back-propagate it at their
+    /// original positions (longlora always trains with S2; evaluation is dense either way)
+    /// [implied by --s2-group-size].
     #[arg(long)]
     pub s2: bool,
     /// S2 attention group size in tokens [default: seq-len / 4].

@@ -203,7 +203,7 @@ fn lemo_keeps_exactly_its_fractions_when_asked() {
     lemo_test_support::assert_clean_error(&output, "--keep-exactly and --thresholds");
 }
 
-/// `--method lemo --s2`: S2 attention over the kept rows acts (the first step's loss, taken
+/// `--method lemo --s2`: S2 attention acts (the first step's loss, taken
 /// before any update, is not lemo's without it) and the run trains to finite losses.
 #[test]
 fn lemo_with_s2_attention_trains() {

@@ -72,30 +72,6 @@ impl AttentionOptions {
         }
     }
 
-    /// These options for attention over `kept` rows of a sequence of `seq` positions, compacted
-    /// in order (token elimination): S2 groups over the kept rows, as many as over the whole
-    /// sequence, i.e. `group * kept / seq` tokens, rounded to a multiple of twice
-    /// [`FUSED_ATTENTION_LENGTH_MULTIPLE`] where that is at least one (then with a kept count
-    /// that is a multiple of it, every group of either half is too, and the fused path runs
-    /// them), else to an even count of at least 2. The last group may be shorter (cuDNN takes
-    /// it where it is a multiple of [`FUSED_ATTENTION_LENGTH_MULTIPLE`] too).
-    pub fn over_kept_rows(self, seq: usize, kept: usize) -> Self {
-        let Some(group) = self.shifted_group else {
-            return self;
-        };
-        let target = group as f64 * kept as f64 / seq as f64;
-        let rounded = |unit: usize| (target / unit as f64).round() as usize * unit;
-        let unit = 2 * FUSED_ATTENTION_LENGTH_MULTIPLE;
-        let kept_group = match rounded(unit) {
-            0 => rounded(2).max(2),
-            fused => fused,
-        };
-        Self {
-            shifted_group: Some(kept_group),
-            ..self
-        }
-    }
-
     /// The S2 groups of a sequence of `len` positions for query heads shifted by `shift` (see
     /// [`Self::group_shift`]): consecutive ranges cut where `(position + shift) % group == 0`.
     pub fn shifted_groups(

@@ -206,22 +206,6 @@ mod tests {
     }
 
     #[test]
-    fn kept_rows_keep_the_number_of_s2_groups() {
-        let group = |options: AttentionOptions| options.shifted_group;
-        let s2 = AttentionOptions::causal(8).with_shifted_groups(8192);
-        // 32K tokens in groups of 8K, 16K kept: groups of 4K, a multiple of 256.
-        assert_eq!(group(s2.over_kept_rows(32768, 16384)), Some(4096));
-        // 13952 kept: 3488 rounds to 3584 = 14 * 256, the last group shorter.
-        assert_eq!(group(s2.over_kept_rows(32768, 13952)), Some(3584));
-        // Short sequences: an even group.
-        let short = AttentionOptions::causal(8).with_shifted_groups(64);
-        assert_eq!(group(short.over_kept_rows(256, 128)), Some(32));
-        assert_eq!(group(short.over_kept_rows(256, 3)), Some(2));
-        let plain = AttentionOptions::causal(8);
-        assert_eq!(plain.over_kept_rows(256, 128), plain);
-    }
-
-    #[test]
     fn sliding_window_and_decode_offset() {
         let options = AttentionOptions::causal(8).with_sliding_window(3);
         // Two queries at positions 4 and 5 of 6 keys.

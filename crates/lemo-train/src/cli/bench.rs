@@ -18,7 +18,7 @@ pub struct BenchArgs {
     #[arg(long)]
     model: PathBuf,
     /// lora (dense), longlora (S2 attention) or lemo (token elimination; with --s2, S2
-    /// attention over the kept rows).
+    /// attention at the kept rows' positions).
     #[arg(long, value_enum, default_value_t = Method::Lora)]
     method: Method,
     #[command(flatten)]

@@ -1,0 +1,234 @@
+//! LongLoRA's shifted sparse attention (S2) on the kept rows of a token-sparse attention block,
+//! at their original positions.
+//!
+//! S2 attention is causal attention within groups of `group` consecutive positions, the second
+//! half of the query heads with groups shifted by half a group. The pass over every row computes
+//! it exactly (output and log-sum-exp of each row); the kept rows' graph takes that value and
+//! back-propagates S2 attention over every key restricted to the kept keys, as the plain causal
+//! block does ([`attention_with_value`]). Kept rows are in position order, so the kept rows of
+//! one group are a run of consecutive kept rows, and within a run "a kept key at a position no
+//! later than the query's" is causal order by index: each run is one call of plain causal
+//! attention, and the kept rows of a group attend to exactly the kept keys their positions see.
+
+use std::ops::Range;
+
+use burn::tensor::Tensor;
+use lemo_kernels::attention::attention_with_value;
+use lemo_kernels::{AttentionOptions, LemoBackend};
+use lemo_sparsity::KeptRows;
+
+/// The runs of `positions` (increasing) that fall in one S2 group of `group` positions shifted
+/// by `shift`: index ranges of consecutive rows with the same `(position + shift) / group`.
+pub fn runs_in_groups(positions: &[u32], group: usize, shift: usize) -> Vec<Range<usize>> {
+    let group_of = |row: usize| (positions[row] as usize + shift) / group;
+    let mut runs = Vec::new();
+    let mut start = 0;
+    for row in 1..=positions.len() {
+        if row == positions.len() || group_of(row) != group_of(start) {
+            runs.push(start..row);
+            start = row;
+        }
+    }
+    runs
+}
+
+/// S2 attention of the kept rows `q: [batch, q_heads, kept, head_dim]`,
+/// `k, v: [batch, kv_heads, kept, head_dim]` at their positions `kept` in groups of `group`,
+/// given its value on those rows from the pass over every row (`out`, and `lse`
+/// `[batch, q_heads, kept]`): that value, with the backward pass of S2 attention over every key
+/// restricted to the kept keys. `options` gives the scale. Work: one causal call per run of kept
+/// rows in a group, per sequence and half of the heads; the key/value heads are repeated for
+/// their query heads first (the halves need not split the key/value heads evenly).
+pub fn kept_rows_s2_attention<B: LemoBackend>(
+    (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
+    (out, lse): (Tensor<B, 4>, Tensor<B, 3>),
+    kept: &KeptRows,
+    group: usize,
+    options: AttentionOptions,
+) -> Tensor<B, 4> {
+    let [batch, q_heads, rows, head_dim] = q.dims();
+    let kv_heads = k.dims()[1];
+    let per_kv = q_heads / kv_heads;
+    let repeat = |t: Tensor<B, 4>| {
+        t.unsqueeze_dim::<5>(2)
+            .expand([batch, kv_heads, per_kv, rows, head_dim])
+            .reshape([batch, q_heads, rows, head_dim])
+    };
+    let (k, v) = (repeat(k), repeat(v));
+    let causal = AttentionOptions {
+        shifted_group: None,
+        ..options
+    };
+    let halves = [(0..q_heads / 2, 0), (q_heads / 2..q_heads, group / 2)];
+    let sequences = (0..batch)
+        .map(|sequence| {
+            let positions = &kept.rows[sequence * rows..(sequence + 1) * rows];
+            let half_outputs = halves
+                .iter()
+                .filter(|(heads, _)| !heads.is_empty())
+                .map(|(heads, shift)| {
+                    let take = |t: &Tensor<B, 4>, run: &Range<usize>| {
+                        t.clone()
+                            .narrow(0, sequence, 1)
+                            .narrow(1, heads.start, heads.len())
+                            .narrow(2, run.start, run.len())
+                    };
+                    let runs = runs_in_groups(positions, group, *shift)
+                        .iter()
+                        .map(|run| {
+                            let run_lse = lse
+                                .clone()
+                                .narrow(0, sequence, 1)
+                                .narrow(1, heads.start, heads.len())
+                                .narrow(2, run.start, run.len());
+                            attention_with_value(
+                                take(&q, run),
+                                take(&k, run),
+                                take(&v, run),
+                                (take(&out, run), run_lse),
+                                causal,
+                            )
+                        })
+                        .collect();
+                    Tensor::cat(runs, 2)
+                })
+                .collect();
+            Tensor::cat(half_outputs, 1)
+        })
+        .collect();
+    Tensor::cat(sequences, 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::backend::Autodiff;
+    use burn::tensor::{Bool, Distribution, Int, TensorData};
+    use lemo_kernels::CpuBackend;
+    use lemo_kernels::attention::attention_with_lse;
+
+    use super::*;
+
+    type B = Autodiff<CpuBackend>;
+
+    #[test]
+    fn runs_follow_the_groups_of_the_positions() {
+        let positions = [0, 1, 5, 8, 9, 15, 16, 30];
+        assert_eq!(runs_in_groups(&positions, 8, 0), [0..3, 3..6, 6..7, 7..8]);
+        // Shifted by 4: groups start at positions 4, 12, 20, 28.
+        assert_eq!(runs_in_groups(&positions, 8, 4), [0..2, 2..5, 5..7, 7..8]);
+        assert_eq!(runs_in_groups(&[], 8, 0), Vec::<Range<usize>>::new());
+    }
+
+    /// `[heads, kept, kept]`: true where kept query `i` may not see kept key `j` under S2 at
+    /// their positions (a later position, or another group of the head's half).
+    fn hidden_by_position(positions: &[u32], heads: usize, group: usize) -> Tensor<B, 3, Bool> {
+        let n = positions.len();
+        let mut hidden = Vec::with_capacity(heads * n * n);
+        for head in 0..heads {
+            let shift = if head >= heads / 2 { group / 2 } else { 0 };
+            let group_of = |p: u32| (p as usize + shift) / group;
+            for &query in positions {
+                for &key in positions {
+                    hidden.push(key > query || group_of(key) != group_of(query));
+                }
+            }
+        }
+        Tensor::from_data(TensorData::new(hidden, [heads, n, n]), &Default::default())
+    }
+
+    /// Against the definition: the kept rows' output is the whole sequence's S2 attention output
+    /// there, whose dependence on the kept queries, keys and values is through the visible kept
+    /// pairs' terms, the dropped keys' share of each row's sums held constant.
+    #[test]
+    fn kept_rows_get_the_whole_sequences_value_and_the_restricted_gradient() {
+        let device = Default::default();
+        let (seq, group, heads, kv_heads, head_dim) = (24, 8, 4, 2, 8);
+        let positions: Vec<u32> = vec![0, 1, 2, 5, 6, 9, 12, 13, 14, 15, 20, 23];
+        let n = positions.len();
+        let random = |heads| {
+            Tensor::<B, 4>::random(
+                [1, heads, seq, head_dim],
+                Distribution::Normal(0.0, 1.0),
+                &device,
+            )
+        };
+        let (q_all, k_all, v_all) = (random(heads), random(kv_heads), random(kv_heads));
+        let options = AttentionOptions {
+            shifted_group: Some(group),
+            ..AttentionOptions::causal(head_dim)
+        };
+        let (out_all, lse_all) =
+            attention_with_lse(q_all.clone(), k_all.clone(), v_all.clone(), options);
+        let rows = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(positions.iter().map(|&p| p as i64).collect(), [n]),
+            &device,
+        );
+        let kept_rows = |t: Tensor<B, 4>| t.select(2, rows.clone()).detach().require_grad();
+        let (q, k, v) = (kept_rows(q_all), kept_rows(k_all), kept_rows(v_all));
+        let out = out_all.select(2, rows.clone()).detach();
+        let lse = lse_all.select(2, rows.clone()).detach();
+        let upstream = Tensor::<B, 4>::random(
+            [1, heads, n, head_dim],
+            Distribution::Normal(0.0, 1.0),
+            &device,
+        );
+        let kept = KeptRows {
+            rows: positions.clone(),
+            batch: 1,
+            kept: n,
+            seq,
+        };
+
+        let tested = kept_rows_s2_attention(
+            (q.clone(), k.clone(), v.clone()),
+            (out.clone(), lse.clone()),
+            &kept,
+            group,
+            options,
+        );
+
+        let repeat = |t: Tensor<B, 4>| {
+            t.unsqueeze_dim::<5>(2)
+                .expand([1, kv_heads, heads / kv_heads, n, head_dim])
+                .reshape([1, heads, n, head_dim])
+        };
+        let hidden = hidden_by_position(&positions, heads, group).unsqueeze_dim::<4>(0);
+        let terms = (q.clone().matmul(repeat(k.clone()).swap_dims(2, 3)) * options.scale)
+            .mask_fill(hidden, -1.0e30)
+            .exp();
+        let kept_sum = terms.clone().sum_dim(3);
+        let kept_weighted = terms.matmul(repeat(v.clone()));
+        let total = lse.unsqueeze_dim::<4>(3).exp();
+        let rest_sum = total.clone() - kept_sum.clone().detach();
+        let rest_weighted = out.clone() * total - kept_weighted.clone().detach();
+        let expected = (kept_weighted + rest_weighted) / (kept_sum + rest_sum);
+
+        let max = |t: Tensor<CpuBackend, 4>| -> f32 { t.abs().max().into_scalar() };
+        let gradients = |t: Tensor<B, 4>| {
+            let grads = (t * upstream.clone()).sum().backward();
+            [&q, &k, &v].map(|x| x.grad(&grads).expect("the output reads it"))
+        };
+        let value_error = max((tested.clone() - out.clone()).inner());
+        assert!(
+            value_error <= 1e-5,
+            "value differs from the pass's by {value_error}"
+        );
+        let expected_error = max((expected.clone() - out).inner());
+        assert!(
+            expected_error <= 1e-4,
+            "the reference's value is off by {expected_error}"
+        );
+        for (name, (a, b)) in ["q", "k", "v"]
+            .iter()
+            .zip(gradients(tested).into_iter().zip(gradients(expected)))
+        {
+            let scale = max(b.clone());
+            let error = max(a - b);
+            assert!(scale > 0.0, "d{name} is zero");
+            assert!(
+                error <= 1e-4 * scale,
+                "d{name} differs by {error} (of {scale})"
+            );
+        }
+    }
+}
