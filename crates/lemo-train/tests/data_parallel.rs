@@ -285,6 +285,8 @@ fn sequence_groups_train_as_one_rank() {
             .find(|r| r["kind"] == "train")
             .unwrap();
         assert_eq!(first["context_parallel"], flags[3].parse::<u64>().unwrap());
+        let waited = first["sequence_exchange_s"].as_f64();
+        assert!(waited.is_some_and(|s| s >= 0.0), "{name}: {first}");
         let tokens = records(reference)
             .into_iter()
             .find(|r| r["kind"] == "train")

@@ -23,7 +23,7 @@ use burn::tensor::{Tensor, TensorData};
 use lemo_kernels::exchange::Exchange;
 
 use local::LocalGroup;
-use sequence::SequenceGroup;
+use sequence::{ExchangeClock, SequenceGroup};
 
 /// A collective ended because another rank stopped or did not answer in time: a consequence,
 /// not the cause, of a failed run.
@@ -146,8 +146,9 @@ impl Communicator {
     /// ranks from `rank / size * size`. Rows on CUDA devices travel through an NCCL
     /// communicator split from the world's (every rank makes its group at the same point); the
     /// few host values run in process memory when the group's ranks are all this process's, and
-    /// through that communicator when they are not.
-    pub fn sequence_group(&mut self, size: usize) -> Result<Exchange> {
+    /// through that communicator when they are not. With the clock of the rank's time in the
+    /// group's exchanges.
+    pub fn sequence_group(&mut self, size: usize) -> Result<(Exchange, ExchangeClock)> {
         let first = self.rank / size * size;
         let first_here = self.rank - self.local;
         let in_process = first >= first_here && first + size <= first_here + self.group.ranks();
@@ -170,7 +171,8 @@ impl Communicator {
                     }
                     false => SequenceGroup::spanning(index, size, comm(group)?),
                 };
-                return Ok(Exchange(Arc::new(sequence_group)));
+                let clock = sequence_group.clock();
+                return Ok((Exchange(Arc::new(sequence_group)), clock));
             }
         }
         if !in_process {
@@ -179,7 +181,9 @@ impl Communicator {
             );
         }
         let subgroup = self.group.subgroup(first - first_here, size);
-        Ok(Exchange(Arc::new(SequenceGroup::new(subgroup, index))))
+        let sequence_group = SequenceGroup::new(subgroup, index);
+        let clock = sequence_group.clock();
+        Ok((Exchange(Arc::new(sequence_group)), clock))
     }
 
     /// Sums a flat f32 bucket over the ranks; every rank gets the sum.

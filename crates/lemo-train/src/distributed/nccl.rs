@@ -327,6 +327,8 @@ pub struct SequenceComm {
     group: Arc<LocalGroup>,
     /// The rank, in the world: named when one of its collectives fails.
     rank: usize,
+    /// Where the time the host waits for the collectives goes.
+    clock: super::sequence::ExchangeClock,
 }
 
 impl SequenceComm {
@@ -335,7 +337,13 @@ impl SequenceComm {
             comm: Mutex::new(comm),
             group,
             rank,
+            clock: Default::default(),
         }
+    }
+
+    /// The communicator, its waits added to `clock`.
+    pub fn timed_by(self, clock: super::sequence::ExchangeClock) -> Self {
+        Self { clock, ..self }
     }
 
     /// Enqueues a collective on `stream` and waits for it. A collective that fails aborts the
@@ -369,7 +377,10 @@ impl SequenceComm {
                     driver::event::record(handles.done, stream as driver_sys::CUstream)
                         .map_err(|e| e.to_string())
                 })
-                .and_then(|()| wait(handles.comm, handles.done, deadline, &self.group))
+                .and_then(|()| {
+                    self.clock
+                        .time(|| wait(handles.comm, handles.done, deadline, &self.group))
+                })
         };
         outcome.map_err(|why| {
             comm.abort();

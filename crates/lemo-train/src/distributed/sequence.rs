@@ -5,10 +5,34 @@
 //! the group's ranks share the process, through NCCL when it spans processes.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 use lemo_kernels::exchange::{DeviceRowExchange, RowExchange};
 
 use super::local::LocalGroup;
+
+/// The time a rank's host spends blocked in its sequence group's exchanges: host sums and
+/// barriers, and device collectives, whose wait includes the device finishing the work queued
+/// before them. Shared by the group and its NCCL communicator; read (and reset) once a step.
+#[derive(Debug, Clone, Default)]
+pub struct ExchangeClock(Arc<AtomicU64>);
+
+impl ExchangeClock {
+    /// `exchange()`, its duration added to the clock.
+    pub fn time<T>(&self, exchange: impl FnOnce() -> T) -> T {
+        let started = Instant::now();
+        let result = exchange();
+        let nanos = started.elapsed().as_nanos().min(u64::MAX as u128) as u64;
+        self.0.fetch_add(nanos, Ordering::Relaxed);
+        result
+    }
+
+    /// Seconds added since the last call.
+    pub fn take(&self) -> f64 {
+        self.0.swap(0, Ordering::Relaxed) as f64 * 1e-9
+    }
+}
 
 /// One rank's end of a sequence group.
 pub struct SequenceGroup {
@@ -21,6 +45,7 @@ pub struct SequenceGroup {
     /// The group's NCCL communicator, when its ranks are CUDA devices.
     #[cfg(feature = "cuda")]
     device: Option<super::nccl::SequenceComm>,
+    clock: ExchangeClock,
 }
 
 impl SequenceGroup {
@@ -32,6 +57,7 @@ impl SequenceGroup {
             index,
             #[cfg(feature = "cuda")]
             device: None,
+            clock: ExchangeClock::default(),
         }
     }
 
@@ -39,7 +65,7 @@ impl SequenceGroup {
     #[cfg(feature = "cuda")]
     pub fn on_device(self, comm: super::nccl::SequenceComm) -> Self {
         Self {
-            device: Some(comm),
+            device: Some(comm.timed_by(self.clock.clone())),
             ..self
         }
     }
@@ -47,19 +73,26 @@ impl SequenceGroup {
     /// Rank `index` of a group of `ranks` ranks in several processes, joined by `comm`.
     #[cfg(feature = "cuda")]
     pub fn spanning(index: usize, ranks: usize, comm: super::nccl::SequenceComm) -> Self {
+        let clock = ExchangeClock::default();
         Self {
             local: None,
             index,
             ranks,
-            device: Some(comm),
+            device: Some(comm.timed_by(clock.clone())),
+            clock,
         }
+    }
+
+    /// The clock of the rank's time in the group's exchanges.
+    pub fn clock(&self) -> ExchangeClock {
+        self.clock.clone()
     }
 
     /// The sum of `values` over the group; zeros when the group has stopped (the failure stays
     /// with the group, and the step's next collective reports it).
     fn sum(&self, values: Vec<f64>) -> Vec<f32> {
         let len = values.len();
-        let sum = match &self.local {
+        let sum = self.clock.time(|| match &self.local {
             Some(group) => group.sum(self.index, values).ok().map(|sum| sum.to_vec()),
             #[cfg(feature = "cuda")]
             None => self
@@ -68,7 +101,7 @@ impl SequenceGroup {
                 .and_then(|comm| comm.sum_host(values).ok()),
             #[cfg(not(feature = "cuda"))]
             None => None,
-        };
+        });
         match sum {
             Some(sum) => sum.iter().map(|&v| v as f32).collect(),
             None => vec![0.0; len],
@@ -123,6 +156,17 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    #[test]
+    fn the_clock_adds_the_time_of_exchanges_until_taken() {
+        let clock = ExchangeClock::default();
+        let shared = clock.clone();
+        assert_eq!(shared.time(|| 7), 7);
+        shared.time(|| std::thread::sleep(Duration::from_millis(20)));
+        let waited = clock.take();
+        assert!((0.02..1.0).contains(&waited), "{waited}");
+        assert_eq!(clock.take(), 0.0);
+    }
 
     #[test]
     fn subgroups_gather_and_scatter_their_own_ranks_values() {

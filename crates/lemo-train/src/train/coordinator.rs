@@ -29,6 +29,9 @@ pub struct StepRecord<'a> {
     pub step_time: f64,
     /// Time spent summing gradients and totals (waiting for the slowest rank included).
     pub allreduce_time: f64,
+    /// Under context parallelism, rank 0's time blocked in its sequence group's exchanges during
+    /// the forward and backward passes.
+    pub exchange_time: Option<f64>,
     /// Rank 0's memory in use after the update.
     pub mem_in_use: u64,
 }
@@ -116,6 +119,7 @@ impl Coordinator {
             "context_parallel": setup.config.context_parallel,
             "allreduce_s": record.allreduce_time,
             "allreduce_share": allreduce_share,
+            "sequence_exchange_s": record.exchange_time,
             "mem_in_use_gib": gib(record.mem_in_use),
             "mem_after_forward_gib": gib(after_forward),
             "mem_peak_gib": gib(peak),

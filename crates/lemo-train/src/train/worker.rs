@@ -21,6 +21,7 @@ use super::setup::Setup;
 use super::shard::Shard;
 use super::sync::{self, StepTotals};
 use crate::distributed::Communicator;
+use crate::distributed::sequence::ExchangeClock;
 use crate::memory::{self, PeakTracker};
 
 /// Trains `setup` as rank `comm.rank()` on `device`; rank 0 returns the run's summary.
@@ -40,9 +41,10 @@ pub fn train_rank<B: LemoBackend>(
     }
     // The ranks of a sequence group read the same sequences and each trains its positions.
     let group = config.context_parallel;
-    let sequence_group = (group > 1)
+    let (sequence_group, exchange_clock) = (group > 1)
         .then(|| comm.sequence_group(group))
-        .transpose()?;
+        .transpose()?
+        .unzip();
     let shard = Shard {
         rank: rank / group,
         ranks: ranks / group,
@@ -79,8 +81,13 @@ pub fn train_rank<B: LemoBackend>(
                 .wrapping_add(step as u64)
                 .wrapping_add((rank as u64) << 32),
         );
+        if let Some(clock) = &exchange_clock {
+            // What validation waited is not the step's.
+            clock.take();
+        }
         let (grads, local) =
             replica.accumulate(setup, (&shard, sequence_group.as_ref()), step, &mut peak)?;
+        let exchange_time = exchange_clock.as_ref().map(ExchangeClock::take);
         if ranks > 1 {
             // The rank's own backward pass is not collective time.
             lemo_kernels::memory::synchronize::<B>(&device);
@@ -124,6 +131,7 @@ pub fn train_rank<B: LemoBackend>(
                     grad_norm,
                     step_time: step_started.elapsed().as_secs_f64(),
                     allreduce_time,
+                    exchange_time,
                     mem_in_use: now.in_use,
                 },
             )?;
