@@ -17,35 +17,40 @@ use lemo_kernels::attention::attention_with_value;
 use lemo_kernels::{AttentionOptions, LemoBackend};
 use lemo_sparsity::KeptRows;
 
-/// The runs of `positions` (increasing) that fall in one S2 group of `group` positions shifted
-/// by `shift`: index ranges of consecutive rows with the same `(position + shift) / group`.
-pub fn runs_in_groups(positions: &[u32], group: usize, shift: usize) -> Vec<Range<usize>> {
-    let group_of = |row: usize| (positions[row] as usize + shift) / group;
-    let mut runs = Vec::new();
-    let mut start = 0;
-    for row in 1..=positions.len() {
-        if row == positions.len() || group_of(row) != group_of(start) {
-            runs.push(start..row);
-            start = row;
-        }
-    }
-    runs
+/// The runs of `positions` (increasing, all below `len`) that fall in one S2 group of `group`
+/// positions shifted by `shift` ([`AttentionOptions::shifted_groups`]): index ranges of
+/// consecutive rows, empty groups left out.
+pub fn runs_in_groups(
+    positions: &[u32],
+    len: usize,
+    group: usize,
+    shift: usize,
+) -> Vec<Range<usize>> {
+    let rows_before = |position: usize| positions.partition_point(|&p| (p as usize) < position);
+    AttentionOptions::shifted_groups(len, group, shift)
+        .map(|positions_in_group| {
+            rows_before(positions_in_group.start)..rows_before(positions_in_group.end)
+        })
+        .filter(|run| !run.is_empty())
+        .collect()
 }
 
 /// S2 attention of the kept rows `q: [batch, q_heads, kept, head_dim]`,
 /// `k, v: [batch, kv_heads, kept, head_dim]` at their positions `kept` in groups of `group`,
 /// given its value on those rows from the pass over every row (`out`, and `lse`
 /// `[batch, q_heads, kept]`): that value, with the backward pass of S2 attention over every key
-/// restricted to the kept keys. `options` gives the scale. Work: one causal call per run of kept
+/// restricted to the kept keys. `options` gives the scale, the group and each head's shift. Work: one causal call per run of kept
 /// rows in a group, per sequence and half of the heads; the key/value heads are repeated for
 /// their query heads first (the halves need not split the key/value heads evenly).
 pub fn kept_rows_s2_attention<B: LemoBackend>(
     (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
     (out, lse): (Tensor<B, 4>, Tensor<B, 3>),
     kept: &KeptRows,
-    group: usize,
     options: AttentionOptions,
 ) -> Tensor<B, 4> {
+    let group = options
+        .shifted_group
+        .expect("S2 attention of the kept rows needs S2 groups");
     let [batch, q_heads, rows, head_dim] = q.dims();
     let kv_heads = k.dims()[1];
     let per_kv = q_heads / kv_heads;
@@ -59,21 +64,26 @@ pub fn kept_rows_s2_attention<B: LemoBackend>(
         shifted_group: None,
         ..options
     };
-    let halves = [(0..q_heads / 2, 0), (q_heads / 2..q_heads, group / 2)];
+    // The heads in order, cut where the shift changes: a half of plain groups, one shifted.
+    let first_shifted = (0..q_heads)
+        .position(|head| options.group_shift(head, q_heads) != 0)
+        .unwrap_or(q_heads);
+    let halves = [0..first_shifted, first_shifted..q_heads]
+        .map(|heads| (options.group_shift(heads.start, q_heads), heads));
     let sequences = (0..batch)
         .map(|sequence| {
             let positions = &kept.rows[sequence * rows..(sequence + 1) * rows];
             let half_outputs = halves
                 .iter()
-                .filter(|(heads, _)| !heads.is_empty())
-                .map(|(heads, shift)| {
+                .filter(|(_, heads)| !heads.is_empty())
+                .map(|(shift, heads)| {
                     let take = |t: &Tensor<B, 4>, run: &Range<usize>| {
                         t.clone()
                             .narrow(0, sequence, 1)
                             .narrow(1, heads.start, heads.len())
                             .narrow(2, run.start, run.len())
                     };
-                    let runs = runs_in_groups(positions, group, *shift)
+                    let runs = runs_in_groups(positions, kept.seq, group, *shift)
                         .iter()
                         .map(|run| {
                             let run_lse = lse
@@ -113,10 +123,16 @@ mod tests {
     #[test]
     fn runs_follow_the_groups_of_the_positions() {
         let positions = [0, 1, 5, 8, 9, 15, 16, 30];
-        assert_eq!(runs_in_groups(&positions, 8, 0), [0..3, 3..6, 6..7, 7..8]);
+        assert_eq!(
+            runs_in_groups(&positions, 32, 8, 0),
+            [0..3, 3..6, 6..7, 7..8]
+        );
         // Shifted by 4: groups start at positions 4, 12, 20, 28.
-        assert_eq!(runs_in_groups(&positions, 8, 4), [0..2, 2..5, 5..7, 7..8]);
-        assert_eq!(runs_in_groups(&[], 8, 0), Vec::<Range<usize>>::new());
+        assert_eq!(
+            runs_in_groups(&positions, 32, 8, 4),
+            [0..2, 2..5, 5..7, 7..8]
+        );
+        assert_eq!(runs_in_groups(&[], 32, 8, 0), Vec::<Range<usize>>::new());
     }
 
     /// `[heads, kept, kept]`: true where kept query `i` may not see kept key `j` under S2 at
@@ -183,7 +199,6 @@ mod tests {
             (q.clone(), k.clone(), v.clone()),
             (out.clone(), lse.clone()),
             &kept,
-            group,
             options,
         );
 

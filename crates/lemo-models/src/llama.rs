@@ -112,11 +112,10 @@ impl<B: LemoBackend> LlamaAttention<B> {
                     (Some(split), Some(whole), _) => {
                         split.kept_attention((q, k, v), (out, lse), whole, self.options())
                     }
-                    (_, _, Some(group)) => kept_rows_s2_attention(
+                    (_, _, Some(_)) => kept_rows_s2_attention(
                         (q, k, v),
                         (out, lse),
                         &sparse.kept_positions(),
-                        group,
                         self.options(),
                     ),
                     _ => attention_with_value(q, k, v, (out, lse), self.options()),
