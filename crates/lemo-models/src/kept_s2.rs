@@ -112,13 +112,13 @@ pub fn kept_rows_s2_attention<B: LemoBackend>(
 #[cfg(test)]
 mod tests {
     use burn::backend::Autodiff;
-    use burn::tensor::{Bool, Distribution, Int, TensorData};
-    use lemo_kernels::CpuBackend;
+    use burn::tensor::backend::Backend;
+    use burn::tensor::{Bool, ElementConversion, Int, TensorData};
     use lemo_kernels::attention::attention_with_lse;
+    use lemo_kernels::{CpuBackend, WgpuBackend};
+    use lemo_test_support::{random, seed_backend};
 
     use super::*;
-
-    type B = Autodiff<CpuBackend>;
 
     #[test]
     fn runs_follow_the_groups_of_the_positions() {
@@ -137,7 +137,12 @@ mod tests {
 
     /// `[heads, kept, kept]`: true where kept query `i` may not see kept key `j` under S2 at
     /// their positions (a later position, or another group of the head's half).
-    fn hidden_by_position(positions: &[u32], heads: usize, group: usize) -> Tensor<B, 3, Bool> {
+    fn hidden_by_position<B: Backend>(
+        positions: &[u32],
+        heads: usize,
+        group: usize,
+        device: &B::Device,
+    ) -> Tensor<B, 3, Bool> {
         let n = positions.len();
         let mut hidden = Vec::with_capacity(heads * n * n);
         for head in 0..heads {
@@ -149,45 +154,41 @@ mod tests {
                 }
             }
         }
-        Tensor::from_data(TensorData::new(hidden, [heads, n, n]), &Default::default())
+        Tensor::from_data(TensorData::new(hidden, [heads, n, n]), device)
     }
 
     /// Against the definition: the kept rows' output is the whole sequence's S2 attention output
     /// there, whose dependence on the kept queries, keys and values is through the visible kept
-    /// pairs' terms, the dropped keys' share of each row's sums held constant.
-    #[test]
-    fn kept_rows_get_the_whole_sequences_value_and_the_restricted_gradient() {
+    /// pairs' terms, the dropped keys' share of each row's sums held constant. On the CPU
+    /// reference and on the CubeCL kernels (wgpu), which take the runs the cuDNN engine cannot.
+    fn kept_rows_get_the_whole_sequences_value_and_the_restricted_gradient<I: LemoBackend>() {
+        type B<I> = Autodiff<I>;
         let device = Default::default();
+        seed_backend::<B<I>>(&device);
         let (seq, group, heads, kv_heads, head_dim) = (24, 8, 4, 2, 8);
         let positions: Vec<u32> = vec![0, 1, 2, 5, 6, 9, 12, 13, 14, 15, 20, 23];
         let n = positions.len();
-        let random = |heads| {
-            Tensor::<B, 4>::random(
-                [1, heads, seq, head_dim],
-                Distribution::Normal(0.0, 1.0),
-                &device,
-            )
-        };
-        let (q_all, k_all, v_all) = (random(heads), random(kv_heads), random(kv_heads));
+        let projection = |heads| random::<B<I>, 4>([1, heads, seq, head_dim], &device);
+        let (q_all, k_all, v_all) = (
+            projection(heads),
+            projection(kv_heads),
+            projection(kv_heads),
+        );
         let options = AttentionOptions {
             shifted_group: Some(group),
             ..AttentionOptions::causal(head_dim)
         };
         let (out_all, lse_all) =
             attention_with_lse(q_all.clone(), k_all.clone(), v_all.clone(), options);
-        let rows = Tensor::<B, 1, Int>::from_data(
+        let rows = Tensor::<B<I>, 1, Int>::from_data(
             TensorData::new(positions.iter().map(|&p| p as i64).collect(), [n]),
             &device,
         );
-        let kept_rows = |t: Tensor<B, 4>| t.select(2, rows.clone()).detach().require_grad();
+        let kept_rows = |t: Tensor<B<I>, 4>| t.select(2, rows.clone()).detach().require_grad();
         let (q, k, v) = (kept_rows(q_all), kept_rows(k_all), kept_rows(v_all));
         let out = out_all.select(2, rows.clone()).detach();
         let lse = lse_all.select(2, rows.clone()).detach();
-        let upstream = Tensor::<B, 4>::random(
-            [1, heads, n, head_dim],
-            Distribution::Normal(0.0, 1.0),
-            &device,
-        );
+        let upstream = random::<B<I>, 4>([1, heads, n, head_dim], &device);
         let kept = KeptRows {
             rows: positions.clone(),
             batch: 1,
@@ -202,12 +203,12 @@ mod tests {
             options,
         );
 
-        let repeat = |t: Tensor<B, 4>| {
+        let repeat = |t: Tensor<B<I>, 4>| {
             t.unsqueeze_dim::<5>(2)
                 .expand([1, kv_heads, heads / kv_heads, n, head_dim])
                 .reshape([1, heads, n, head_dim])
         };
-        let hidden = hidden_by_position(&positions, heads, group).unsqueeze_dim::<4>(0);
+        let hidden = hidden_by_position(&positions, heads, group, &device).unsqueeze_dim::<4>(0);
         let terms = (q.clone().matmul(repeat(k.clone()).swap_dims(2, 3)) * options.scale)
             .mask_fill(hidden, -1.0e30)
             .exp();
@@ -218,8 +219,8 @@ mod tests {
         let rest_weighted = out.clone() * total - kept_weighted.clone().detach();
         let expected = (kept_weighted + rest_weighted) / (kept_sum + rest_sum);
 
-        let max = |t: Tensor<CpuBackend, 4>| -> f32 { t.abs().max().into_scalar() };
-        let gradients = |t: Tensor<B, 4>| {
+        let max = |t: Tensor<I, 4>| -> f32 { t.abs().max().into_scalar().elem() };
+        let gradients = |t: Tensor<B<I>, 4>| {
             let grads = (t * upstream.clone()).sum().backward();
             [&q, &k, &v].map(|x| x.grad(&grads).expect("the output reads it"))
         };
@@ -245,5 +246,15 @@ mod tests {
                 "d{name} differs by {error} (of {scale})"
             );
         }
+    }
+
+    #[test]
+    fn kept_rows_s2_on_the_cpu_reference() {
+        kept_rows_get_the_whole_sequences_value_and_the_restricted_gradient::<CpuBackend>();
+    }
+
+    #[test]
+    fn kept_rows_s2_on_the_cubecl_kernels() {
+        kept_rows_get_the_whole_sequences_value_and_the_restricted_gradient::<WgpuBackend>();
     }
 }

@@ -16,7 +16,7 @@ use lemo_kernels::attention::FUSED_ATTENTION_LENGTH_MULTIPLE;
 use lemo_kernels::host_reads;
 use lemo_predictor::Predictors;
 use lemo_predictor::scorer::block_token_rows;
-use lemo_sparsity::best_blocks::{best_block_count, best_block_rows};
+use lemo_sparsity::best_blocks::{best_block_count, best_block_rows_by_segment};
 use lemo_sparsity::calibration::Block;
 use lemo_sparsity::informativeness::BlockScoring;
 use lemo_sparsity::{KeptRows, PerBlock, Selection, Thresholds};
@@ -228,13 +228,16 @@ pub enum TokenSparsity<'a> {
     /// `predictors` score, the layer's fixed fraction of predicted ones
     /// ([`Thresholds::selection`]). The choice is recorded in `plan`, with what `record` asks
     /// for. Attention scores read every `query_stride`-th query row
-    /// ([`lemo_kernels::block_scores::sampled_query_rows`]).
+    /// ([`lemo_kernels::block_scores::sampled_query_rows`]). With an `attention_segment`,
+    /// attention blocks that keep their best blocks keep as many in every segment of that many
+    /// tokens ([`lemo_sparsity::best_blocks::best_block_rows_by_segment`]).
     Select {
         thresholds: &'a Thresholds,
         predictors: Option<&'a Predictors>,
         plan: TokenPlan,
         record: Record,
         query_stride: usize,
+        attention_segment: Option<usize>,
     },
     /// The rows a previous pass chose.
     Replay(&'a TokenPlan),
@@ -254,6 +257,7 @@ impl<'a> TokenSparsity<'a> {
             plan: TokenPlan::default(),
             record,
             query_stride: 1,
+            attention_segment: None,
         }
     }
 
@@ -265,6 +269,7 @@ impl<'a> TokenSparsity<'a> {
             plan: TokenPlan::default(),
             record: Record::Nothing,
             query_stride: 1,
+            attention_segment: None,
         }
     }
 
@@ -273,6 +278,21 @@ impl<'a> TokenSparsity<'a> {
     pub fn with_query_stride(mut self, stride: usize) -> Self {
         if let TokenSparsity::Select { query_stride, .. } = &mut self {
             *query_stride = stride.max(1);
+        }
+        self
+    }
+
+    /// This selection for S2 attention in groups of `group` tokens: attention blocks that keep
+    /// their best blocks keep as many in every half group, so each group's kept rows, for either
+    /// half of the heads, are whole half groups' shares, lengths the fused attention takes (see
+    /// [`crate::kept_s2`]). Sequences that do not cut into whole half groups of whole blocks
+    /// select over the whole sequence.
+    pub fn with_s2_groups(mut self, group: Option<usize>) -> Self {
+        if let TokenSparsity::Select {
+            attention_segment, ..
+        } = &mut self
+        {
+            *attention_segment = group.map(|group| group / 2);
         }
         self
     }
@@ -349,6 +369,7 @@ impl<'a> TokenSparsity<'a> {
                 plan,
                 record,
                 query_stride,
+                attention_segment,
             } => {
                 *plan.layer_mut(layer).get_mut(block) = None;
                 if thresholds.layers[layer].block(block).is_none() && *record == Record::Nothing {
@@ -401,7 +422,19 @@ impl<'a> TokenSparsity<'a> {
                         BlockRows::from_host::<B>(kept, dropped, &device)
                     }
                     (_, host_scores) => {
-                        select_rows(selection, scores, host_scores, block_size, seq, dropped)
+                        let segment = attention_segment
+                            .filter(|_| block == Block::Attention)
+                            .filter(|&segment| {
+                                segment.is_multiple_of(block_size) && seq.is_multiple_of(segment)
+                            })
+                            .unwrap_or(seq);
+                        select_rows(
+                            selection,
+                            (scores, host_scores),
+                            block_size,
+                            (seq, segment),
+                            dropped,
+                        )
                     }
                 });
                 if let Some(values) = values.filter(|_| *record != Record::Nothing) {
@@ -463,21 +496,26 @@ fn split_rows(
 }
 
 /// The rows `selection` keeps by `scores: [batch, blocks]` of a sequence of `seq` tokens, with
-/// the dropped rows when `dropped`: on the device for a count known ahead, else from the scores
-/// on the host (`host_scores`, read by the caller).
+/// the dropped rows when `dropped`: on the device for a count known ahead (the best blocks of
+/// every `segment` of tokens), else from the scores on the host (`host_scores`, read by the
+/// caller).
 fn select_rows<B: Backend>(
     selection: Selection,
-    scores: Tensor<B, 2>,
-    host_scores: Option<&[f32]>,
+    (scores, host_scores): (Tensor<B, 2>, Option<&[f32]>),
     block_size: usize,
-    seq: usize,
+    (seq, segment): (usize, usize),
     dropped: bool,
 ) -> BlockRows {
     match selection {
         Selection::Best(fraction) => {
-            let count =
-                best_block_count(fraction, block_size, seq, FUSED_ATTENTION_LENGTH_MULTIPLE);
-            let (rows, dropped) = best_block_rows(scores, count, block_size, seq, dropped);
+            let count = best_block_count(
+                fraction,
+                block_size,
+                segment,
+                FUSED_ATTENTION_LENGTH_MULTIPLE,
+            );
+            let (rows, dropped) =
+                best_block_rows_by_segment(scores, count, block_size, (seq, segment), dropped);
             BlockRows::on_device(rows, dropped, seq)
         }
         Selection::Relative { threshold, floor } => {

@@ -70,6 +70,45 @@ pub fn best_block_rows<B: Backend>(
     (kept_rows, dropped_rows)
 }
 
+/// [`best_block_rows`] over each `segment` of a sequence apart: every segment of `segment`
+/// tokens (the whole sequence, or a whole number of segments of whole blocks) keeps its own best
+/// `count` blocks, its first and last among them, so the kept rows of every segment are
+/// `count * block_size`: S2 attention's groups and half groups are whole segments, and each run
+/// of kept rows in a group is a length the fused kernels take when the segment's share is one.
+/// `[batch, segments * count * block_size]` kept rows, and the dropped ones with `dropped`.
+pub fn best_block_rows_by_segment<B: Backend>(
+    scores: Tensor<B, 2>,
+    count: usize,
+    block_size: usize,
+    (seq, segment): (usize, usize),
+    dropped: bool,
+) -> (Tensor<B, 2, Int>, Option<Tensor<B, 2, Int>>) {
+    assert!(
+        segment == seq || (segment.is_multiple_of(block_size) && seq.is_multiple_of(segment)),
+        "segments of {segment} tokens cut {seq} tokens into whole blocks of {block_size}"
+    );
+    let [batch, _] = scores.dims();
+    let segments = seq / segment;
+    let (kept, rest) = best_block_rows(
+        scores.reshape([batch * segments, segment / block_size]),
+        count,
+        block_size,
+        segment,
+        dropped,
+    );
+    // Each segment's rows from its own start, back in one row per sequence.
+    let device = kept.device();
+    let in_sequence = |rows: Tensor<B, 2, Int>| {
+        let per_segment = rows.dims()[1];
+        let starts = Tensor::<B, 1, Int>::arange(0..segments as i64, &device)
+            .mul_scalar(segment as i64)
+            .reshape([1, segments, 1]);
+        (rows.reshape([batch, segments, per_segment]) + starts)
+            .reshape([batch, segments * per_segment])
+    };
+    (in_sequence(kept), rest.map(in_sequence))
+}
+
 /// Each block's place in its sequence's order of selection, `[batch, blocks]`: 0 and 1 for the
 /// first and the last block, then by score (descending), the lower index first among equals.
 /// One `[batch, blocks, blocks]` comparison: blocks are few (1,024 at 64K tokens).
@@ -203,5 +242,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Each segment selects on its own scores as a sequence of its own would, the rows placed at
+    /// the segment's start; the dropped rows are the rest.
+    #[test]
+    fn segments_select_their_own_best_blocks() {
+        let seed = seed();
+        let device = Default::default();
+        let (batch, block_size, segment, seq) = (2, 4, 16, 64);
+        let (blocks, per_segment) = (seq / block_size, segment / block_size);
+        let values = scores(seed, batch * blocks);
+        let tensor =
+            Tensor::<B, 2>::from_data(TensorData::new(values.clone(), [batch, blocks]), &device);
+        let count = best_block_count(0.5, block_size, segment, 8);
+        assert_eq!(count, 2);
+        let (rows, dropped) =
+            best_block_rows_by_segment(tensor, count, block_size, (seq, segment), true);
+        let read = |t: Tensor<B, 2, Int>| -> Vec<u32> {
+            let values: Vec<i64> = t.into_data().convert::<i64>().into_vec().unwrap();
+            values.into_iter().map(|v| v as u32).collect()
+        };
+        let mut kept = Vec::new();
+        let mut rest = Vec::new();
+        for sequence in values.chunks(blocks) {
+            for (index, segment_scores) in sequence.chunks(per_segment).enumerate() {
+                let host = KeptRows::from_block_scores(
+                    &[segment_scores],
+                    block_size,
+                    segment,
+                    f32::MAX,
+                    0.5,
+                );
+                let start = (index * segment) as u32;
+                kept.extend(host.rows.iter().map(|r| r + start));
+                rest.extend(host.complement().rows.iter().map(|r| r + start));
+            }
+        }
+        assert_eq!(read(rows), kept);
+        assert_eq!(read(dropped.expect("half the blocks are dropped")), rest);
     }
 }
