@@ -39,9 +39,8 @@ pub fn runs_in_groups(
 /// `k, v: [batch, kv_heads, kept, head_dim]` at their positions `kept` in groups of `group`,
 /// given its value on those rows from the pass over every row (`out`, and `lse`
 /// `[batch, q_heads, kept]`): that value, with the backward pass of S2 attention over every key
-/// restricted to the kept keys. `options` gives the scale, the group and each head's shift. Work: one causal call per run of kept
-/// rows in a group, per sequence and half of the heads; the key/value heads are repeated for
-/// their query heads first (the halves need not split the key/value heads evenly).
+/// restricted to the kept keys. `options` gives the scale, the group and each head's shift.
+/// Work: one causal call per run of kept rows in a group, per sequence and half of the heads.
 pub fn kept_rows_s2_attention<B: LemoBackend>(
     (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
     (out, lse): (Tensor<B, 4>, Tensor<B, 3>),
@@ -53,13 +52,6 @@ pub fn kept_rows_s2_attention<B: LemoBackend>(
         .expect("S2 attention of the kept rows needs S2 groups");
     let [batch, q_heads, rows, head_dim] = q.dims();
     let kv_heads = k.dims()[1];
-    let per_kv = q_heads / kv_heads;
-    let repeat = |t: Tensor<B, 4>| {
-        t.unsqueeze_dim::<5>(2)
-            .expand([batch, kv_heads, per_kv, rows, head_dim])
-            .reshape([batch, q_heads, rows, head_dim])
-    };
-    let (k, v) = (repeat(k), repeat(v));
     let causal = AttentionOptions {
         shifted_group: None,
         ..options
@@ -70,6 +62,20 @@ pub fn kept_rows_s2_attention<B: LemoBackend>(
         .unwrap_or(q_heads);
     let halves = [0..first_shifted, first_shifted..q_heads]
         .map(|heads| (options.group_shift(heads.start, q_heads), heads));
+    // Each half reads the key/value heads of its query heads: a slice of them where the halves
+    // split the groups of query heads evenly (every model with an even number of such groups),
+    // else key/value heads repeated for each query head (SmolLM2: 9 query heads on 3).
+    let per_kv = q_heads / kv_heads;
+    let (k, v, per_kv) = if first_shifted.is_multiple_of(per_kv) {
+        (k, v, per_kv)
+    } else {
+        let repeat = |t: Tensor<B, 4>| {
+            t.unsqueeze_dim::<5>(2)
+                .expand([batch, kv_heads, per_kv, rows, head_dim])
+                .reshape([batch, q_heads, rows, head_dim])
+        };
+        (repeat(k), repeat(v), 1)
+    };
     let sequences = (0..batch)
         .map(|sequence| {
             let positions = &kept.rows[sequence * rows..(sequence + 1) * rows];
@@ -77,10 +83,10 @@ pub fn kept_rows_s2_attention<B: LemoBackend>(
                 .iter()
                 .filter(|(_, heads)| !heads.is_empty())
                 .map(|(shift, heads)| {
-                    let take = |t: &Tensor<B, 4>, run: &Range<usize>| {
+                    let take = |t: &Tensor<B, 4>, heads_per_row: usize, run: &Range<usize>| {
                         t.clone()
                             .narrow(0, sequence, 1)
-                            .narrow(1, heads.start, heads.len())
+                            .narrow(1, heads.start / heads_per_row, heads.len() / heads_per_row)
                             .narrow(2, run.start, run.len())
                     };
                     let runs = runs_in_groups(positions, kept.seq, group, *shift)
@@ -92,10 +98,10 @@ pub fn kept_rows_s2_attention<B: LemoBackend>(
                                 .narrow(1, heads.start, heads.len())
                                 .narrow(2, run.start, run.len());
                             attention_with_value(
-                                take(&q, run),
-                                take(&k, run),
-                                take(&v, run),
-                                (take(&out, run), run_lse),
+                                take(&q, 1, run),
+                                take(&k, per_kv, run),
+                                take(&v, per_kv, run),
+                                (take(&out, 1, run), run_lse),
                                 causal,
                             )
                         })
@@ -160,12 +166,15 @@ mod tests {
     /// Against the definition: the kept rows' output is the whole sequence's S2 attention output
     /// there, whose dependence on the kept queries, keys and values is through the visible kept
     /// pairs' terms, the dropped keys' share of each row's sums held constant. On the CPU
-    /// reference and on the CubeCL kernels (wgpu), which take the runs the cuDNN engine cannot.
-    fn kept_rows_get_the_whole_sequences_value_and_the_restricted_gradient<I: LemoBackend>() {
+    /// reference and on the CubeCL kernels (wgpu), which take the runs the cuDNN engine cannot;
+    /// with halves that split the key/value heads evenly (4 on 2) and halves that share one.
+    fn kept_rows_get_the_whole_sequences_value_and_the_restricted_gradient<I: LemoBackend>(
+        (heads, kv_heads): (usize, usize),
+    ) {
         type B<I> = Autodiff<I>;
         let device = Default::default();
         seed_backend::<B<I>>(&device);
-        let (seq, group, heads, kv_heads, head_dim) = (24, 8, 4, 2, 8);
+        let (seq, group, head_dim) = (24, 8, 8);
         let positions: Vec<u32> = vec![0, 1, 2, 5, 6, 9, 12, 13, 14, 15, 20, 23];
         let n = positions.len();
         let projection = |heads| random::<B<I>, 4>([1, heads, seq, head_dim], &device);
@@ -250,11 +259,19 @@ mod tests {
 
     #[test]
     fn kept_rows_s2_on_the_cpu_reference() {
-        kept_rows_get_the_whole_sequences_value_and_the_restricted_gradient::<CpuBackend>();
+        for heads in [(4, 2), (4, 1)] {
+            kept_rows_get_the_whole_sequences_value_and_the_restricted_gradient::<CpuBackend>(
+                heads,
+            );
+        }
     }
 
     #[test]
     fn kept_rows_s2_on_the_cubecl_kernels() {
-        kept_rows_get_the_whole_sequences_value_and_the_restricted_gradient::<WgpuBackend>();
+        for heads in [(4, 2), (4, 1)] {
+            kept_rows_get_the_whole_sequences_value_and_the_restricted_gradient::<WgpuBackend>(
+                heads,
+            );
+        }
     }
 }
