@@ -90,7 +90,7 @@ pub fn best_block_rows_by_segment<B: Backend>(
     let [batch, _] = scores.dims();
     let segments = seq / segment;
     let (kept, rest) = best_block_rows(
-        scores.reshape([batch * segments, segment / block_size]),
+        scores.reshape([batch * segments, segment.div_ceil(block_size)]),
         count,
         block_size,
         segment,
@@ -224,7 +224,9 @@ mod tests {
                         TensorData::new(values.clone(), [batch, blocks]),
                         &device,
                     );
-                    let (rows, dropped) = best_block_rows(tensor, count, block_size, seq, true);
+                    // One segment, the whole sequence (its last block may be short).
+                    let (rows, dropped) =
+                        best_block_rows_by_segment(tensor, count, block_size, (seq, seq), true);
                     let read = |t: Tensor<B, 2, Int>| -> Vec<u32> {
                         let values: Vec<i64> = t.into_data().convert::<i64>().into_vec().unwrap();
                         values.into_iter().map(|v| v as u32).collect()
