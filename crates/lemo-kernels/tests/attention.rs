@@ -232,3 +232,78 @@ fn known_output_of_kept_rows_back_propagates_with_the_full_logsumexp() {
     assert_close("dk", k_leaf.grad(&grads).unwrap(), dk);
     assert_close("dv", v_leaf.grad(&grads).unwrap(), dv);
 }
+
+/// Attention made of independent pieces, with its output known, back-propagates as the
+/// reference attention of each piece on its slices, differentiated by autodiff; its value is
+/// the known output itself. Pieces of two sequences, of both halves of the query heads (each
+/// reading its own key/value head) and of runs of rows.
+#[test]
+fn attention_pieces_back_propagate_each_piece() {
+    type B = CpuBackend;
+    type A = Autodiff<B>;
+    let device = Default::default();
+    seed::<A>(&device);
+    let (heads, kv_heads, rows, dim) = (4, 2, 12, 8);
+    let options = AttentionOptions::causal(dim);
+    let piece = |sequence, heads, rows| attention::AttentionPiece {
+        sequence,
+        heads,
+        rows,
+    };
+    let pieces = vec![
+        piece(0, 0..2, 0..5),
+        piece(0, 0..2, 5..12),
+        piece(0, 2..4, 0..8),
+        piece(0, 2..4, 8..12),
+        piece(1, 0..4, 0..12),
+    ];
+    let leaf = |heads| random::<A, 4>([2, heads, rows, dim], &device).require_grad();
+    let (q, k, v) = (leaf(heads), leaf(kv_heads), leaf(kv_heads));
+    let upstream = random::<A, 4>([2, heads, rows, dim], &device);
+    let slices = |piece: &attention::AttentionPiece| {
+        let sequence = piece.sequence..piece.sequence + 1;
+        let kv = piece.heads.start / 2..piece.heads.end / 2;
+        (
+            [sequence.clone(), piece.heads.clone(), piece.rows.clone()],
+            [sequence, kv, piece.rows.clone()],
+        )
+    };
+    // The reference: each piece's attention on its slices, summed against the upstream slices.
+    let mut expected_loss = Tensor::<A, 1>::zeros([1], &device);
+    let mut out = q.zeros_like().inner();
+    let mut lse = out.clone().sum_dim(3).squeeze_dim::<3>(3);
+    for piece in &pieces {
+        let (query, key) = slices(piece);
+        let (q, k, v) = (
+            q.clone().slice(query.clone()),
+            k.clone().slice(key.clone()),
+            v.clone().slice(key),
+        );
+        let (piece_out, piece_lse) = attention::attention_with_lse(
+            q.clone().inner(),
+            k.clone().inner(),
+            v.clone().inner(),
+            options,
+        );
+        out = out.slice_assign(query.clone(), piece_out);
+        lse = lse.slice_assign(query.clone(), piece_lse);
+        let value = reference::attention(q, k, v, options);
+        expected_loss = expected_loss + (value * upstream.clone().slice(query)).sum();
+    }
+    let expected = expected_loss.backward();
+
+    let tested = attention::attention_pieces_with_value(
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        (Tensor::from_inner(out.clone()), Tensor::from_inner(lse)),
+        pieces,
+        options,
+    );
+    assert_close("value", tested.clone().inner(), out);
+    let grads = (tested * upstream).sum().backward();
+    for (name, x) in [("dq", &q), ("dk", &k), ("dv", &v)] {
+        let (actual, expected) = (x.grad(&grads), x.grad(&expected));
+        assert_close(name, actual.unwrap(), expected.unwrap());
+    }
+}

@@ -163,10 +163,9 @@ impl<B: Backend, P> SparseBlock<B, P> {
         }
     }
 
-    /// The kept positions on the host (S2 groups follow them): as selected there, or a
-    /// (counted) read of the device's.
-    pub fn kept_positions(&self) -> KeptRows {
-        self.kept.to_host::<B>()
+    /// The block's kept rows (S2 groups follow their positions).
+    pub fn kept_rows(&self) -> &BlockRows {
+        &self.kept
     }
 
     /// The block's pass over every row, which an attention block always has.

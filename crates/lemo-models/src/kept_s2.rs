@@ -13,20 +13,21 @@
 use std::ops::Range;
 
 use burn::tensor::Tensor;
-use lemo_kernels::attention::attention_with_value;
+use lemo_kernels::attention::{AttentionPiece, attention_pieces_with_value};
 use lemo_kernels::{AttentionOptions, LemoBackend};
-use lemo_sparsity::KeptRows;
 
-/// The runs of `positions` (increasing, all below `len`) that fall in one S2 group of `group`
-/// positions shifted by `shift` ([`AttentionOptions::shifted_groups`]): index ranges of
-/// consecutive rows, empty groups left out.
+use crate::token_plan::BlockRows;
+
+/// The runs of kept rows that fall in one S2 group of `group` positions shifted by `shift`
+/// ([`AttentionOptions::shifted_groups`]) in a sequence of `len` positions: index ranges of
+/// consecutive rows, empty groups left out. `rows_before(position)` counts the kept rows before
+/// a group boundary.
 pub fn runs_in_groups(
-    positions: &[u32],
+    rows_before: impl Fn(usize) -> usize,
     len: usize,
     group: usize,
     shift: usize,
 ) -> Vec<Range<usize>> {
-    let rows_before = |position: usize| positions.partition_point(|&p| (p as usize) < position);
     AttentionOptions::shifted_groups(len, group, shift)
         .map(|positions_in_group| {
             rows_before(positions_in_group.start)..rows_before(positions_in_group.end)
@@ -35,16 +36,45 @@ pub fn runs_in_groups(
         .collect()
 }
 
+/// For each sequence of `kept`, the kept rows before a position that starts or ends an S2
+/// group of `group`: counted where every segment keeps as many rows and group boundaries are
+/// segment boundaries (half-group selection, no read of the rows), else from the positions.
+fn kept_rows_before<B: LemoBackend>(
+    kept: &BlockRows,
+    group: usize,
+) -> impl Fn(usize, usize) -> usize + use<B> {
+    let counted = kept
+        .segment
+        .filter(|&segment| (group / 2).is_multiple_of(segment))
+        .map(|segment| (segment, kept.kept / (kept.seq / segment)));
+    let positions = counted.is_none().then(|| kept.to_host::<B>());
+    move |sequence, position| match (counted, &positions) {
+        (Some((segment, rows)), _) => {
+            debug_assert!(
+                position.is_multiple_of(segment),
+                "{position} ends no segment"
+            );
+            position / segment * rows
+        }
+        (None, Some(positions)) => {
+            let rows = &positions.rows[sequence * positions.kept..(sequence + 1) * positions.kept];
+            rows.partition_point(|&p| (p as usize) < position)
+        }
+        (None, None) => unreachable!("positions are read where the rows are not counted"),
+    }
+}
+
 /// S2 attention of the kept rows `q: [batch, q_heads, kept, head_dim]`,
-/// `k, v: [batch, kv_heads, kept, head_dim]` at their positions `kept` in groups of `group`,
+/// `k, v: [batch, kv_heads, kept, head_dim]` at their positions (`kept`) in groups of `group`,
 /// given its value on those rows from the pass over every row (`out`, and `lse`
 /// `[batch, q_heads, kept]`): that value, with the backward pass of S2 attention over every key
 /// restricted to the kept keys. `options` gives the scale, the group and each head's shift.
-/// Work: one causal call per run of kept rows in a group, per sequence and half of the heads.
+/// Work: one causal backward per run of kept rows in a group, per sequence and half of the
+/// heads ([`attention_pieces_with_value`]: the value is `out` itself, no copy).
 pub fn kept_rows_s2_attention<B: LemoBackend>(
     (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
     (out, lse): (Tensor<B, 4>, Tensor<B, 3>),
-    kept: &KeptRows,
+    kept: &BlockRows,
     options: AttentionOptions,
 ) -> Tensor<B, 4> {
     let group = options
@@ -66,53 +96,36 @@ pub fn kept_rows_s2_attention<B: LemoBackend>(
     // split the groups of query heads evenly (every model with an even number of such groups),
     // else key/value heads repeated for each query head (SmolLM2: 9 query heads on 3).
     let per_kv = q_heads / kv_heads;
-    let (k, v, per_kv) = if first_shifted.is_multiple_of(per_kv) {
-        (k, v, per_kv)
+    let (k, v) = if first_shifted.is_multiple_of(per_kv) {
+        (k, v)
     } else {
         let repeat = |t: Tensor<B, 4>| {
             t.unsqueeze_dim::<5>(2)
                 .expand([batch, kv_heads, per_kv, rows, head_dim])
                 .reshape([batch, q_heads, rows, head_dim])
         };
-        (repeat(k), repeat(v), 1)
+        (repeat(k), repeat(v))
     };
-    let sequences = (0..batch)
-        .map(|sequence| {
-            let positions = &kept.rows[sequence * rows..(sequence + 1) * rows];
-            let half_outputs = halves
+    let rows_before = kept_rows_before::<B>(kept, group);
+    let pieces = (0..batch)
+        .flat_map(|sequence| {
+            let rows_before = &rows_before;
+            halves
                 .iter()
                 .filter(|(_, heads)| !heads.is_empty())
-                .map(|(shift, heads)| {
-                    let take = |t: &Tensor<B, 4>, heads_per_row: usize, run: &Range<usize>| {
-                        t.clone()
-                            .narrow(0, sequence, 1)
-                            .narrow(1, heads.start / heads_per_row, heads.len() / heads_per_row)
-                            .narrow(2, run.start, run.len())
-                    };
-                    let runs = runs_in_groups(positions, kept.seq, group, *shift)
-                        .iter()
-                        .map(|run| {
-                            let run_lse = lse
-                                .clone()
-                                .narrow(0, sequence, 1)
-                                .narrow(1, heads.start, heads.len())
-                                .narrow(2, run.start, run.len());
-                            attention_with_value(
-                                take(&q, 1, run),
-                                take(&k, per_kv, run),
-                                take(&v, per_kv, run),
-                                (take(&out, 1, run), run_lse),
-                                causal,
-                            )
+                .flat_map(move |(shift, heads)| {
+                    let in_sequence = |position| rows_before(sequence, position);
+                    runs_in_groups(in_sequence, kept.seq, group, *shift)
+                        .into_iter()
+                        .map(move |rows| AttentionPiece {
+                            sequence,
+                            heads: heads.clone(),
+                            rows,
                         })
-                        .collect();
-                    Tensor::cat(runs, 2)
                 })
-                .collect();
-            Tensor::cat(half_outputs, 1)
         })
         .collect();
-    Tensor::cat(sequences, 0)
+    attention_pieces_with_value(q, k, v, (out, lse), pieces, causal)
 }
 
 #[cfg(test)]
@@ -122,23 +135,58 @@ mod tests {
     use burn::tensor::{Bool, ElementConversion, Int, TensorData};
     use lemo_kernels::attention::attention_with_lse;
     use lemo_kernels::{CpuBackend, WgpuBackend};
+    use lemo_sparsity::KeptRows;
     use lemo_test_support::{random, seed_backend};
 
     use super::*;
 
+    /// Kept rows `[1, n]` at `positions` of a sequence of `seq`, read from the host.
+    fn kept_at(positions: &[u32], seq: usize) -> BlockRows {
+        let kept = KeptRows {
+            rows: positions.to_vec(),
+            batch: 1,
+            kept: positions.len(),
+            seq,
+        };
+        BlockRows::from_host::<CpuBackend>(kept, false, &Default::default())
+    }
+
     #[test]
     fn runs_follow_the_groups_of_the_positions() {
         let positions = [0, 1, 5, 8, 9, 15, 16, 30];
-        assert_eq!(
-            runs_in_groups(&positions, 32, 8, 0),
-            [0..3, 3..6, 6..7, 7..8]
-        );
+        let rows_before = kept_rows_before::<CpuBackend>(&kept_at(&positions, 32), 8);
+        let runs = |shift| runs_in_groups(|position| rows_before(0, position), 32, 8, shift);
+        assert_eq!(runs(0), [0..3, 3..6, 6..7, 7..8]);
         // Shifted by 4: groups start at positions 4, 12, 20, 28.
+        assert_eq!(runs(4), [0..2, 2..5, 5..7, 7..8]);
+        let none_kept = kept_rows_before::<CpuBackend>(&kept_at(&[], 32), 8);
         assert_eq!(
-            runs_in_groups(&positions, 32, 8, 4),
-            [0..2, 2..5, 5..7, 7..8]
+            runs_in_groups(|position| none_kept(0, position), 32, 8, 0),
+            Vec::<Range<usize>>::new()
         );
-        assert_eq!(runs_in_groups(&[], 32, 8, 0), Vec::<Range<usize>>::new());
+    }
+
+    /// Rows kept as many in every half group are cut into the runs their positions give, from
+    /// the count alone.
+    #[test]
+    fn counted_runs_of_half_group_selection_are_the_positions_runs() {
+        // Groups of 16 over 64 positions, half groups of 8 keeping 3 rows each.
+        let positions: Vec<u32> = (0..8)
+            .flat_map(|half_group| [0, 4, 7].map(|offset| half_group * 8 + offset))
+            .collect();
+        let read = kept_at(&positions, 64);
+        let counted = read.clone().in_segments(8);
+        let (read, counted) = (
+            kept_rows_before::<CpuBackend>(&read, 16),
+            kept_rows_before::<CpuBackend>(&counted, 16),
+        );
+        for shift in [0, 8] {
+            assert_eq!(
+                runs_in_groups(|position| counted(0, position), 64, 16, shift),
+                runs_in_groups(|position| read(0, position), 64, 16, shift),
+                "shift {shift}"
+            );
+        }
     }
 
     /// `[heads, kept, kept]`: true where kept query `i` may not see kept key `j` under S2 at
@@ -204,6 +252,7 @@ mod tests {
             kept: n,
             seq,
         };
+        let kept = BlockRows::from_host::<B<I>>(kept, false, &device);
 
         let tested = kept_rows_s2_attention(
             (q.clone(), k.clone(), v.clone()),

@@ -115,7 +115,7 @@ impl<B: LemoBackend> LlamaAttention<B> {
                     (_, _, Some(_)) => kept_rows_s2_attention(
                         (q, k, v),
                         (out, lse),
-                        &sparse.kept_positions(),
+                        sparse.kept_rows(),
                         self.options(),
                     ),
                     _ => attention_with_value(q, k, v, (out, lse), self.options()),

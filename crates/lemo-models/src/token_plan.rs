@@ -16,7 +16,7 @@ use lemo_kernels::attention::FUSED_ATTENTION_LENGTH_MULTIPLE;
 use lemo_kernels::host_reads;
 use lemo_predictor::Predictors;
 use lemo_predictor::scorer::block_token_rows;
-use lemo_sparsity::best_blocks::{best_block_count, best_block_rows_by_segment};
+use lemo_sparsity::best_blocks::{best_block_count, best_block_rows_by_segment, segment_or_whole};
 use lemo_sparsity::calibration::Block;
 use lemo_sparsity::informativeness::BlockScoring;
 use lemo_sparsity::{KeptRows, PerBlock, Selection, Thresholds};
@@ -58,6 +58,9 @@ pub struct BlockRows {
     /// Under a sequence split, the kept rows of the whole sequence, of which these (positions
     /// among the rank's rows) are the rank's share.
     pub whole: Option<KeptRows>,
+    /// Where every segment of this many positions keeps as many rows (S2 half groups,
+    /// [`best_block_rows_by_segment`]): the rows of each segment follow from the count.
+    pub segment: Option<usize>,
     rows: DeviceRows,
     dropped: Option<DeviceRows>,
 }
@@ -87,6 +90,7 @@ impl BlockRows {
             seq,
             host: None,
             whole: None,
+            segment: None,
             rows: DeviceRows::new(rows),
             dropped: dropped.map(DeviceRows::new),
         }
@@ -103,6 +107,15 @@ impl BlockRows {
         Self {
             host: Some(kept.clone()),
             ..Self::on_device(upload(&kept), dropped, kept.seq)
+        }
+    }
+
+    /// These rows, known to keep as many in every `segment` of positions; a `segment` of the
+    /// whole sequence says nothing.
+    pub fn in_segments(self, segment: usize) -> Self {
+        Self {
+            segment: (segment < self.seq).then_some(segment),
+            ..self
         }
     }
 
@@ -424,10 +437,7 @@ impl<'a> TokenSparsity<'a> {
                     (_, host_scores) => {
                         let segment = attention_segment
                             .filter(|_| block == Block::Attention)
-                            .filter(|&segment| {
-                                segment.is_multiple_of(block_size) && seq.is_multiple_of(segment)
-                            })
-                            .unwrap_or(seq);
+                            .map_or(seq, |segment| segment_or_whole(seq, segment, block_size));
                         select_rows(
                             selection,
                             (scores, host_scores),
@@ -516,7 +526,7 @@ fn select_rows<B: Backend>(
             );
             let (rows, dropped) =
                 best_block_rows_by_segment(scores, count, block_size, (seq, segment), dropped);
-            BlockRows::on_device(rows, dropped, seq)
+            BlockRows::on_device(rows, dropped, seq).in_segments(segment)
         }
         Selection::Relative { threshold, floor } => {
             let values = host_scores.expect("relative thresholds read the scores");

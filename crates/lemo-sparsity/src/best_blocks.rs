@@ -70,6 +70,17 @@ pub fn best_block_rows<B: Backend>(
     (kept_rows, dropped_rows)
 }
 
+/// `segment` where segments of it cut a sequence of `seq` tokens into whole blocks of
+/// `block_size` (what [`best_block_rows_by_segment`] selects by), else `seq`: the whole
+/// sequence as one segment.
+pub fn segment_or_whole(seq: usize, segment: usize, block_size: usize) -> usize {
+    if segment.is_multiple_of(block_size) && seq.is_multiple_of(segment) {
+        segment
+    } else {
+        seq
+    }
+}
+
 /// [`best_block_rows`] over each `segment` of a sequence apart: every segment of `segment`
 /// tokens (the whole sequence, or a whole number of segments of whole blocks) keeps its own best
 /// `count` blocks, its first and last among them, so the kept rows of every segment are
@@ -83,8 +94,9 @@ pub fn best_block_rows_by_segment<B: Backend>(
     (seq, segment): (usize, usize),
     dropped: bool,
 ) -> (Tensor<B, 2, Int>, Option<Tensor<B, 2, Int>>) {
-    assert!(
-        segment == seq || (segment.is_multiple_of(block_size) && seq.is_multiple_of(segment)),
+    assert_eq!(
+        segment_or_whole(seq, segment, block_size),
+        segment,
         "segments of {segment} tokens cut {seq} tokens into whole blocks of {block_size}"
     );
     let [batch, _] = scores.dims();

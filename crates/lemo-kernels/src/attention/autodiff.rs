@@ -9,9 +9,11 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Tensor, TensorPrimitive};
 
 use super::AttentionOptions;
 use super::backend::AttentionBackend;
+use super::pieces::{AttentionPiece, pieces_backward};
 use crate::LemoBackend;
 
 #[derive(Debug)]
@@ -47,6 +49,49 @@ impl<B: LemoBackend> Backward<B, 3> for AttentionBackward {
     }
 }
 
+#[derive(Debug)]
+struct PiecesBackward;
+
+impl<B: LemoBackend> Backward<B, 3> for PiecesBackward {
+    /// `q, k, v, out, lse, pieces, options`.
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        Vec<AttentionPiece>,
+        AttentionOptions,
+    );
+
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        _checkpointer: &mut Checkpointer,
+    ) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let grad_out = grads.consume::<B>(&ops.node);
+        let (q, k, v, out, lse, pieces, options) = ops.state;
+        let wrap = |t| Tensor::<B, 4>::from_primitive(TensorPrimitive::Float(t));
+        let (grad_q, grad_k, grad_v) = pieces_backward(
+            wrap(q),
+            wrap(k),
+            wrap(v),
+            wrap(out),
+            Tensor::from_primitive(TensorPrimitive::Float(lse)),
+            wrap(grad_out),
+            &pieces,
+            options,
+        );
+        for (node, grad) in [(node_q, grad_q), (node_k, grad_k), (node_v, grad_v)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad.into_primitive().tensor());
+            }
+        }
+    }
+}
+
 impl<B: LemoBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> {
     fn lemo_attention(
         q: FloatTensor<Self>,
@@ -66,6 +111,36 @@ impl<B: LemoBackend, C: CheckpointStrategy> AttentionBackend for Autodiff<B, C> 
         options: AttentionOptions,
     ) -> FloatTensor<Self> {
         record_attention::<B, C>(q, k, v, options, Some((out.primitive, lse.primitive)))
+    }
+
+    fn lemo_attention_pieces_with_value(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        pieces: Vec<AttentionPiece>,
+        options: AttentionOptions,
+    ) -> FloatTensor<Self> {
+        match PiecesBackward
+            .prepare::<C>([q.node.clone(), k.node.clone(), v.node.clone()])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = (
+                    q.primitive,
+                    k.primitive,
+                    v.primitive,
+                    out.primitive.clone(),
+                    lse.primitive,
+                    pieces,
+                    options,
+                );
+                prep.finish(state, out.primitive)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out.primitive),
+        }
     }
 
     fn lemo_attention_forward(

@@ -50,6 +50,20 @@ pub trait AttentionBackend: ComputeBackend {
         out
     }
 
+    /// `out`, attention made of independent pieces computed earlier with its `lse`; see
+    /// [`attention::attention_pieces_with_value`].
+    fn lemo_attention_pieces_with_value(
+        _q: FloatTensor<Self>,
+        _k: FloatTensor<Self>,
+        _v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        _lse: FloatTensor<Self>,
+        _pieces: Vec<attention::AttentionPiece>,
+        _options: AttentionOptions,
+    ) -> FloatTensor<Self> {
+        out
+    }
+
     /// Gradients `(dq, dk, dv)` of attention from its inputs, output, `lse` and output gradient.
     #[allow(clippy::too_many_arguments)]
     fn lemo_attention_backward(

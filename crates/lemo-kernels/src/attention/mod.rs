@@ -6,12 +6,14 @@ pub mod backend;
 #[cfg(feature = "cuda")]
 pub(crate) mod cudnn;
 pub(crate) mod flash;
+mod pieces;
 pub mod reference;
 pub mod ring;
 
 #[cfg(feature = "cuda")]
 pub use cudnn::set_cudnn_dq_accumulator_limit;
 pub use flash::{FlashKernel, flash_kernel, set_flash_kernel, tensor_core_supported};
+pub use pieces::{AttentionPiece, attention_pieces_with_value};
 
 use burn::tensor::{Tensor, TensorPrimitive};
 
