@@ -269,8 +269,8 @@ fn bench_setup(job: &BenchJob) -> Result<BenchSetup> {
     let lora = LoraConfig {
         rank: job.lora_rank,
         alpha: 2.0 * job.lora_rank as f64,
-        train_embeddings: job.method == Method::Longlora,
-        train_norms: job.method == Method::Longlora,
+        train_embeddings: job.s2.train_embeddings(job.method),
+        train_norms: job.s2.train_norms(job.method),
         ..LoraConfig::default()
     };
     Ok(BenchSetup {

@@ -128,12 +128,6 @@ pub struct TrainConfig {
         default_value = "q_proj,k_proj,v_proj,o_proj"
     )]
     pub lora_targets: Vec<String>,
-    /// Train the token embeddings too [default: true for longlora].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub train_embeddings: Option<bool>,
-    /// Train the normalization weights too [default: true for longlora].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub train_norms: Option<bool>,
     #[command(flatten)]
     #[serde(flatten)]
     pub s2: S2Settings,
@@ -258,12 +252,11 @@ impl TrainConfig {
     }
 
     pub fn train_embeddings(&self) -> bool {
-        self.train_embeddings
-            .unwrap_or(self.method == Method::Longlora)
+        self.s2.train_embeddings(self.method)
     }
 
     pub fn train_norms(&self) -> bool {
-        self.train_norms.unwrap_or(self.method == Method::Longlora)
+        self.s2.train_norms(self.method)
     }
 
     /// Which tokens of chat records are trained on: the assistant's unless told otherwise.
