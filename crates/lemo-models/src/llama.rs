@@ -528,7 +528,7 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         scoring: Option<BlockScoring>,
     ) -> BlockPass<B, AttentionProducts<B>> {
         let layer = &self.layers[index];
-        let x = layer.input_layernorm.forward(h).detach();
+        let x = layer.input_layernorm.value(h);
         layer
             .self_attn
             .pass(x, &shared.rotation, scoring, shared.split.as_ref())
@@ -541,7 +541,7 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         scoring: Option<BlockScoring>,
     ) -> BlockPass<B, MlpProducts<B>> {
         let layer = &self.layers[index];
-        let x = layer.post_attention_layernorm.forward(a).detach();
+        let x = layer.post_attention_layernorm.value(a);
         layer.mlp.pass(x, scoring)
     }
 

@@ -58,6 +58,14 @@ impl<B: ComputeBackend> RmsNorm<B> {
         rms_norm(x, weight, self.eps as f32, self.saves())
     }
 
+    /// [`Self::forward`] outside any graph (a pass over every row): a trainable weight (LongLoRA)
+    /// records no node either, whose saved tensor (a `[seq, hidden]` per norm) would outlive
+    /// the detached output until the backward pass.
+    pub fn value<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        let weight = self.weight.val().detach().cast(x.dtype());
+        rms_norm(x.detach(), weight, self.eps as f32, self.saves())
+    }
+
     /// The norm of the rows `rows: [batch, kept]` of `x: [batch, seq, hidden]`, read from `x`
     /// by the norm itself (no compacted copy of `x`).
     pub fn forward_rows(&self, x: Tensor<B, 3>, rows: Tensor<B, 2, Int>) -> Tensor<B, 3> {

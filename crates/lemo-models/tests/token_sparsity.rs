@@ -35,14 +35,16 @@ fn gqa_model<B: LemoBackend>(device: &B::Device) -> CausalLm<B> {
 }
 
 /// With `shifted_group`, S2 attention (`longlora`) against token elimination with S2 at the kept
-/// rows' positions (`lemo --s2`), which are then every position.
+/// rows' positions (`lemo --s2`), which are then every position; both train the embeddings and
+/// norms too, as LongLoRA's recipe does.
 fn keep_all_equals_dense<B: burn::tensor::backend::AutodiffBackend + LemoBackend>(
     fixture: &str,
     targets: &[&str],
     shifted_group: Option<usize>,
     device: &B::Device,
 ) {
-    let mut model = trainable_model::<B>(fixture, targets, false, device);
+    let longlora = shifted_group.is_some();
+    let mut model = trainable_model::<B>(fixture, targets, longlora, device);
     model.set_shifted_group(shifted_group);
     let [vocab, _] = model.lm_head_weight().dims();
     let tokens = random_tokens::<B>(vocab, [2, 50], device);
@@ -80,8 +82,8 @@ fn keeping_every_token_gives_the_lora_loss_and_gradients_on_the_cpu() {
     );
 }
 
-/// `lemo --s2` keeping every row: `longlora`'s loss and gradients (groups of 16 over 50 tokens:
-/// both halves end with a short group).
+/// `lemo --s2` keeping every row: `longlora`'s loss and gradients, the embeddings' and norms'
+/// included (groups of 16 over 50 tokens: both halves end with a short group).
 #[test]
 fn keeping_every_token_with_s2_gives_the_longlora_loss_and_gradients() {
     keep_all_equals_dense::<Autodiff<CpuBackend>>(
