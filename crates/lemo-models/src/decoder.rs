@@ -52,6 +52,10 @@ pub trait Decoder<B: Backend> {
         split: Option<&SequenceSplit>,
     ) -> Self::Shared;
 
+    /// The S2 group size of layer `index`'s attention (LongLoRA's shifted sparse attention);
+    /// `None`: causal.
+    fn shifted_group(&self, index: usize) -> Option<usize>;
+
     /// The sequence split a pass with `shared` runs under, if any.
     fn sequence_split<'s>(&self, _shared: &'s Self::Shared) -> Option<&'s SequenceSplit> {
         None
@@ -260,9 +264,13 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
     let split = decoder.sequence_split(shared);
     let input = h.clone().detach();
     let sparse = sparsity
-        .block(index, Block::Attention, (&input, split), |scoring| {
-            decoder.attention_pass(index, input.clone(), shared, scoring)
-        })
+        .block(
+            index,
+            Block::Attention,
+            (&input, split),
+            decoder.shifted_group(index),
+            |scoring| decoder.attention_pass(index, input.clone(), shared, scoring),
+        )
         .map(|(kept, pass)| SparseBlock::new(&kept, Some(pass)));
     drop(input);
     let a = match sparse {
@@ -277,7 +285,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
         LayerRun::Graph => {
             let input = a.clone().detach();
             let sparse = sparsity
-                .block(index, Block::Mlp, (&input, split), |scoring| {
+                .block(index, Block::Mlp, (&input, split), None, |scoring| {
                     decoder.mlp_pass(index, input.clone(), scoring)
                 })
                 .map(|(kept, pass)| SparseBlock::new(&kept, Some(pass)));
@@ -289,7 +297,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
             let width = decoder.row_activations().mlp.unwrap_or(0);
             let slice_rows = slice_len::<B>(&a.device(), a.dtype(), [batch, seq], width);
             let input = a.clone().detach();
-            let pass = sparsity.block(index, Block::Mlp, (&input, split), |scoring| {
+            let pass = sparsity.block(index, Block::Mlp, (&input, split), None, |scoring| {
                 mlp_pass_by_slices(decoder, index, input.clone(), scoring, slice_rows)
             });
             drop(input);

@@ -470,6 +470,10 @@ impl<B: LemoBackend> Decoder<B> for Llama<B> {
         }
     }
 
+    fn shifted_group(&self, index: usize) -> Option<usize> {
+        self.layers[index].self_attn.shifted_group
+    }
+
     fn sequence_split<'s>(&self, shared: &'s LlamaShared<B>) -> Option<&'s SequenceSplit> {
         shared.split.as_ref()
     }

@@ -441,14 +441,6 @@ impl<B: LemoBackend> CausalLm<B> {
         }
     }
 
-    /// The S2 group size attention runs with (see [`Self::set_shifted_group`]).
-    pub fn shifted_group(&self) -> Option<usize> {
-        match self {
-            CausalLm::Llama(m) => m.layers.first()?.self_attn.shifted_group,
-            CausalLm::Opt(m) => m.layers.first()?.self_attn.shifted_group,
-        }
-    }
-
     /// Marks the token embedding and/or the normalization weights trainable (LongLoRA), as
     /// `config.train_embeddings` and `config.train_norms` say. Trainable weights are f32 whatever
     /// the model's precision, and are cast to the activations' dtype where they are used: the f32

@@ -370,6 +370,10 @@ impl<B: LemoBackend> Decoder<B> for Opt<B> {
     type AttentionProducts = AttentionProducts<B>;
     type MlpProducts = MlpProducts<B>;
 
+    fn shifted_group(&self, index: usize) -> Option<usize> {
+        self.layers[index].self_attn.shifted_group
+    }
+
     fn embed(&self, tokens: Tensor<B, 2, Int>, positions: Range<usize>) -> Tensor<B, 3> {
         let [batch, len] = tokens.dims();
         let device = tokens.device();

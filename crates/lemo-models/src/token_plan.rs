@@ -241,16 +241,13 @@ pub enum TokenSparsity<'a> {
     /// `predictors` score, the layer's fixed fraction of predicted ones
     /// ([`Thresholds::selection`]). The choice is recorded in `plan`, with what `record` asks
     /// for. Attention scores read every `query_stride`-th query row
-    /// ([`lemo_kernels::block_scores::sampled_query_rows`]). With an `attention_segment`,
-    /// attention blocks that keep their best blocks keep as many in every segment of that many
-    /// tokens ([`lemo_sparsity::best_blocks::best_block_rows_by_segment`]).
+    /// ([`lemo_kernels::block_scores::sampled_query_rows`]).
     Select {
         thresholds: &'a Thresholds,
         predictors: Option<&'a Predictors>,
         plan: TokenPlan,
         record: Record,
         query_stride: usize,
-        attention_segment: Option<usize>,
     },
     /// The rows a previous pass chose.
     Replay(&'a TokenPlan),
@@ -270,7 +267,6 @@ impl<'a> TokenSparsity<'a> {
             plan: TokenPlan::default(),
             record,
             query_stride: 1,
-            attention_segment: None,
         }
     }
 
@@ -282,7 +278,6 @@ impl<'a> TokenSparsity<'a> {
             plan: TokenPlan::default(),
             record: Record::Nothing,
             query_stride: 1,
-            attention_segment: None,
         }
     }
 
@@ -291,21 +286,6 @@ impl<'a> TokenSparsity<'a> {
     pub fn with_query_stride(mut self, stride: usize) -> Self {
         if let TokenSparsity::Select { query_stride, .. } = &mut self {
             *query_stride = stride.max(1);
-        }
-        self
-    }
-
-    /// This selection for S2 attention in groups of `group` tokens: attention blocks that keep
-    /// their best blocks keep as many in every half group, so each group's kept rows, for either
-    /// half of the heads, are whole half groups' shares, lengths the fused attention takes (see
-    /// [`crate::kept_s2`]). Sequences that do not cut into whole half groups of whole blocks
-    /// select over the whole sequence.
-    pub fn with_s2_groups(mut self, group: Option<usize>) -> Self {
-        if let TokenSparsity::Select {
-            attention_segment, ..
-        } = &mut self
-        {
-            *attention_segment = group.map(|group| group / 2);
         }
         self
     }
@@ -357,6 +337,12 @@ impl<'a> TokenSparsity<'a> {
     /// scores are recorded. A block that keeps its best blocks selects on the device; one
     /// with a threshold relative to its scores, or whose scores are recorded, reads them.
     ///
+    /// With attention in S2 groups of `s2_group` tokens, an attention block that keeps its best
+    /// blocks keeps as many in every half group, so each group's kept rows, for either half of
+    /// the heads, are whole half groups' shares, lengths the fused attention takes (see
+    /// [`crate::kept_s2`]); a sequence that does not cut into whole half groups of whole blocks
+    /// selects over the whole sequence.
+    ///
     /// Under a `split`, `input` holds the rank's rows and the pass scores their share (see
     /// [`SequenceSplit::whole_scores`]): every rank selects from the whole sequence's scores on
     /// the host, balances the ranks' shares, records the whole sequence's rows in the plan and
@@ -366,6 +352,7 @@ impl<'a> TokenSparsity<'a> {
         layer: usize,
         block: Block,
         (input, split): (&Tensor<B, 3>, Option<&SequenceSplit>),
+        s2_group: Option<usize>,
         pass: impl FnOnce(Option<BlockScoring>) -> BlockPass<B, P>,
     ) -> Option<(BlockRows, BlockPass<B, P>)> {
         let seq = split.map_or(input.dims()[1], SequenceSplit::seq);
@@ -382,7 +369,6 @@ impl<'a> TokenSparsity<'a> {
                 plan,
                 record,
                 query_stride,
-                attention_segment,
             } => {
                 *plan.layer_mut(layer).get_mut(block) = None;
                 if thresholds.layers[layer].block(block).is_none() && *record == Record::Nothing {
@@ -435,9 +421,9 @@ impl<'a> TokenSparsity<'a> {
                         BlockRows::from_host::<B>(kept, dropped, &device)
                     }
                     (_, host_scores) => {
-                        let segment = attention_segment
+                        let segment = s2_group
                             .filter(|_| block == Block::Attention)
-                            .map_or(seq, |segment| segment_or_whole(seq, segment, block_size));
+                            .map_or(seq, |group| segment_or_whole(seq, group / 2, block_size));
                         select_rows(
                             selection,
                             (scores, host_scores),

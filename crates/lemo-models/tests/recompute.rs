@@ -128,7 +128,9 @@ fn recomputed_lemo_gradients_replay_the_kept_rows() {
     assert_recomputation_matches(&model, 61, Some(&thresholds));
 }
 
-/// With S2 at the kept rows' positions (`lemo --s2`).
+/// With S2 at the kept rows' positions (`lemo --s2`): 61 tokens select over the whole sequence
+/// (they do not cut into half groups of 8); 64 tokens in groups of 32 select within half groups
+/// of four blocks of 4, whose runs the kept rows' attention counts without reading them.
 #[test]
 fn recomputed_lemo_s2_gradients_replay_the_kept_rows() {
     let mut model = trainable_model(
@@ -137,9 +139,11 @@ fn recomputed_lemo_s2_gradients_replay_the_kept_rows() {
         false,
         &Default::default(),
     );
-    model.set_shifted_group(Some(16));
-    let thresholds = crate::common::half_kept(&model, 8);
-    assert_recomputation_matches(&model, 61, Some(&thresholds));
+    for (group, block_size, len) in [(16, 8, 61), (32, 4, 64)] {
+        model.set_shifted_group(Some(group));
+        let thresholds = crate::common::half_kept(&model, block_size);
+        assert_recomputation_matches(&model, len, Some(&thresholds));
+    }
 }
 
 /// Whether layer `index`'s MLP block is frozen, so the recomputation keeps only its input.

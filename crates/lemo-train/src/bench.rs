@@ -459,7 +459,7 @@ fn measure<B: LemoBackend>(
         let t0 = Instant::now();
         let mut grads = NamedTensors::<B>::new();
         let batch = Batch::new(int_tokens::<AB<B>>(sequences, device), None);
-        let mut token_sparsity = lemo::token_sparsity(elimination, model.shifted_group());
+        let mut token_sparsity = lemo::token_sparsity(elimination);
         let (_, _, mem) = forward_backward(
             &model,
             batch,

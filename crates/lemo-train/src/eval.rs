@@ -194,8 +194,7 @@ impl BackendJob for EvalJob {
                 }
                 _ => None,
             };
-            let mut sparsity =
-                crate::lemo::token_sparsity(elimination.as_ref(), model.shifted_group());
+            let mut sparsity = crate::lemo::token_sparsity(elimination.as_ref());
             let (sum, count) =
                 model.next_token_loss_sum(input, labels, LOSS_CHUNK_ROWS, &mut sparsity);
             if let Some(plan) = sparsity.into_plan() {

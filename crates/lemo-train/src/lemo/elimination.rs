@@ -75,9 +75,8 @@ pub struct Elimination {
 }
 
 impl Elimination {
-    /// The token sparsity of one forward pass of a model whose attention runs S2 in groups of
-    /// `s2_group` tokens (`None`: causal).
-    pub fn token_sparsity(&self, s2_group: Option<usize>) -> TokenSparsity<'_> {
+    /// The token sparsity of one forward pass.
+    pub fn token_sparsity(&self) -> TokenSparsity<'_> {
         let sparsity = match &self.predictors {
             Some(predictors) => TokenSparsity::predicted(&self.thresholds, predictors),
             None => TokenSparsity::select(&self.thresholds),
@@ -85,19 +84,12 @@ impl Elimination {
         sparsity
             .with_query_stride(self.query_stride)
             .with_dropped_rows(self.mlp_dropped_rows.model())
-            .with_s2_groups(s2_group)
     }
 }
 
-/// The token sparsity of a pass of a run with (`Some`) or without token elimination, over a
-/// model whose attention runs S2 in groups of `s2_group` tokens (`None`: causal).
-pub fn token_sparsity(
-    elimination: Option<&Elimination>,
-    s2_group: Option<usize>,
-) -> TokenSparsity<'_> {
-    elimination.map_or(TokenSparsity::Dense, |elimination| {
-        elimination.token_sparsity(s2_group)
-    })
+/// The token sparsity of a pass of a run with (`Some`) or without token elimination.
+pub fn token_sparsity(elimination: Option<&Elimination>) -> TokenSparsity<'_> {
+    elimination.map_or(TokenSparsity::Dense, Elimination::token_sparsity)
 }
 
 /// The predictors `settings` ask for, checked against the model: `--predictors` unless

@@ -153,8 +153,7 @@ impl<B: LemoBackend> Replica<B> {
                     .map(|group| SequenceSplit::zigzag(seq, group.clone()))
                     .transpose()?,
             };
-            let mut token_sparsity =
-                lemo::token_sparsity(self.elimination.as_ref(), self.model.shifted_group());
+            let mut token_sparsity = lemo::token_sparsity(self.elimination.as_ref());
             let (loss, n, mem) = forward_backward(
                 &self.model,
                 batch,
