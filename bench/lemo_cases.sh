@@ -2,13 +2,17 @@
 # `bench --method lemo` under several flag sets on the Llama-2-7B shape, one process per case
 # watched by nvidia-smi (bench/device_peak.sh), then PEFT + Liger-Kernel with checkpointing on
 # the same lengths: the issue-41 table (lemo against lemo --s2, with and without LongLoRA's
-# trainable embeddings and norms) in one device call. Each case's bench JSON and the commands
-# go to $OUT (default: a temporary folder), a summary line per length to stdout.
+# trainable embeddings and norms) in one device call; other peers of PyTorch + PEFT by PEERS
+# (issue 43: QLoRA's bitsandbytes base). Each case's bench JSON and the commands go to $OUT
+# (default: a temporary folder), a summary line per length to stdout.
 #
 #   LEMO=target/release/lemo-train CASES="lemo|32768,65536|;lemo-s2|32768|--s2" bench/lemo_cases.sh
+#   CONFIG=llama-3-8b CASES="q4k|8192|--quantize-base q4_k" PEERS="bnb-ck|8192|--load-in-4bit --checkpointing" \
+#     bench/lemo_cases.sh
 #
-# env: LEMO, CONFIG (llama-2-7b), LENS (32768,65536: the default cases' and Liger's lengths),
-#      CASES ("name|lengths|extra bench flags;..."), LIGER (1; 0 skips it), OUT.
+# env: LEMO, CONFIG (llama-2-7b), LENS (32768,65536: the default cases' and peers' lengths),
+#      CASES ("name|lengths|extra bench flags;..."), PEERS (the same for bench/reference/peft_bench.py,
+#      default "liger-ck|$LENS|--liger --checkpointing"; empty: none), OUT.
 set -u
 cd "$(dirname "$0")/.."
 source bench/device_peak.sh
@@ -25,12 +29,15 @@ for case in "${cases[@]}"; do
   echo "+ $*" | tee -a "$OUT/commands.txt"
   device_peak "$OUT/$name.peak" timeout 300 "$@" 2>&1 | grep -E "^plan:|^bench:|^error" | tail -8
 done
-if [ "${LIGER:-1}" != 0 ]; then
+IFS=';' read -r -a peers <<<"${PEERS-liger-ck|$LENS|--liger --checkpointing}"
+for peer in "${peers[@]}"; do
+  IFS='|' read -r name lens flags <<<"$peer"
+  # shellcheck disable=SC2086
   set -- python3 bench/reference/peft_bench.py --model "bench/configs/$CONFIG.json" --method lora \
-    --liger --checkpointing --seq-lens "$LENS" --steps 2 --warmup 1 --out "$OUT/liger-ck.json"
+    $flags --seq-lens "$lens" --steps 2 --warmup 1 --out "$OUT/$name.json"
   echo "+ $*" | tee -a "$OUT/commands.txt"
-  device_peak "$OUT/liger-ck.peak" timeout 300 "$@" 2>&1 | tail -2
-fi
+  device_peak "$OUT/$name.peak" timeout 300 "$@" 2>&1 | tail -2
+done
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]

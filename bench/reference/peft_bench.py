@@ -9,7 +9,10 @@ Setup, matched to what DESIGN.md's measurements used: LoRA r=8, alpha=16, dropou
 q_proj/k_proj/v_proj/o_proj; bf16 weights; SDPA attention; batch 1; random token ids; AdamW
 (PyTorch defaults, lr 1e-4); optional gradient checkpointing (--checkpointing); optional
 Liger-Kernel (--liger: its fused RMSNorm, RoPE, SwiGLU and linear + cross-entropy, patched into the
-model classes before the model is built, as axolotl's and LLaMA-Factory's switches do).
+model classes before the model is built, as axolotl's and LLaMA-Factory's switches do); optional
+QLoRA base (--load-in-4bit: every decoder projection a bitsandbytes Linear4bit, NF4 with double
+quantization and bf16 compute, as `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+bnb_4bit_use_double_quant=True)` loads a checkpoint; embeddings and lm_head stay bf16).
 
     python bench/reference/peft_bench.py --model bench/configs/llama-2-7b.json --seq-lens 4096,8192
 """
@@ -37,6 +40,8 @@ def main():
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--liger", action="store_true",
                    help="Liger-Kernel's fused RMSNorm, RoPE, SwiGLU and fused linear cross-entropy")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="bitsandbytes NF4 (double quantization, bf16 compute) for the decoder's projections: QLoRA")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", help="write all results as a JSON array here")
     args = p.parse_args()
@@ -66,8 +71,15 @@ def main():
 
     torch.manual_seed(0)
     t0 = time.time()
-    with torch.device(device):
+    if args.load_in_4bit:
+        # Built on the host, then each projection quantized as it moves to the device.
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn)
+        quantize_projections(model, dtype)
+        model.to(device)
+        model.is_loaded_in_4bit = True  # PEFT then wraps them in its bitsandbytes LoRA layers
+    else:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn)
     model.config.use_cache = False
     targets = ["q_proj", "k_proj", "v_proj", "o_proj"] if config.model_type != "opt" else ["q_proj", "k_proj", "v_proj", "out_proj"]
     modules_to_save = ["embed_tokens", "input_layernorm", "post_attention_layernorm", "norm"] if args.method == "longlora" else None
@@ -86,7 +98,8 @@ def main():
     ran_out = False
     for seq_len in [int(s) for s in args.seq_lens.split(",") if s]:
         result = {"model": name, "method": args.method, "seq_len": seq_len, "checkpointing": args.checkpointing,
-                  "backend": f"torch {torch.__version__} {args.dtype} {args.attn}" + (" liger" if args.liger else ""), "oom": False, "error": None,
+                  "backend": f"torch {torch.__version__} {args.dtype} {args.attn}" + (" liger" if args.liger else "")
+                  + (" bnb-nf4" if args.load_in_4bit else ""), "oom": False, "error": None,
                   "steps": args.steps, "trainable_params": trainable}
         if ran_out:
             result.update(oom=True, error="skipped: a shorter sequence already ran out of memory")
@@ -131,6 +144,23 @@ def main():
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
+
+
+def quantize_projections(model, dtype):
+    """Replaces every nn.Linear of the decoder layers with a bitsandbytes NF4 Linear4bit holding the
+    same weights (quantized when moved to the GPU), as transformers' bitsandbytes loader does."""
+    import bitsandbytes as bnb
+    for layer in model.model.layers:
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is torch.nn.Linear:
+                    quantized = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
+                                                  compute_dtype=dtype, compress_statistics=True, quant_type="nf4")
+                    quantized.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False,
+                                                         compress_statistics=True, quant_type="nf4")
+                    if child.bias is not None:
+                        quantized.bias = child.bias
+                    setattr(parent, name, quantized)
 
 
 if __name__ == "__main__":
