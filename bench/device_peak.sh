@@ -3,12 +3,14 @@
 # writes the peak above the level before CMD started (MiB) to OUT. Returns CMD's status.
 device_peak() {
   local out=$1; shift
-  local idle
+  local idle log
   idle=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
-  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 20 > "$out.log" 2>/dev/null &
+  log=$(mktemp)
+  nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 20 > "$log" 2>/dev/null &
   local poller=$!
   "$@"; local status=$?
   kill "$poller"; wait "$poller" 2>/dev/null
-  echo $(( $(sort -n "$out.log" | tail -1) - idle )) > "$out"
+  echo $(( $(sort -n "$log" | tail -1) - idle )) > "$out"
+  rm -f "$log"
   return $status
 }

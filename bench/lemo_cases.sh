@@ -20,6 +20,7 @@ LEMO=${LEMO:-target/release/lemo-train}
 CONFIG=${CONFIG:-llama-2-7b}
 LENS=${LENS:-32768,65536}
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 IFS=';' read -r -a cases <<<"${CASES:-lemo|$LENS|;lemo-s2|$LENS|--s2}"
 for case in "${cases[@]}"; do
   IFS='|' read -r name lens flags <<<"$case"

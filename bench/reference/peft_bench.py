@@ -72,11 +72,7 @@ def main():
     torch.manual_seed(0)
     t0 = time.time()
     if args.load_in_4bit:
-        # Built on the host, then each projection quantized as it moves to the device.
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn)
-        quantize_projections(model, dtype)
-        model.to(device)
-        model.is_loaded_in_4bit = True  # PEFT then wraps them in its bitsandbytes LoRA layers
+        model = build_quantized(AutoModelForCausalLM, config, dtype, args.attn, device)
     else:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=args.attn)
@@ -146,21 +142,41 @@ def main():
             json.dump(results, f, indent=2)
 
 
-def quantize_projections(model, dtype):
-    """Replaces every nn.Linear of the decoder layers with a bitsandbytes NF4 Linear4bit holding the
-    same weights (quantized when moved to the GPU), as transformers' bitsandbytes loader does."""
+def build_quantized(auto_model, config, dtype, attn, device):
+    """The model with every decoder projection a bitsandbytes NF4 Linear4bit (double quantization,
+    bf16 compute), as transformers' bitsandbytes loader makes it. Built on the device one decoder
+    layer at a time, each layer's projections quantized before the next is made, so the device
+    never holds more than one layer in bf16 (a random 8B model made on the host takes minutes)."""
+    import copy
+    import importlib
+
     import bitsandbytes as bnb
-    for layer in model.model.layers:
+
+    layers = config.num_hidden_layers
+    shell = copy.deepcopy(config)
+    shell.num_hidden_layers = 0
+    with torch.device(device):
+        model = auto_model.from_config(shell, dtype=dtype, attn_implementation=attn)
+    layer_class = getattr(importlib.import_module(type(model).__module__), next(iter(model._no_split_modules)))
+    model_config = model.config
+    model_config.num_hidden_layers = layers
+    for index in range(layers):
+        with torch.device(device):
+            layer = layer_class(model_config, index).to(dtype)
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear:
                     quantized = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=child.bias is not None,
-                                                  compute_dtype=dtype, compress_statistics=True, quant_type="nf4")
+                                                  compute_dtype=dtype, compress_statistics=True, quant_type="nf4",
+                                                  device="meta")
                     quantized.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False,
-                                                         compress_statistics=True, quant_type="nf4")
+                                                         compress_statistics=True, quant_type="nf4").to(device)
                     if child.bias is not None:
                         quantized.bias = child.bias
                     setattr(parent, name, quantized)
+        model.model.layers.append(layer)
+    model.is_loaded_in_4bit = True  # PEFT then wraps the projections in its bitsandbytes LoRA layers
+    return model
 
 
 if __name__ == "__main__":

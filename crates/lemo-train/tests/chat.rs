@@ -43,6 +43,8 @@ fn records() -> Vec<Value> {
         ]}));
         records.push(json!({"prompt": format!("Name color {i}."), "completion": "Blue, I think."}));
     }
+    // One more, so that the packed sequences split evenly over two ranks.
+    records.push(json!({"prompt": "Name color 8.", "completion": "Blue, I think."}));
     records
 }
 
@@ -68,11 +70,18 @@ fn rendered_records(model: &Path, loss_on: LossOn) -> Vec<(Vec<u32>, Vec<bool>)>
 }
 
 /// The packed sequences as the README describes them, with their prediction targets: records
-/// rendered and concatenated, cut every `SEQ_LEN` tokens; targets are assistant tokens (or all
-/// tokens), never a record's first; sequences without a target are left out.
+/// rendered and concatenated, cut every `SEQ_LEN` tokens, a record that fits in one sequence
+/// moved to the next rather than split (the rest padded); targets are assistant tokens (or all
+/// tokens), never a record's first nor padding; sequences without a target are left out.
 fn expected_sequences(model: &Path, loss_on: LossOn) -> Vec<(Vec<u32>, Vec<bool>)> {
     let (mut stream, mut targets) = (Vec::new(), Vec::new());
     for (tokens, trained) in rendered_records(model, loss_on) {
+        let used = stream.len() % SEQ_LEN;
+        if used > 0 && used + tokens.len() > SEQ_LEN && tokens.len() <= SEQ_LEN {
+            // What the padding is does not matter: it ends its sequence and is never a target.
+            stream.resize(stream.len() + SEQ_LEN - used, 0);
+            targets.resize(stream.len(), false);
+        }
         let first = targets.len();
         stream.extend(tokens);
         targets.extend(trained);

@@ -79,6 +79,8 @@ pub struct Corpus {
     pub tokens: usize,
     /// Sequences left out because no token of theirs is a prediction target (all prompt).
     pub unscored: usize,
+    /// Padding tokens that keep chat records whole (see [`pack`]).
+    pub padding: usize,
     seed: u64,
     /// The order of the epoch served last (ranks on threads of one process share it).
     epoch: Mutex<Option<(usize, EpochOrder)>>,
@@ -256,12 +258,31 @@ fn read_documents_cached(
 /// under [`LossOn::Assistant`] a chat record's assistant tokens (a plain document's every
 /// token), and in all cases not a document's first token (it is not predicted from the
 /// document before it).
-pub fn pack(documents: &[Document], options: &PackOptions) -> Vec<Sequence> {
+///
+/// A chat record that fits in one sequence is never split over two: its answers would be
+/// trained without the context they are about (a question on a long document whose key
+/// sentence fell into the sequence before). Where it would straddle a boundary, the rest of the
+/// sequence is padding (EOS, else BOS, else token 0; never a target) and the record starts the
+/// next one. Returns the sequences and the padding tokens.
+pub fn pack(documents: &[Document], options: &PackOptions) -> (Vec<Sequence>, usize) {
     let labeled = documents.iter().any(|d| d.assistant.is_some());
     let capacity = documents.iter().map(|d| d.tokens.len() + 2).sum();
     let mut stream = Vec::with_capacity(capacity);
     let mut scored = Vec::with_capacity(if labeled { capacity } else { 0 });
+    let len = options.seq_len;
+    let pad = options.eos.or(options.bos).unwrap_or(0);
+    let mut padding = 0;
     for doc in documents {
+        let used = stream.len() % len;
+        if doc.assistant.is_some()
+            && used > 0
+            && used + doc.tokens.len() > len
+            && doc.tokens.len() <= len
+        {
+            padding += len - used;
+            stream.resize(stream.len() + len - used, pad);
+            scored.resize(stream.len(), false);
+        }
         let start = stream.len();
         match &doc.assistant {
             Some(assistant) => {
@@ -288,20 +309,20 @@ pub fn pack(documents: &[Document], options: &PackOptions) -> Vec<Sequence> {
             scored[start] = false;
         }
     }
-    let len = options.seq_len;
-    stream
+    let sequences = stream
         .chunks_exact(len)
         .enumerate()
         .map(|(i, tokens)| Sequence {
             tokens: tokens.to_vec(),
             scored: labeled.then(|| scored[i * len..(i + 1) * len].to_vec()),
         })
-        .collect()
+        .collect();
+    (sequences, padding)
 }
 
 impl Corpus {
     pub fn new(documents: &[Document], options: &PackOptions) -> Result<Self> {
-        let mut sequences = pack(documents, options);
+        let (mut sequences, padding) = pack(documents, options);
         let total: usize = documents.iter().map(|d| d.tokens.len()).sum();
         if sequences.is_empty() {
             bail!(
@@ -349,6 +370,7 @@ impl Corpus {
             val: InMemDataset::new(val),
             documents: documents.len(),
             unscored,
+            padding,
             seed: options.seed,
             epoch: Mutex::new(None),
         })
@@ -423,7 +445,8 @@ mod tests {
     fn packing_frames_splits_and_concatenates() {
         let docs = plain(&[&[1, 10, 11], &[20, 21, 22, 23, 24, 25], &[30]]);
         // stream: 1 10 11 2 | 1 20 21 22 23 24 25 2 | 1 30 2
-        let packed = pack(&docs, &options(4));
+        let (packed, padding) = pack(&docs, &options(4));
+        assert_eq!(padding, 0);
         let tokens: Vec<Vec<u32>> = packed.iter().map(|s| s.tokens.clone()).collect();
         assert_eq!(
             tokens,
@@ -444,25 +467,55 @@ mod tests {
             chat(&[60, 61, 62], &[0, 1, 1]),
             Document::plain(vec![70, 71]),
         ];
-        // stream: 50 51 52 53 60 61 | 62 1 70 71 2 (tail of 5 dropped)
-        let packed = pack(&docs, &options(6));
-        assert_eq!(packed.len(), 1);
-        assert_eq!(packed[0].tokens, [50, 51, 52, 53, 60, 61]);
-        assert_eq!(labels(&packed[0]), [I, I, 52, 53, I, 61]);
-        assert_eq!(packed[0].predictions(), 3);
+        // The second record would straddle the boundary, so it starts the next sequence:
+        // stream: 50 51 52 53 2 2 | 60 61 62 1 70 71 | 2 (the tail dropped)
+        let (packed, padding) = pack(&docs, &options(6));
+        assert_eq!(padding, 2);
+        assert_eq!(packed.len(), 2);
+        assert_eq!(packed[0].tokens, [50, 51, 52, 53, 2, 2]);
+        assert_eq!(
+            labels(&packed[0]),
+            [I, I, 52, 53, I, I],
+            "padding is never a target"
+        );
+        assert_eq!(packed[1].tokens, [60, 61, 62, 1, 70, 71]);
+        assert_eq!(labels(&packed[1]), [I, 61, 62, I, 70, 71]);
+        assert_eq!(packed[1].predictions(), 4);
 
-        let all = pack(
+        let (all, _) = pack(
             &docs,
             &PackOptions {
                 loss_on: LossOn::All,
                 ..options(5)
             },
         );
-        // stream: 50 51 52 53 60 | 61 62 1 70 71 | 2: the first token of every document is
+        // stream: 50 51 52 53 2 | 60 61 62 1 70 | 71 2: the first token of every document is
         // masked (BOS 1 of the plain one), the prompt's other tokens are targets.
         assert_eq!(labels(&all[0]), [I, 51, 52, 53, I]);
-        assert_eq!(labels(&all[1]), [61, 62, I, 70, 71]);
+        assert_eq!(labels(&all[1]), [I, 61, 62, I, 70]);
         assert_eq!(all[1].predictions(), 3, "position 0 is never predicted");
+    }
+
+    #[test]
+    fn chat_records_longer_than_a_sequence_are_split_and_plain_text_is_not_padded() {
+        // A record of 7 tokens cannot fit in 4: it is cut as plain text is, with no padding.
+        let docs = vec![
+            Document::plain(vec![70, 71]),
+            chat(&[50, 51, 52, 53, 54, 55, 56], &[0, 0, 0, 0, 1, 1, 1]),
+            Document::plain(vec![80]),
+        ];
+        // stream: 1 70 71 2 | 50 51 52 53 | 54 55 56 1 | 80 2
+        let (packed, padding) = pack(&docs, &options(4));
+        assert_eq!(padding, 0);
+        let tokens: Vec<Vec<u32>> = packed.iter().map(|s| s.tokens.clone()).collect();
+        assert_eq!(
+            tokens,
+            vec![
+                vec![1, 70, 71, 2],
+                vec![50, 51, 52, 53],
+                vec![54, 55, 56, 1]
+            ]
+        );
     }
 
     #[test]

@@ -269,17 +269,23 @@ fn read_corpus(
         loss_on: config.loss_on(),
     };
     let corpus = Corpus::new(&documents, &pack)?;
-    let chat_note = match chats {
-        0 => String::new(),
-        n => format!(
-            "; {n} chat records, loss on {} tokens{}",
-            config.loss_on().name(),
-            match corpus.unscored {
-                0 => String::new(),
-                u => format!(", {u} sequences without one left out"),
-            }
-        ),
-    };
+    let mut chat_note = String::new();
+    if chats > 0 {
+        chat_note = format!(
+            "; {chats} chat records, loss on {} tokens",
+            config.loss_on().name()
+        );
+        if corpus.unscored > 0 {
+            chat_note += &format!(", {} sequences without one left out", corpus.unscored);
+        }
+        if corpus.padding > 0 {
+            chat_note += &format!(
+                ", {} padding tokens ({:.1}%) so that no record is split",
+                corpus.padding,
+                100.0 * corpus.padding as f64 / corpus.tokens.max(1) as f64
+            );
+        }
+    }
     eprintln!(
         "data: {} documents, {} sequences of {seq_len} tokens ({} tokens; {} training, {} validation){chat_note} in {:.1}s",
         corpus.documents,
