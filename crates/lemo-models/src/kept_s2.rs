@@ -15,6 +15,7 @@ use std::ops::Range;
 use burn::tensor::Tensor;
 use lemo_kernels::attention::{AttentionPiece, attention_pieces_with_value};
 use lemo_kernels::{AttentionOptions, LemoBackend};
+use lemo_sparsity::KeptRows;
 
 use crate::token_plan::BlockRows;
 
@@ -39,28 +40,43 @@ pub fn runs_in_groups(
 /// For each sequence of `kept`, the kept rows before a position that starts or ends an S2
 /// group of `group`: counted where every segment keeps as many rows and group boundaries are
 /// segment boundaries (half-group selection, no read of the rows), else from the positions.
-fn kept_rows_before<B: LemoBackend>(
-    kept: &BlockRows,
-    group: usize,
-) -> impl Fn(usize, usize) -> usize + use<B> {
-    let counted = kept
-        .segment
-        .filter(|&segment| (group / 2).is_multiple_of(segment))
-        .map(|segment| (segment, kept.kept / (kept.seq / segment)));
-    let positions = counted.is_none().then(|| kept.to_host::<B>());
-    move |sequence, position| match (counted, &positions) {
-        (Some((segment, rows)), _) => {
-            debug_assert!(
-                position.is_multiple_of(segment),
-                "{position} ends no segment"
-            );
-            position / segment * rows
+enum KeptRowsBefore {
+    /// Every segment of `segment` positions keeps `rows` rows.
+    Counted { segment: usize, rows: usize },
+    /// The kept positions, read from the device.
+    Read(KeptRows),
+}
+
+impl KeptRowsBefore {
+    fn new<B: LemoBackend>(kept: &BlockRows, group: usize) -> Self {
+        match kept
+            .segment
+            .filter(|&segment| (group / 2).is_multiple_of(segment))
+        {
+            Some(segment) => Self::Counted {
+                segment,
+                rows: kept.kept / (kept.seq / segment),
+            },
+            None => Self::Read(kept.to_host::<B>()),
         }
-        (None, Some(positions)) => {
-            let rows = &positions.rows[sequence * positions.kept..(sequence + 1) * positions.kept];
-            rows.partition_point(|&p| (p as usize) < position)
+    }
+
+    /// The kept rows of sequence `sequence` at positions before `position`.
+    fn count(&self, sequence: usize, position: usize) -> usize {
+        match self {
+            Self::Counted { segment, rows } => {
+                debug_assert!(
+                    position.is_multiple_of(*segment),
+                    "{position} ends no segment"
+                );
+                position / segment * rows
+            }
+            Self::Read(positions) => {
+                let rows =
+                    &positions.rows[sequence * positions.kept..(sequence + 1) * positions.kept];
+                rows.partition_point(|&p| (p as usize) < position)
+            }
         }
-        (None, None) => unreachable!("positions are read where the rows are not counted"),
     }
 }
 
@@ -106,7 +122,7 @@ pub fn kept_rows_s2_attention<B: LemoBackend>(
         };
         (repeat(k), repeat(v))
     };
-    let rows_before = kept_rows_before::<B>(kept, group);
+    let rows_before = KeptRowsBefore::new::<B>(kept, group);
     let pieces = (0..batch)
         .flat_map(|sequence| {
             let rows_before = &rows_before;
@@ -114,7 +130,7 @@ pub fn kept_rows_s2_attention<B: LemoBackend>(
                 .iter()
                 .filter(|(_, heads)| !heads.is_empty())
                 .flat_map(move |(shift, heads)| {
-                    let in_sequence = |position| rows_before(sequence, position);
+                    let in_sequence = |position| rows_before.count(sequence, position);
                     runs_in_groups(in_sequence, kept.seq, group, *shift)
                         .into_iter()
                         .map(move |rows| AttentionPiece {
@@ -154,14 +170,14 @@ mod tests {
     #[test]
     fn runs_follow_the_groups_of_the_positions() {
         let positions = [0, 1, 5, 8, 9, 15, 16, 30];
-        let rows_before = kept_rows_before::<CpuBackend>(&kept_at(&positions, 32), 8);
-        let runs = |shift| runs_in_groups(|position| rows_before(0, position), 32, 8, shift);
+        let rows_before = KeptRowsBefore::new::<CpuBackend>(&kept_at(&positions, 32), 8);
+        let runs = |shift| runs_in_groups(|position| rows_before.count(0, position), 32, 8, shift);
         assert_eq!(runs(0), [0..3, 3..6, 6..7, 7..8]);
         // Shifted by 4: groups start at positions 4, 12, 20, 28.
         assert_eq!(runs(4), [0..2, 2..5, 5..7, 7..8]);
-        let none_kept = kept_rows_before::<CpuBackend>(&kept_at(&[], 32), 8);
+        let none_kept = KeptRowsBefore::new::<CpuBackend>(&kept_at(&[], 32), 8);
         assert_eq!(
-            runs_in_groups(|position| none_kept(0, position), 32, 8, 0),
+            runs_in_groups(|position| none_kept.count(0, position), 32, 8, 0),
             Vec::<Range<usize>>::new()
         );
     }
@@ -177,13 +193,20 @@ mod tests {
         let read = kept_at(&positions, 64);
         let counted = read.clone().in_segments(8);
         let (read, counted) = (
-            kept_rows_before::<CpuBackend>(&read, 16),
-            kept_rows_before::<CpuBackend>(&counted, 16),
+            KeptRowsBefore::new::<CpuBackend>(&read, 16),
+            KeptRowsBefore::new::<CpuBackend>(&counted, 16),
         );
+        assert!(matches!(
+            counted,
+            KeptRowsBefore::Counted {
+                segment: 8,
+                rows: 3
+            }
+        ));
         for shift in [0, 8] {
             assert_eq!(
-                runs_in_groups(|position| counted(0, position), 64, 16, shift),
-                runs_in_groups(|position| read(0, position), 64, 16, shift),
+                runs_in_groups(|position| counted.count(0, position), 64, 16, shift),
+                runs_in_groups(|position| read.count(0, position), 64, 16, shift),
                 "shift {shift}"
             );
         }
