@@ -2,10 +2,13 @@
 //! Computed outside autodiff on the tensors of every token; cost O(S^2 h) for attention (the
 //! causal half of `Q K^T`, no softmax, no `V`) and O(S f) for the MLP.
 
+use std::collections::BTreeSet;
+use std::ops::Range;
+
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor};
-use lemo_kernels::LemoBackend;
+use burn::tensor::{Int, Tensor, TensorData};
 use lemo_kernels::block_scores::block_scores;
+use lemo_kernels::{AttentionOptions, LemoBackend};
 
 /// Causal column means of block scores `[batch, q_blocks, k_blocks]`: key block `n` is seen by
 /// query blocks `m >= n`, and its informativeness is the mean of those `blocks - n` entries.
@@ -65,6 +68,102 @@ pub fn attention<B: LemoBackend>(
     scoring: BlockScoring,
 ) -> Tensor<B, 2> {
     token_block_informativeness(block_scores(q, k, scoring.block_size, scoring.query_stride))
+}
+
+/// Attention token-block informativeness under S2 attention in groups of `group` tokens
+/// ([`AttentionOptions::shifted_group`]), from the same `q, k` as [`attention`]: each half of
+/// the query heads scores only the pairs of its own groups (the second half's shifted by half a
+/// group), its block scores averaged over its heads and weighted by its share of them, and a
+/// key block's informativeness is the mean over the (head half, query block) pairs that see it.
+/// A pair both halves see counts each half's largest entry (an upper bound of the largest
+/// sum). Work: one group's blocks per query block, `group / seq` of [`attention`]'s (each group's
+/// rows are copied into the batch). Where the half groups do not cut into whole blocks, or half
+/// of the query heads would split a key/value head's queries, this is [`attention`].
+pub fn attention_in_s2_groups<B: LemoBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    scoring: BlockScoring,
+    group: usize,
+) -> Tensor<B, 2> {
+    let [batch, q_heads, seq, head_dim] = q.dims();
+    let per_kv = q_heads / k.dims()[1];
+    let (half, block_size) = (q_heads / 2, scoring.block_size);
+    if half == 0 || !half.is_multiple_of(per_kv) || !(group / 2).is_multiple_of(block_size) {
+        return attention(q, k, scoring);
+    }
+    let blocks = seq.div_ceil(block_size);
+    let mut seen = vec![0.0f32; blocks];
+    let mut sums = None;
+    for (heads, shift) in [(0..half, 0), (half..q_heads, group / 2)] {
+        let weight = heads.len() as f32 / q_heads as f32;
+        let kv_heads = heads.start / per_kv..heads.end / per_kv;
+        let q = q.clone().slice([0..batch, heads, 0..seq, 0..head_dim]);
+        let k = k.clone().slice([0..batch, kv_heads, 0..seq, 0..head_dim]);
+        let groups: Vec<Range<usize>> =
+            AttentionOptions::shifted_groups(seq, group, shift).collect();
+        let half_sums = group_column_sums(q, k, &groups, scoring).mul_scalar(weight);
+        sums = Some(match sums {
+            Some(sums) => sums + half_sums,
+            None => half_sums,
+        });
+        for positions in &groups {
+            let (first, count) = (
+                positions.start / block_size,
+                positions.len().div_ceil(block_size),
+            );
+            for n in 0..count {
+                seen[first + n] += weight * (count - n) as f32;
+            }
+        }
+    }
+    let sums = sums.expect("two halves of heads");
+    let seen = Tensor::<B, 1>::from_data(TensorData::new(seen, [blocks]), &sums.device());
+    sums / seen.reshape([1, blocks])
+}
+
+/// Column sums `[batch, blocks]` of the block scores of each of `groups` (consecutive ranges of
+/// positions that start on block boundaries) alone, the groups of one length folded into the
+/// batch for one call each.
+fn group_column_sums<B: LemoBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    groups: &[Range<usize>],
+    scoring: BlockScoring,
+) -> Tensor<B, 2> {
+    let batch = q.dims()[0];
+    let mut columns: Vec<Option<Tensor<B, 2>>> = vec![None; groups.len()];
+    let lengths: BTreeSet<usize> = groups.iter().map(|positions| positions.len()).collect();
+    for len in lengths {
+        let same: Vec<usize> = (0..groups.len())
+            .filter(|&i| groups[i].len() == len)
+            .collect();
+        let fold = |t: &Tensor<B, 4>| {
+            let [_, heads, _, head_dim] = t.dims();
+            let slices = same.iter().map(|&i| {
+                t.clone()
+                    .slice([0..batch, 0..heads, groups[i].clone(), 0..head_dim])
+            });
+            Tensor::cat(slices.collect(), 0)
+        };
+        let group_blocks = len.div_ceil(scoring.block_size);
+        let sums = block_scores(fold(&q), fold(&k), scoring.block_size, scoring.query_stride)
+            .sum_dim(1)
+            .reshape([same.len(), batch, group_blocks]);
+        for (j, &i) in same.iter().enumerate() {
+            columns[i] = Some(
+                sums.clone()
+                    .slice([j..j + 1, 0..batch, 0..group_blocks])
+                    .reshape([batch, group_blocks]),
+            );
+        }
+    }
+    Tensor::cat(
+        columns
+            .into_iter()
+            .map(|c| c.expect("every group has a length"))
+            .collect(),
+        1,
+    )
 }
 
 /// Rows whose absolute activations are summed at once by [`mlp`].
@@ -139,6 +238,119 @@ mod tests {
             columns,
             vec![(1.0 + 2.0 + 4.0) / 3.0, (3.0 + 5.0) / 2.0, 6.0]
         );
+    }
+
+    /// [`attention_in_s2_groups`] spelled out on the host: for each half of the heads, the
+    /// mean over its heads of `relu(q . k * scale)` on the pairs its groups let see (causal, one
+    /// group), block maxima over the sampled query rows, weighted by the half's share of the
+    /// heads; per key block, the sum over halves and query blocks divided by the weighted count
+    /// of query blocks of its group at or after it.
+    #[allow(clippy::too_many_arguments)]
+    fn s2_reference(
+        q: &[f32],
+        k: &[f32],
+        [batch, q_heads, kv_heads, seq, head_dim]: [usize; 5],
+        group: usize,
+        block_size: usize,
+        query_stride: usize,
+    ) -> Vec<f32> {
+        let per_kv = q_heads / kv_heads;
+        let scale = (head_dim as f64).powf(-0.5);
+        let blocks = seq.div_ceil(block_size);
+        let mut expected = vec![0.0f32; batch * blocks];
+        for b in 0..batch {
+            let (mut sums, mut seen) = (vec![0.0f64; blocks], vec![0.0f64; blocks]);
+            for (heads, shift) in [(0..q_heads / 2, 0), (q_heads / 2..q_heads, group / 2)] {
+                let weight = heads.len() as f64 / q_heads as f64;
+                let group_of = |p: usize| (p + shift) / group;
+                for m in 0..blocks {
+                    for n in 0..=m {
+                        let query_rows = m * block_size..((m + 1) * block_size).min(seq);
+                        if group_of(m * block_size) != group_of(n * block_size) {
+                            continue;
+                        }
+                        seen[n] += weight;
+                        let mut largest = 0.0f64;
+                        for i in query_rows.filter(|i| (i + 1) % query_stride == 0) {
+                            for j in n * block_size..((n + 1) * block_size).min(i + 1) {
+                                let mean = heads
+                                    .clone()
+                                    .map(|h| {
+                                        let q_row = &q[((b * q_heads + h) * seq + i) * head_dim..];
+                                        let kv_head = h / per_kv;
+                                        let k_row =
+                                            &k[((b * kv_heads + kv_head) * seq + j) * head_dim..];
+                                        let dot: f64 = (0..head_dim)
+                                            .map(|d| q_row[d] as f64 * k_row[d] as f64)
+                                            .sum();
+                                        (dot * scale).max(0.0)
+                                    })
+                                    .sum::<f64>()
+                                    / heads.len() as f64;
+                                largest = largest.max(mean);
+                            }
+                        }
+                        sums[n] += weight * largest;
+                    }
+                }
+            }
+            for n in 0..blocks {
+                expected[b * blocks + n] = (sums[n] / seen[n]) as f32;
+            }
+        }
+        expected
+    }
+
+    #[test]
+    fn s2_scores_count_only_the_pairs_each_half_of_the_heads_sees() {
+        // 60 positions in groups of 16, blocks of 4: the groups' lengths are 16 and 12, the
+        // shifted ones' 8, 16 and 4 (every length a separate fold). GQA, two heads per K/V head.
+        let dims @ [batch, q_heads, kv_heads, seq, head_dim] = [2, 4, 2, 60, 8];
+        let (group, block_size) = (16, 4);
+        let random = |count: usize, seed: usize| -> Vec<f32> {
+            (0..count)
+                .map(|i| ((i * 7919 + seed * 104729) % 1000) as f32 / 500.0 - 1.0)
+                .collect()
+        };
+        let (qs, ks) = (
+            random(batch * q_heads * seq * head_dim, 1),
+            random(batch * kv_heads * seq * head_dim, 2),
+        );
+        let device = Default::default();
+        let tensor = |values: &[f32], heads| {
+            Tensor::<B, 1>::from_floats(values, &device).reshape([batch, heads, seq, head_dim])
+        };
+        for query_stride in [1, 2] {
+            let scoring = BlockScoring {
+                block_size,
+                query_stride,
+            };
+            let got: Vec<f32> =
+                attention_in_s2_groups(tensor(&qs, q_heads), tensor(&ks, kv_heads), scoring, group)
+                    .into_data()
+                    .to_vec()
+                    .unwrap();
+            let expected = s2_reference(&qs, &ks, dims, group, block_size, query_stride);
+            for (i, (g, e)) in got.iter().zip(&expected).enumerate() {
+                assert!(
+                    (g - e).abs() <= 1e-5 * e.abs().max(1e-3),
+                    "stride {query_stride}, [{i}]: {g} vs {e}"
+                );
+            }
+        }
+        // Half groups of 6 do not cut into blocks of 4: the causal scores.
+        let causal = attention(
+            tensor(&qs, q_heads),
+            tensor(&ks, kv_heads),
+            BlockScoring::exact(4),
+        );
+        let fallback = attention_in_s2_groups(
+            tensor(&qs, q_heads),
+            tensor(&ks, kv_heads),
+            BlockScoring::exact(4),
+            12,
+        );
+        assert_eq!(causal.into_data(), fallback.into_data());
     }
 
     #[test]

@@ -104,6 +104,9 @@ impl TrainConfig {
             Method::Longlora => bail!(
                 "--context-parallel {group}: the S2 groups of --method longlora do not split over ranks; use --method lora or lemo"
             ),
+            Method::Lemo if self.s2.on(self.method) => bail!(
+                "--context-parallel {group}: the S2 groups of --method lemo --s2 do not split over ranks; leave out --s2 (or --context-parallel)"
+            ),
             Method::Lemo if self.batch_size != 1 => bail!(
                 "--context-parallel {group} with --method lemo trains one sequence per micro-batch (each rank keeps its share of that sequence's rows): use --batch-size 1 and --grad-accum for more"
             ),
@@ -235,6 +238,18 @@ mod tests {
                     ..base.clone()
                 },
                 "--s2 applies to --method lemo",
+            ),
+            (
+                TrainConfig {
+                    method: Method::Lemo,
+                    s2: S2Settings {
+                        s2: true,
+                        ..S2Settings::default()
+                    },
+                    context_parallel: 2,
+                    ..base.clone()
+                },
+                "--method lemo --s2 do not split over ranks",
             ),
         ] {
             let error = change.validate().unwrap_err().to_string();
