@@ -11,7 +11,7 @@
 #     bench/lemo_cases.sh
 #
 # env: LEMO, CONFIG (llama-2-7b), LENS (32768,65536: the default cases' and peers' lengths),
-#      CASES ("name|lengths|extra bench flags;..."), PEERS (the same for bench/reference/peft_bench.py,
+#      CASES ("name|lengths|extra bench flags;...", empty: none), PEERS (the same for bench/reference/peft_bench.py,
 #      default "liger-ck|$LENS|--liger --checkpointing"; empty: none), OUT.
 set -u
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ CONFIG=${CONFIG:-llama-2-7b}
 LENS=${LENS:-32768,65536}
 OUT=${OUT:-$(mktemp -d)}
 mkdir -p "$OUT"
-IFS=';' read -r -a cases <<<"${CASES:-lemo|$LENS|;lemo-s2|$LENS|--s2}"
+IFS=';' read -r -a cases <<<"${CASES-lemo|$LENS|;lemo-s2|$LENS|--s2}"
 for case in "${cases[@]}"; do
   IFS='|' read -r name lens flags <<<"$case"
   # shellcheck disable=SC2086 # the case's flags are meant to split
