@@ -37,6 +37,11 @@ pub struct EvalArgs {
     /// Seed of the passkey prompts (keys and depths).
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// With --passkey: each prompt, up to its question, as a user turn of the model's chat
+    /// template (an instruct model's own format), the model answering as its assistant; a
+    /// prompt and its markup together stay within --lengths.
+    #[arg(long, requires = "passkey")]
+    chat: bool,
     /// Multiple-choice accuracy on LongBench-v2 style JSONL given by --data, by log-likelihood.
     #[arg(long)]
     longbench: bool,
@@ -110,6 +115,7 @@ fn retrieval(args: EvalArgs) -> Result<()> {
             lengths: args.lengths,
             trials: args.trials,
             seed: args.seed,
+            chat: args.chat,
         })?;
         return print(&PasskeyReport(results), args.json);
     }
