@@ -18,7 +18,8 @@
 # (datasets/long_context_qa.py: passkeys and chapter questions deep in excerpts of up to 90% of
 # TARGET) join the books, and the loss is on the books' tokens and the records' answers
 # (--loss-on assistant); the models are then also scored on such records made from the held-out
-# book (answer tokens' loss). LONGBENCH names LongBench-v2 JSONL to score as well (multiple
+# book (answer tokens' loss) and on passkey prompts in the chat template's user turn as well
+# (eval --passkey --chat: the form the records train). LONGBENCH names LongBench-v2 JSONL to score as well (multiple
 # choice, contexts cut to TARGET).
 #
 # env: LEMO (binary, default target/release/lemo-train), MODEL, BOOKS, RUN (run folder, default
@@ -79,6 +80,8 @@ evaluate() {
   record "$name passkey" "$LEMO" eval --model "$MODEL" --passkey --json \
     --lengths "$(IFS=,; echo "${LENGTHS[*]}")" --trials "$TRIALS" --device "$DEVICE" "$@"
   if [ "$QA" != 0 ]; then
+    record "$name passkey (chat)" "$LEMO" eval --model "$MODEL" --passkey --chat --json \
+      --lengths "$(IFS=,; echo "${LENGTHS[*]}")" --trials "$TRIALS" --device "$DEVICE" "$@"
     record "$name held-out QA answers" "$LEMO" eval --model "$MODEL" --data "$RUN/held-out-qa.jsonl" \
       --loss-on assistant --seq-len "$TARGET" --device "$DEVICE" --json "$@"
   fi
