@@ -141,8 +141,9 @@ def chapter_record(text, chars, rng, heading_starts):
         kind = "which-chapter"
     if kind == "chapter-opening":
         opening = first_sentence(chapter)
-        return opening and (body, f"How does chapter {label} begin? Quote its first sentence.",
-                            opening, depth, kind)
+        if opening is None:
+            return None
+        return (body, f"How does chapter {label} begin? Quote its first sentence.", opening, depth, kind)
     sentences = [" ".join(s.group(0).split()) for s in SENTENCE.finditer(chapter)]
     if not sentences:
         return None
