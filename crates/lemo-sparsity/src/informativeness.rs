@@ -301,12 +301,13 @@ mod tests {
         expected
     }
 
-    #[test]
-    fn s2_scores_count_only_the_pairs_each_half_of_the_heads_sees() {
-        // 60 positions in groups of 16, blocks of 4: the groups' lengths are 16 and 12, the
-        // shifted ones' 8, 16 and 4 (every length a separate fold). GQA, two heads per K/V head.
-        let dims @ [batch, q_heads, kv_heads, seq, head_dim] = [2, 4, 2, 60, 8];
-        let (group, block_size) = (16, 4);
+    /// [`attention_in_s2_groups`] on backend `S` against [`s2_reference`].
+    fn s2_scores_count_only_the_pairs_each_half_of_the_heads_sees<S: LemoBackend>() {
+        // 120 positions in groups of 32, blocks of 8 (the CubeCL kernel's least): the groups'
+        // lengths are 32 and 24, the shifted ones' 16, 32 and 8 (every length a separate fold).
+        // GQA, two heads per K/V head.
+        let dims @ [batch, q_heads, kv_heads, seq, head_dim] = [2, 4, 2, 120, 8];
+        let (group, block_size) = (32, 8);
         let random = |count: usize, seed: usize| -> Vec<f32> {
             (0..count)
                 .map(|i| ((i * 7919 + seed * 104729) % 1000) as f32 / 500.0 - 1.0)
@@ -318,7 +319,7 @@ mod tests {
         );
         let device = Default::default();
         let tensor = |values: &[f32], heads| {
-            Tensor::<B, 1>::from_floats(values, &device).reshape([batch, heads, seq, head_dim])
+            Tensor::<S, 1>::from_floats(values, &device).reshape([batch, heads, seq, head_dim])
         };
         for query_stride in [1, 2] {
             let scoring = BlockScoring {
@@ -338,19 +339,29 @@ mod tests {
                 );
             }
         }
-        // Half groups of 6 do not cut into blocks of 4: the causal scores.
+        // Half groups of 12 do not cut into blocks of 8: the causal scores.
         let causal = attention(
             tensor(&qs, q_heads),
             tensor(&ks, kv_heads),
-            BlockScoring::exact(4),
+            BlockScoring::exact(8),
         );
         let fallback = attention_in_s2_groups(
             tensor(&qs, q_heads),
             tensor(&ks, kv_heads),
-            BlockScoring::exact(4),
-            12,
+            BlockScoring::exact(8),
+            24,
         );
         assert_eq!(causal.into_data(), fallback.into_data());
+    }
+
+    #[test]
+    fn s2_scores_on_the_cpu_reference() {
+        s2_scores_count_only_the_pairs_each_half_of_the_heads_sees::<B>();
+    }
+
+    #[test]
+    fn s2_scores_on_the_cubecl_kernels() {
+        s2_scores_count_only_the_pairs_each_half_of_the_heads_sees::<lemo_kernels::WgpuBackend>();
     }
 
     #[test]
