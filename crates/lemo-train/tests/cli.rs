@@ -267,50 +267,23 @@ fn bad_data_files_give_one_line_errors() {
     let tokens = fixture.join("tokens.jsonl");
     let tokens = tokens.to_str().unwrap();
     let dir = scratch("errors-data");
-    let empty = dir.join("empty.jsonl");
-    std::fs::write(&empty, "").unwrap();
-    assert_clean_error(
-        &[
-            "eval",
-            "--model",
-            model,
-            "--data",
-            empty.to_str().unwrap(),
-            "--device",
-            "cpu",
-        ],
-        "no tokens",
-    );
-
-    let garbage = dir.join("garbage.jsonl");
-    std::fs::write(&garbage, "{\"input_ids\": [1, 2]}\nnot json\n").unwrap();
-    assert_clean_error(
-        &[
-            "eval",
-            "--model",
-            model,
-            "--data",
-            garbage.to_str().unwrap(),
-            "--device",
-            "cpu",
-        ],
-        "line 2",
-    );
-
-    let out_of_vocab = dir.join("oov.jsonl");
-    std::fs::write(&out_of_vocab, "{\"input_ids\": [1, 2, 100000]}\n").unwrap();
-    assert_clean_error(
-        &[
-            "eval",
-            "--model",
-            model,
-            "--data",
-            out_of_vocab.to_str().unwrap(),
-            "--device",
-            "cpu",
-        ],
-        "100000",
-    );
+    for (name, contents, expected) in [
+        ("empty.jsonl", "", "no tokens"),
+        (
+            "garbage.jsonl",
+            "{\"input_ids\": [1, 2]}\nnot json\n",
+            "line 2",
+        ),
+        ("oov.jsonl", "{\"input_ids\": [1, 2, 100000]}\n", "100000"),
+    ] {
+        let data = dir.join(name);
+        std::fs::write(&data, contents).unwrap();
+        let data = data.to_str().unwrap();
+        assert_clean_error(
+            &["eval", "--model", model, "--data", data, "--device", "cpu"],
+            expected,
+        );
+    }
 
     // OPT's learned positions end at max_position_embeddings (128 in this fixture).
     assert_clean_error(
