@@ -183,12 +183,12 @@ enum PromptForm<'a> {
 }
 
 impl PromptForm<'_> {
-    /// The text the model reads.
-    fn text(&self, prompt: &PasskeyPrompt) -> Result<String> {
+    /// The text the model reads for a prompt's `text`.
+    fn text(&self, text: &str) -> Result<String> {
         match self {
-            PromptForm::Plain => Ok(prompt.text.clone()),
+            PromptForm::Plain => Ok(text.to_string()),
             PromptForm::Chat(template) => {
-                let question = prompt.text.strip_suffix(CUE).unwrap_or(&prompt.text);
+                let question = text.strip_suffix(CUE).unwrap_or(text);
                 template
                     .render(&[Message::new("user", question)], true)
                     .map_err(|e| anyhow!("{e}"))
@@ -198,13 +198,8 @@ impl PromptForm<'_> {
 
     /// Tokens the form adds around a prompt, at most.
     fn markup_tokens(&self, tokenizer: &Tokenizer) -> Result<usize> {
-        let probe = PasskeyPrompt {
-            text: format!("x{CUE}"),
-            passkey: 0,
-            depth: 0.0,
-            tokens: 0,
-        };
-        let bare = tokenizer.encode(&probe.text)?.len();
+        let probe = format!("x{CUE}");
+        let bare = tokenizer.encode(&probe)?.len();
         Ok(tokenizer
             .encode(&self.text(&probe)?)?
             .len()
@@ -259,7 +254,7 @@ impl BackendJob for PasskeyJob {
             })
             .collect();
         for (index, (length, prompt)) in prompts.iter().enumerate() {
-            let ids = self.tokenizer.encode(&form.text(prompt)?)?;
+            let ids = self.tokenizer.encode(&form.text(&prompt.text)?)?;
             if let Some(limit) = config.max_sequence_length().filter(|&l| ids.len() + 8 > l) {
                 bail!(
                     "passkey prompts of {length} tokens are longer than this model supports ({limit})"
@@ -335,7 +330,7 @@ mod tests {
         let prompts = make_prompts(&tokenizer, &[600, 900], 3, 0, reserve).unwrap();
         assert_eq!(prompts.len(), 6);
         for (length, prompt) in &prompts {
-            let text = form.text(prompt).unwrap();
+            let text = form.text(&prompt.text).unwrap();
             assert!(text.starts_with(&format!("<|user|>{TASK}")), "{text}");
             assert!(
                 text.ends_with("What is the pass key?<|end|><|assistant|>"),
