@@ -151,16 +151,8 @@ impl<B: LemoBackend> LlamaAttention<B> {
                 (split.attention_with_lse(q, k, v, self.options()), scores)
             }
             None => {
-                // Under S2 a key block is scored by the queries that attend to it.
-                let scores = scoring.map(|scoring| match self.shifted_group {
-                    Some(group) => informativeness::attention_in_s2_groups(
-                        q.clone(),
-                        k.clone(),
-                        scoring,
-                        group,
-                    ),
-                    None => informativeness::attention(q.clone(), k.clone(), scoring),
-                });
+                let scores = scoring
+                    .map(|scoring| informativeness::attention(q.clone(), k.clone(), scoring));
                 (attention_with_lse(q, k, v, self.options()), scores)
             }
         };

@@ -376,6 +376,7 @@ impl<'a> TokenSparsity<'a> {
                 }
                 let block_size = thresholds.block_size;
                 let selection = thresholds.selection(layer, block);
+                let s2_group = s2_group.filter(|_| block == Block::Attention);
                 // A block that would keep every block runs dense: the same values and gradients
                 // without the sparse path's copies.
                 if let (Some(Selection::Best(fraction)), Record::Nothing) = (selection, *record)
@@ -399,6 +400,7 @@ impl<'a> TokenSparsity<'a> {
                         let mut pass = pass(Some(BlockScoring {
                             block_size,
                             query_stride: *query_stride,
+                            s2_group,
                         }));
                         let scores = pass
                             .scores
@@ -422,7 +424,6 @@ impl<'a> TokenSparsity<'a> {
                     }
                     (_, host_scores) => {
                         let segment = s2_group
-                            .filter(|_| block == Block::Attention)
                             .map_or(seq, |group| segment_or_whole(seq, group / 2, block_size));
                         select_rows(
                             selection,

@@ -480,6 +480,7 @@ fn attention_block_scores_split_over_ranks_are_the_whole_sequences() {
         let scoring = BlockScoring {
             block_size: 4,
             query_stride,
+            s2_group: None,
         };
         let expected = informativeness::attention(q.clone(), k.clone(), scoring);
         let group = Arc::new(ThreadGroup {

@@ -46,14 +46,18 @@ pub struct BlockScoring {
     /// Attention blocks' scores read every `query_stride`-th query row
     /// ([`lemo_kernels::block_scores::sampled_query_rows`]); 1 reads every row, the exact scores.
     pub query_stride: usize,
+    /// Attention blocks that attend in S2 groups of this many tokens are scored by the pairs
+    /// their groups see ([`attention_in_s2_groups`]); `None`: causal.
+    pub s2_group: Option<usize>,
 }
 
 impl BlockScoring {
-    /// Exact scores of blocks of `block_size` tokens.
+    /// Exact scores of blocks of `block_size` tokens, causal.
     pub fn exact(block_size: usize) -> Self {
         Self {
             block_size,
             query_stride: 1,
+            s2_group: None,
         }
     }
 }
@@ -61,8 +65,21 @@ impl BlockScoring {
 /// Attention token-block informativeness from the rotated queries and keys of every token,
 /// `q: [batch, q_heads, seq, head_dim]`, `k: [batch, kv_heads, seq, head_dim]` (GQA allowed):
 /// the block scores of [`lemo_kernels::block_scores`] (exact, or over sampled query rows)
-/// reduced by [`token_block_informativeness`]. f32 `[batch, blocks]`.
+/// reduced by [`token_block_informativeness`], or under S2 [`attention_in_s2_groups`]. f32
+/// `[batch, blocks]`.
 pub fn attention<B: LemoBackend>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    scoring: BlockScoring,
+) -> Tensor<B, 2> {
+    match scoring.s2_group {
+        Some(group) => attention_in_s2_groups(q, k, scoring, group),
+        None => causal_attention(q, k, scoring),
+    }
+}
+
+/// [`attention`] under plain causal attention.
+fn causal_attention<B: LemoBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
     scoring: BlockScoring,
@@ -78,7 +95,7 @@ pub fn attention<B: LemoBackend>(
 /// A pair both halves see counts each half's largest entry (an upper bound of the largest
 /// sum). Work: one group's blocks per query block, `group / seq` of [`attention`]'s (each group's
 /// rows are copied into the batch). Where the half groups do not cut into whole blocks, or half
-/// of the query heads would split a key/value head's queries, this is [`attention`].
+/// of the query heads would split a key/value head's queries, these are the causal scores.
 pub fn attention_in_s2_groups<B: LemoBackend>(
     q: Tensor<B, 4>,
     k: Tensor<B, 4>,
@@ -89,7 +106,7 @@ pub fn attention_in_s2_groups<B: LemoBackend>(
     let per_kv = q_heads / k.dims()[1];
     let (half, block_size) = (q_heads / 2, scoring.block_size);
     if half == 0 || !half.is_multiple_of(per_kv) || !(group / 2).is_multiple_of(block_size) {
-        return attention(q, k, scoring);
+        return causal_attention(q, k, scoring);
     }
     let blocks = seq.div_ceil(block_size);
     let mut seen = vec![0.0f32; blocks];
@@ -325,6 +342,7 @@ mod tests {
             let scoring = BlockScoring {
                 block_size,
                 query_stride,
+                s2_group: None,
             };
             let got: Vec<f32> =
                 attention_in_s2_groups(tensor(&qs, q_heads), tensor(&ks, kv_heads), scoring, group)

@@ -156,6 +156,8 @@ impl LemoSettings {
                 Some(ScoreSource::Exact) => 1,
                 _ => SAMPLED_QUERY_STRIDE,
             },
+            // Each layer's S2 group comes from its attention (`Decoder::shifted_group`).
+            s2_group: None,
         }
     }
 
