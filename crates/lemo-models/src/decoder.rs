@@ -1,20 +1,19 @@
 //! A decoder-only model as stages: embed the tokens, run the layers one after another, normalize
 //! the last hidden state. Every architecture exposes these stages, so the model-independent
-//! passes live here once:
+//! passes are written once, over [`Decoder`]:
 //!
-//! - [`hidden_states`]: the plain forward pass (training, evaluation, generation with a cache);
-//! - [`next_token_loss`]: next-token cross-entropy from the final hidden states;
-//! - [`planned_loss_backward`]: the loss and its gradients with each layer's activations kept,
+//! - [`hidden_states`]: the plain forward pass (training, evaluation, generation with a cache),
+//!   one [`layer`] after another;
+//! - [`crate::loss`]: next-token cross-entropy from the final hidden states;
+//! - [`crate::planned_backward`]: the loss and its gradients with each layer's activations kept,
 //!   recomputed from its input, or recomputed from its input offloaded to host memory.
 
 use std::ops::Range;
 
-use burn::module::AutodiffModule;
-use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{DType, ElementConversion, Int, Tensor};
+use burn::tensor::backend::Backend;
+use burn::tensor::{DType, Int, Tensor};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::known_value::with_value;
-use lemo_kernels::loss::{IGNORE_INDEX, segment_cross_entropy};
 use lemo_kernels::memory::LayerBuffers;
 use lemo_kernels::recomputed_rows::{FrozenMlp, with_recomputed_rows};
 use lemo_kernels::token_movement::{gather_rows, scatter_add_rows};
@@ -23,10 +22,8 @@ use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 use lemo_sparsity::informativeness::BlockScoring;
 
-use crate::activation_plan::{ActivationPlan, LayerActivations};
 use crate::block_pass::BlockPass;
 use crate::cache::{KvCache, LayerCache};
-use crate::offload::HostCopy;
 use crate::row_chunks::slice_len;
 use crate::sequence_split::SequenceSplit;
 use crate::token_plan::{BlockRows, TokenSparsity};
@@ -372,7 +369,7 @@ pub fn mlp_pass_by_slices<B: LemoBackend, D: Decoder<B>>(
 /// token-sparse passes) and in the row slices of a dense block (see [`slice_len`]). Made before
 /// the embedding, so that its output, the first layer's input that lives all step, gets one too
 /// rather than a slice of one of the pool's largest pages.
-fn row_buffers<B: LemoBackend, D: Decoder<B>>(
+pub(crate) fn row_buffers<B: LemoBackend, D: Decoder<B>>(
     decoder: &D,
     tokens: &Tensor<B, 2, Int>,
 ) -> LayerBuffers<B> {
@@ -411,7 +408,7 @@ pub fn hidden_states<B: LemoBackend, D: Decoder<B>>(
 
 /// The final normalized hidden states of `tokens`, embedded at `positions`, through every layer
 /// with `shared`.
-fn layers_output<B: LemoBackend, D: Decoder<B>>(
+pub(crate) fn layers_output<B: LemoBackend, D: Decoder<B>>(
     decoder: &D,
     tokens: Tensor<B, 2, Int>,
     positions: Range<usize>,
@@ -434,392 +431,4 @@ fn layers_output<B: LemoBackend, D: Decoder<B>>(
         );
     }
     decoder.output_norm(h)
-}
-
-/// What a pass over a batch runs on: this rank's tokens (every token without a split), the
-/// target each of its positions is scored against in the whole sequence (the next token may be
-/// another rank's), how many of them are scored, and the state every layer shares.
-struct PassInputs<B: Backend, S> {
-    tokens: Tensor<B, 2, Int>,
-    targets: Tensor<B, 2, Int>,
-    predictions: usize,
-    split: Option<SequenceSplit>,
-    /// Tokens of each whole sequence.
-    len: usize,
-    shared: S,
-}
-
-impl<B: Backend, S> PassInputs<B, S> {
-    fn of<D: Decoder<B, Shared = S>>(decoder: &D, batch: Batch<B>) -> Self {
-        let Batch {
-            tokens,
-            labels,
-            split,
-        } = batch;
-        let [batch, len] = tokens.dims();
-        let targets = next_token_targets(tokens.clone(), labels.clone());
-        let (tokens, targets) = match &split {
-            Some(split) => (split.local_columns(tokens), split.local_columns(targets)),
-            None => (tokens, targets),
-        };
-        let predictions = match (&labels, &split) {
-            (Some(_), _) => scored_targets(&targets),
-            (None, None) => batch * (len - 1),
-            (None, Some(split)) => {
-                batch * split.positions().iter().filter(|&&p| p + 1 < len).count()
-            }
-        };
-        let shared = decoder.shared(0..len, batch, split.as_ref());
-        Self {
-            tokens,
-            targets,
-            predictions,
-            split,
-            len,
-            shared,
-        }
-    }
-}
-
-/// The summed next-token loss of this rank's positions of `batch`'s sequences, split over a
-/// sequence group, and how many predictions it sums (evaluation: no graph is needed, every
-/// block is dense); summed over the group, the whole sequences' (see [`next_token_loss`]).
-pub fn split_loss_sum<B: LemoBackend, D: Decoder<B>>(
-    decoder: &D,
-    batch: Batch<B>,
-    chunk_rows: usize,
-) -> (Tensor<B, 1>, usize) {
-    let PassInputs {
-        tokens,
-        targets,
-        predictions,
-        shared,
-        ..
-    } = PassInputs::of(decoder, batch);
-    let local = tokens.dims()[1];
-    let hidden = layers_output(
-        decoder,
-        tokens,
-        0..local,
-        &shared,
-        None,
-        &mut TokenSparsity::Dense,
-    );
-    let loss = targets_loss(hidden, decoder.lm_head_weight(), targets, chunk_rows);
-    (loss, predictions)
-}
-
-/// The token ids of a batch, `[batch, len]`, and the labels the loss scores them by where it
-/// skips positions (`[batch, len]`, see [`next_token_loss`]); without labels every next token
-/// is scored. With a `split`, a rank of a sequence group trains its positions of the batch's
-/// sequences ([`planned_loss_backward`]); `tokens` and `labels` are still the whole sequences.
-#[derive(Debug, Clone)]
-pub struct Batch<B: Backend> {
-    pub tokens: Tensor<B, 2, Int>,
-    pub labels: Option<Tensor<B, 2, Int>>,
-    pub split: Option<SequenceSplit>,
-}
-
-impl<B: Backend> Batch<B> {
-    /// The whole sequences of `tokens`, scored by `labels`.
-    pub fn new(tokens: Tensor<B, 2, Int>, labels: Option<Tensor<B, 2, Int>>) -> Self {
-        Self {
-            tokens,
-            labels,
-            split: None,
-        }
-    }
-}
-
-/// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])` (f32, `[1]`) from
-/// the final hidden states, and the number of terms, by the segment-based loss: the vocabulary
-/// projection and the cross-entropy run `chunk_rows` positions at a time, so the full
-/// `[len, vocab]` logits never exist at once (under autodiff, neither do their gradients).
-///
-/// With `labels` (`[batch, len]`, Hugging Face's convention: the token, or
-/// [`lemo_kernels::loss::IGNORE_INDEX`] where no loss is taken, as for a prompt's tokens or the first token of a
-/// packed document) the terms are those of the labels that are not ignored; ignored ones add
-/// neither loss nor gradient.
-pub fn next_token_loss<B: LemoBackend>(
-    hidden: Tensor<B, 3>,
-    lm_head_weight: Tensor<B, 2>,
-    tokens: Tensor<B, 2, Int>,
-    labels: Option<Tensor<B, 2, Int>>,
-    chunk_rows: usize,
-) -> (Tensor<B, 1>, usize) {
-    let [batch, len] = tokens.dims();
-    let masked = labels.is_some();
-    let targets = next_token_targets(tokens, labels);
-    let scored = match masked {
-        true => scored_targets(&targets),
-        false => batch * (len - 1),
-    };
-    (
-        targets_loss(hidden, lm_head_weight, targets, chunk_rows),
-        scored,
-    )
-}
-
-/// `[batch, len]`: the token each position is scored against (the next one, or its label), and
-/// [`IGNORE_INDEX`] at the last position, which has none.
-fn next_token_targets<B: Backend>(
-    tokens: Tensor<B, 2, Int>,
-    labels: Option<Tensor<B, 2, Int>>,
-) -> Tensor<B, 2, Int> {
-    let [batch, len] = tokens.dims();
-    let next = labels.unwrap_or(tokens).slice([0..batch, 1..len]);
-    let last = Tensor::full([batch, 1], IGNORE_INDEX, &next.device());
-    Tensor::cat(vec![next, last], 1)
-}
-
-/// How many of `targets` are scored (not ignored).
-fn scored_targets<B: Backend>(targets: &Tensor<B, 2, Int>) -> usize {
-    let count: i64 = targets
-        .clone()
-        .greater_equal_elem(0)
-        .int()
-        .sum()
-        .into_scalar()
-        .elem();
-    count as usize
-}
-
-/// The summed cross-entropy of `hidden: [batch, len, dim]` against `targets: [batch, len]` (see
-/// [`next_token_loss`]).
-fn targets_loss<B: LemoBackend>(
-    hidden: Tensor<B, 3>,
-    lm_head_weight: Tensor<B, 2>,
-    targets: Tensor<B, 2, Int>,
-    chunk_rows: usize,
-) -> Tensor<B, 1> {
-    let [batch, len, dim] = hidden.dims();
-    // Each position is scored against the next token and the last one, which has none, is
-    // ignored: shifting the targets rather than slicing off the last hidden state keeps the
-    // rows a view of the final norm's output. The slice would be a copy of a size no other
-    // buffer has (805 MB at 96K tokens of Llama-2-7B), and the pool serves such a buffer from a
-    // page of its largest size class, which then stays reserved (9.4 GB on the H200).
-    let inputs = hidden.reshape([batch * len, dim]);
-    segment_cross_entropy(
-        inputs,
-        lm_head_weight,
-        targets.reshape([batch * len]),
-        chunk_rows,
-    )
-}
-
-/// What a layer holds between its forward and its backward pass (see [`ActivationPlan`]).
-enum Stored<B: AutodiffBackend> {
-    /// Its graph, from a leaf input to its output.
-    Graph {
-        input: Tensor<B, 3>,
-        output: Tensor<B, 3>,
-    },
-    Input(Tensor<B::InnerBackend, 3>),
-    Host(HostCopy<B::InnerBackend>),
-}
-
-/// What the forward pass of [`planned_loss_backward`] leaves for its backward pass.
-struct StoredForward<B: AutodiffBackend> {
-    /// What each layer stored.
-    layers: Vec<Stored<B>>,
-    /// `h_L`.
-    last: Tensor<B::InnerBackend, 3>,
-    /// The pass's exact-size buffers (see [`row_buffers`]).
-    buffers: LayerBuffers<B::InnerBackend>,
-}
-
-/// The forward pass of [`planned_loss_backward`] over `tokens` (this rank's positions of the
-/// sequences at `positions` with a `split`): each layer's graph from a leaf copy of its input
-/// where `plan` keeps it, else the layer without a graph and its input kept on the device or
-/// copied to host memory.
-fn forward_storing<B, D>(
-    decoder: &D,
-    tokens: Tensor<B, 2, Int>,
-    (positions, split): (Range<usize>, Option<&SequenceSplit>),
-    shared: &D::Shared,
-    sparsity: &mut TokenSparsity,
-    plan: &ActivationPlan,
-) -> StoredForward<B>
-where
-    B: AutodiffBackend + LemoBackend,
-    B::InnerBackend: LemoBackend,
-    D: Decoder<B> + AutodiffModule<B>,
-    D::InnerModule: Decoder<B::InnerBackend>,
-{
-    let [batch, len] = tokens.dims();
-    let inner = decoder.valid();
-    let inner_shared = inner.shared(positions, batch, split);
-    let tokens = tokens.inner();
-    let mut buffers = row_buffers(&inner, &tokens);
-    let mut h = inner.embed(tokens, 0..len);
-    let mut stored = Vec::with_capacity(plan.num_layers());
-    for (index, mode) in plan.layers().iter().enumerate() {
-        // What the layers below left idle must not sit beside what this one saves, nor the
-        // inputs already copied to the host.
-        buffers.between_layers();
-        lemo_kernels::host_copy::release_copied::<B::InnerBackend>(&h.device());
-        let saved = match mode {
-            LayerActivations::Kept => {
-                let input = Tensor::<B, 3>::from_inner(h).require_grad();
-                let output = layer(
-                    decoder,
-                    index,
-                    input.clone(),
-                    shared,
-                    None,
-                    sparsity,
-                    LayerRun::Graph,
-                );
-                h = output.clone().inner();
-                stored.push(Stored::Graph { input, output });
-                continue;
-            }
-            LayerActivations::Recomputed => Stored::Input(h.clone()),
-            LayerActivations::Offloaded => Stored::Host(HostCopy::new(h.clone())),
-        };
-        stored.push(saved);
-        h = layer(
-            &inner,
-            index,
-            h,
-            &inner_shared,
-            None,
-            sparsity,
-            LayerRun::Value,
-        );
-    }
-    StoredForward {
-        layers: stored,
-        last: h,
-        buffers,
-    }
-}
-
-/// [`next_token_loss`] of `tokens` (positions from 0) and the gradients of `scale` times it
-/// (with the batch's `split`, of this rank's positions: the loss of the rank's predictions, and
-/// its share of the gradients, which summed over the group are the whole sequence's),
-/// each layer's activations held as `plan` says. The forward pass builds a kept layer's graph
-/// from a leaf copy of its input, and runs the other layers without a graph, keeping only their
-/// input (on the device, or copied to host memory); the backward pass then goes down the layers,
-/// back-propagating the gradient of each layer's output through its kept graph or through one
-/// rebuilt from its input (an offloaded input is fetched back while the layer above runs).
-/// Memory is the kept layers' activations, the other layers' inputs and one rebuilt layer's
-/// activations, less a frozen MLP block's; a rebuilt layer costs its attention block's forward
-/// pass again and its MLP block's input projections (see [`LayerRun::Rebuild`]).
-///
-/// Each partial backward pass's gradients go to `on_gradients` (the loss head's first, then the
-/// layers' from the last, then the embedding's when it is trainable): a trainable parameter gets
-/// its gradient from the passes that used it, so the caller sums what it finds in each. Returns
-/// the unscaled loss sum and the number of predictions.
-pub fn planned_loss_backward<B, D>(
-    decoder: &D,
-    batch: Batch<B>,
-    chunk_rows: usize,
-    scale: f64,
-    sparsity: &mut TokenSparsity,
-    plan: &ActivationPlan,
-    on_gradients: &mut dyn FnMut(&B::Gradients),
-) -> (Tensor<B::InnerBackend, 1>, usize)
-where
-    B: AutodiffBackend + LemoBackend,
-    B::InnerBackend: LemoBackend,
-    D: Decoder<B> + AutodiffModule<B>,
-    D::InnerModule: Decoder<B::InnerBackend>,
-{
-    assert_eq!(
-        plan.num_layers(),
-        decoder.num_layers(),
-        "one mode per layer"
-    );
-    let PassInputs {
-        tokens,
-        targets,
-        predictions,
-        split,
-        len,
-        shared,
-    } = PassInputs::of(decoder, batch);
-    let positions = 0..tokens.dims()[1];
-    let StoredForward {
-        layers: mut stored,
-        last: h,
-        mut buffers,
-    } = forward_storing(
-        decoder,
-        tokens.clone(),
-        (0..len, split.as_ref()),
-        &shared,
-        sparsity,
-        plan,
-    );
-
-    let last = Tensor::<B, 3>::from_inner(h).require_grad();
-    let loss = targets_loss(
-        decoder.output_norm(last.clone()),
-        decoder.lm_head_weight(),
-        targets,
-        chunk_rows,
-    );
-    let loss_sum = loss.clone().inner();
-    let gradients = loss.mul_scalar(scale).backward();
-    on_gradients(&gradients);
-    let mut grad_h = last.grad(&gradients).expect("the loss depends on h_L");
-    drop(gradients);
-
-    // Back-propagating a given output gradient g through f is the backward pass of sum(f(x) * g).
-    let propagate = |output: Tensor<B, 3>, grad_output: Tensor<B::InnerBackend, 3>| {
-        (output * Tensor::from_inner(grad_output)).sum().backward()
-    };
-    // The layers are rebuilt on the rows the forward pass chose, so the recomputation is exact.
-    let recorded = match sparsity {
-        TokenSparsity::Select { plan, .. } => Some(std::mem::take(plan)),
-        _ => None,
-    };
-    let mut replay = match (&recorded, &*sparsity) {
-        (Some(plan), _) => TokenSparsity::Replay(plan),
-        (None, TokenSparsity::Replay(plan)) => TokenSparsity::Replay(plan),
-        _ => TokenSparsity::Dense,
-    };
-    let mut rebuild = |index: usize, input: Tensor<B::InnerBackend, 3>| {
-        let input = Tensor::<B, 3>::from_inner(input).require_grad();
-        let output = layer(
-            decoder,
-            index,
-            input.clone(),
-            &shared,
-            None,
-            &mut replay,
-            LayerRun::Rebuild,
-        );
-        (input, output)
-    };
-    while let Some(saved) = stored.pop() {
-        // What the layers above left idle must not sit beside what this one asks for.
-        buffers.between_layers();
-        let index = stored.len();
-        if let Some(Stored::Host(below)) = stored.last_mut() {
-            below.prefetch();
-        }
-        let (input, output) = match saved {
-            Stored::Graph { input, output } => (input, output),
-            Stored::Input(input) => rebuild(index, input),
-            Stored::Host(copy) => rebuild(index, copy.into_device()),
-        };
-        if let Some(split) = &split {
-            split.before_backward();
-        }
-        let gradients = propagate(output, grad_h);
-        on_gradients(&gradients);
-        grad_h = input
-            .grad(&gradients)
-            .expect("a layer's output depends on its input");
-    }
-    // Reaches the embedding's parameters when they are trainable, and nothing otherwise.
-    on_gradients(&propagate(decoder.embed(tokens, positions), grad_h));
-    drop(replay);
-    // The caller gets the plan of the forward pass, as from a plain forward pass.
-    if let (Some(recorded), TokenSparsity::Select { plan, .. }) = (recorded, sparsity) {
-        *plan = recorded;
-    }
-    (loss_sum, predictions)
 }

@@ -13,12 +13,14 @@ use lemo_kernels::precision::Precision;
 use crate::activation_plan::ActivationPlan;
 use crate::cache::KvCache;
 use crate::config::{ModelConfig, RopeConfig};
-use crate::decoder::{self, Batch, Decoder};
+use crate::decoder::{self, Decoder};
 use crate::gguf::{GgufFile, GgufWeights};
 use crate::llama::Llama;
 use crate::llama2c::Llama2cCheckpoint;
 use crate::lora::{Linear, LoraConfig};
+use crate::loss::{self, Batch};
 use crate::opt::Opt;
+use crate::planned_backward;
 use crate::quantized::{FrozenSummary, QuantizeBase};
 use crate::rope::RotaryEmbedding;
 use crate::token_plan::TokenSparsity;
@@ -235,7 +237,7 @@ impl<B: LemoBackend> CausalLm<B> {
 
     /// Sum over all positions but the last of `-log p(tokens[t+1] | tokens[..=t])` (f32, `[1]`),
     /// and the number of terms, over the positions `labels` does not mask when given (see
-    /// [`decoder::next_token_loss`]), with each block on the rows `sparsity` gives it.
+    /// [`loss::next_token_loss`]), with each block on the rows `sparsity` gives it.
     pub fn next_token_loss_sum(
         &self,
         tokens: Tensor<B, 2, Int>,
@@ -244,15 +246,15 @@ impl<B: LemoBackend> CausalLm<B> {
         sparsity: &mut TokenSparsity,
     ) -> (Tensor<B, 1>, usize) {
         let hidden = self.hidden_states(tokens.clone(), None, sparsity);
-        decoder::next_token_loss(hidden, self.lm_head_weight(), tokens, labels, chunk_rows)
+        loss::next_token_loss(hidden, self.lm_head_weight(), tokens, labels, chunk_rows)
     }
 
     /// [`Self::next_token_loss_sum`] of this rank's positions of `batch`'s sequences, split over
-    /// a sequence group (see [`decoder::split_loss_sum`]); every block dense.
+    /// a sequence group (see [`loss::split_loss_sum`]); every block dense.
     pub fn split_loss_sum(&self, batch: Batch<B>, chunk_rows: usize) -> (Tensor<B, 1>, usize) {
         match self {
-            CausalLm::Llama(m) => decoder::split_loss_sum(m, batch, chunk_rows),
-            CausalLm::Opt(m) => decoder::split_loss_sum(m, batch, chunk_rows),
+            CausalLm::Llama(m) => loss::split_loss_sum(m, batch, chunk_rows),
+            CausalLm::Opt(m) => loss::split_loss_sum(m, batch, chunk_rows),
         }
     }
 
@@ -332,7 +334,7 @@ where
 {
     /// [`Self::next_token_loss_sum`] and the gradients of `scale` times it, each layer's
     /// activations kept, recomputed or offloaded as `plan` says (see
-    /// [`decoder::planned_loss_backward`]): the partial backward passes' gradients go to
+    /// [`planned_backward::planned_loss_backward`]): the partial backward passes' gradients go to
     /// `on_gradients`. Returns the unscaled loss sum and the number of predictions.
     pub fn next_token_loss_backward_planned(
         &self,
@@ -344,7 +346,7 @@ where
         on_gradients: &mut dyn FnMut(&B::Gradients),
     ) -> (Tensor<B::InnerBackend, 1>, usize) {
         match self {
-            CausalLm::Llama(m) => decoder::planned_loss_backward(
+            CausalLm::Llama(m) => planned_backward::planned_loss_backward(
                 m,
                 batch,
                 chunk_rows,
@@ -353,7 +355,7 @@ where
                 plan,
                 on_gradients,
             ),
-            CausalLm::Opt(m) => decoder::planned_loss_backward(
+            CausalLm::Opt(m) => planned_backward::planned_loss_backward(
                 m,
                 batch,
                 chunk_rows,

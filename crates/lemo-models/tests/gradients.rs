@@ -22,7 +22,7 @@ use lemo_kernels::precision::Precision;
 use lemo_kernels::{CpuBackend, LemoBackend, WgpuBackend};
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
-use lemo_models::decoder::Batch;
+use lemo_models::loss::Batch;
 use lemo_models::sequence_split::SequenceSplit;
 use lemo_models::token_plan::{BlockRows, LayerPlan, TokenPlan, TokenSparsity};
 use lemo_sparsity::calibration::Block;

@@ -11,8 +11,8 @@ use lemo_kernels::CpuBackend;
 use lemo_kernels::loss::IGNORE_INDEX;
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::{ActivationPlan, LayerActivations};
-use lemo_models::decoder::Batch;
 use lemo_models::lora::LLAMA_PROJECTIONS;
+use lemo_models::loss::Batch;
 use lemo_models::token_plan::TokenSparsity;
 
 type B = Autodiff<CpuBackend>;

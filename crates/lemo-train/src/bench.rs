@@ -14,7 +14,7 @@ use burn::tensor::{DType, Distribution, Tensor};
 use lemo_kernels::{LemoBackend, host_reads};
 use lemo_models::activation_plan::ActivationPlan;
 use lemo_models::activation_plan::planner::Budget;
-use lemo_models::decoder::Batch;
+use lemo_models::loss::Batch;
 use lemo_models::quantized::QuantizeBase;
 use lemo_models::weights::WeightSource;
 use lemo_models::{CausalLm, LoraConfig, ModelConfig};

@@ -1,7 +1,7 @@
 //! Where each layer's backward pass finds what it needs: its graph kept from the forward pass,
 //! rebuilt from its input kept on the device, or rebuilt from its input copied to host memory
 //! during the forward pass and brought back ahead of the backward pass. [`planner`] picks the
-//! fastest mix that fits a memory budget; [`crate::decoder::planned_loss_backward`] runs it.
+//! fastest mix that fits a memory budget; [`crate::planned_backward::planned_loss_backward`] runs it.
 
 pub mod planner;
 

@@ -12,7 +12,7 @@ use burn::tensor::{Tensor, TensorData};
 use lemo_kernels::LemoBackend;
 use lemo_kernels::exchange::Exchange;
 use lemo_models::CausalLm;
-use lemo_models::decoder::Batch;
+use lemo_models::loss::Batch;
 use lemo_models::sequence_split::SequenceSplit;
 use lemo_sparsity::calibration::Block;
 

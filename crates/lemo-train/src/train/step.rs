@@ -6,7 +6,7 @@ use lemo_kernels::exchange::Exchange;
 use lemo_kernels::{LemoBackend, host_reads};
 use lemo_models::CausalLm;
 use lemo_models::activation_plan::ActivationPlan;
-use lemo_models::decoder::Batch;
+use lemo_models::loss::Batch;
 use lemo_models::sequence_split::SequenceSplit;
 use lemo_models::token_plan::TokenSparsity;
 
