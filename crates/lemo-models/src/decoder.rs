@@ -22,7 +22,7 @@ use lemo_sparsity::KeptRows;
 use lemo_sparsity::calibration::Block;
 use lemo_sparsity::informativeness::BlockScoring;
 
-use crate::block_pass::BlockPass;
+use crate::block_pass::{BlockPass, untracked};
 use crate::cache::{KvCache, LayerCache};
 use crate::row_chunks::slice_len;
 use crate::sequence_split::SequenceSplit;
@@ -196,7 +196,7 @@ impl<B: LemoBackend, P> SparseBlock<B, P> {
     /// without a pass.
     pub fn value(&self, x: Tensor<B, 3>) -> Option<Tensor<B, 3>> {
         let pass = self.pass.as_ref()?;
-        Some(x.detach() + pass.output.clone())
+        Some(untracked(x) + pass.output.clone())
     }
 
     /// [`Self::residual`] of an MLP block, whose backward pass also reaches the dropped rows
@@ -259,7 +259,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
     run: LayerRun,
 ) -> Tensor<B, 3> {
     let split = decoder.sequence_split(shared);
-    let input = h.clone().detach();
+    let input = untracked(h.clone());
     let sparse = sparsity
         .block(
             index,
@@ -280,7 +280,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
     };
     match run {
         LayerRun::Graph => {
-            let input = a.clone().detach();
+            let input = untracked(a.clone());
             let sparse = sparsity
                 .block(index, Block::Mlp, (&input, split), None, |scoring| {
                     decoder.mlp_pass(index, input.clone(), scoring)
@@ -293,7 +293,7 @@ pub fn layer<B: LemoBackend, D: Decoder<B>>(
             let [batch, seq, _] = a.dims();
             let width = decoder.row_activations().mlp.unwrap_or(0);
             let slice_rows = slice_len::<B>(&a.device(), a.dtype(), [batch, seq], width);
-            let input = a.clone().detach();
+            let input = untracked(a.clone());
             let pass = sparsity.block(index, Block::Mlp, (&input, split), None, |scoring| {
                 mlp_pass_by_slices(decoder, index, input.clone(), scoring, slice_rows)
             });

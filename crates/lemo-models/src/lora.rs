@@ -13,15 +13,9 @@ use lemo_kernels::known_value::matmul_with_value;
 use lemo_kernels::precision::{Frozen, lora_linear};
 use lemo_kernels::recomputed_rows::FrozenLinear;
 
+use crate::block_pass::untracked;
 use crate::quantized::device::FrozenWeight;
 use crate::random::seeded_random;
-
-/// `t` outside the autodiff graph. Burn's `detach` keeps a leaf's `require_grad`, so a detached
-/// adapter would still record every operation on it (and what they save) in the graph until the
-/// step's backward pass: in the token-sparse passes that held two full-width tensors per layer.
-fn untracked<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
-    t.set_require_grad(false)
-}
 
 /// Every projection of a Llama layer, in PEFT's `target_modules` names.
 pub const LLAMA_PROJECTIONS: [&str; 7] = [

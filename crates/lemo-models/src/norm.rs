@@ -8,6 +8,8 @@ use lemo_kernels::fused::{NormSaves, layer_norm, rms_norm};
 use lemo_kernels::recomputed_rows::FrozenNorm;
 use lemo_kernels::token_movement::gather_rms_norm;
 
+use crate::block_pass::untracked;
+
 /// `x / sqrt(mean(x^2) + eps) * weight` (Llama).
 #[derive(Module, Debug)]
 pub struct RmsNorm<B: Backend> {
@@ -58,12 +60,12 @@ impl<B: ComputeBackend> RmsNorm<B> {
         rms_norm(x, weight, self.eps as f32, self.saves())
     }
 
-    /// [`Self::forward`] outside any graph (a pass over every row): a trainable weight (LongLoRA)
-    /// records no node either, whose saved tensor (a `[seq, hidden]` per norm) would outlive
-    /// the detached output until the backward pass.
+    /// [`Self::forward`] outside any graph (a pass over every row): neither a trainable weight
+    /// (LongLoRA) nor an input that is a graph's leaf records a node, whose saved tensor (a
+    /// `[seq, hidden]` per norm) would outlive the output until the backward pass.
     pub fn value<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
-        let weight = self.weight.val().detach().cast(x.dtype());
-        rms_norm(x.detach(), weight, self.eps as f32, self.saves())
+        let weight = untracked(self.weight.val()).cast(x.dtype());
+        rms_norm(untracked(x), weight, self.eps as f32, self.saves())
     }
 
     /// The norm of the rows `rows: [batch, kept]` of `x: [batch, seq, hidden]`, read from `x`
@@ -131,20 +133,29 @@ impl<B: ComputeBackend> LayerNorm<B> {
     /// Frozen: one op that keeps its output (or, for a weight with a zero entry, its input) for
     /// the backward pass; trainable: the plain tensor ops, which give the parameters' gradients.
     pub fn forward<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        self.normalize(x, |p| p.val())
+    }
+
+    /// [`Self::forward`] outside any graph (a pass over every row, see [`RmsNorm::value`]).
+    pub fn value<const D: usize>(&self, x: Tensor<B, D>) -> Tensor<B, D> {
+        self.normalize(untracked(x), |p| untracked(p.val()))
+    }
+
+    /// [`Self::forward`] with the parameters as `parameter` reads them.
+    fn normalize<const D: usize>(
+        &self,
+        x: Tensor<B, D>,
+        parameter: impl Fn(&Param<Tensor<B, 1>>) -> Tensor<B, 1>,
+    ) -> Tensor<B, D> {
+        let weight = self.weight.as_ref().map(&parameter);
+        let bias = self.bias.as_ref().map(&parameter);
         if !self.trainable() {
             let saves = if self.invertible {
                 NormSaves::Output
             } else {
                 NormSaves::Input
             };
-            let value = |p: &Param<Tensor<B, 1>>| p.val();
-            return layer_norm(
-                x,
-                self.weight.as_ref().map(value),
-                self.bias.as_ref().map(value),
-                self.eps as f32,
-                saves,
-            );
+            return layer_norm(x, weight, bias, self.eps as f32, saves);
         }
         let dtype = x.dtype();
         let x = x.cast(DType::F32);
@@ -152,11 +163,11 @@ impl<B: ComputeBackend> LayerNorm<B> {
         let centered = x - mean;
         let variance = centered.clone().square().mean_dim(D - 1);
         let mut y = centered.div(variance.add_scalar(self.eps).sqrt());
-        if let Some(weight) = &self.weight {
-            y = y * weight.val().cast(DType::F32).unsqueeze();
+        if let Some(weight) = weight {
+            y = y * weight.cast(DType::F32).unsqueeze();
         }
-        if let Some(bias) = &self.bias {
-            y = y + bias.val().cast(DType::F32).unsqueeze();
+        if let Some(bias) = bias {
+            y = y + bias.cast(DType::F32).unsqueeze();
         }
         y.cast(dtype)
     }

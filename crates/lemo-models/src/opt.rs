@@ -18,7 +18,7 @@ use lemo_kernels::{AttentionOptions, LemoBackend, attention::attention};
 use lemo_sparsity::informativeness::{self, BlockScoring};
 
 use crate::Result;
-use crate::block_pass::BlockPass;
+use crate::block_pass::{BlockPass, untracked};
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::OptConfig;
 use crate::decoder::{Decoder, RowActivations, SparseBlock};
@@ -93,7 +93,7 @@ impl<B: LemoBackend> OptAttention<B> {
         x: Tensor<B, 3>,
         scoring: Option<BlockScoring>,
     ) -> BlockPass<B, AttentionProducts<B>> {
-        let x = x.detach();
+        let x = untracked(x);
         let (q, q_product) = self.q_proj.pass(x.clone());
         let (k, k_product) = self.k_proj.pass(x.clone());
         let (v, v_product) = self.v_proj.pass(x);
@@ -229,7 +229,7 @@ impl<B: LemoBackend> OptLayer<B> {
         x: Tensor<B, 3>,
         scoring: Option<BlockScoring>,
     ) -> BlockPass<B, MlpProducts<B>> {
-        let x = x.detach();
+        let x = untracked(x);
         let (fc1, fc1_product) = self.fc1.pass(x);
         let activations = relu(fc1);
         let scores =
@@ -245,19 +245,20 @@ impl<B: LemoBackend> OptLayer<B> {
         }
     }
 
-    /// What the attention block's projections read: the normalized input (pre-norm) or the
-    /// input itself (post-norm).
+    /// What the attention block's projections read in a pass over every row, outside the graph:
+    /// the normalized input (pre-norm) or the input itself (post-norm).
     fn attention_input(&self, h: Tensor<B, 3>) -> Tensor<B, 3> {
         if self.norm_before {
-            self.self_attn_layer_norm.forward(h)
+            self.self_attn_layer_norm.value(h)
         } else {
             h
         }
     }
 
+    /// [`Self::attention_input`] of the MLP block.
     fn mlp_input(&self, a: Tensor<B, 3>) -> Tensor<B, 3> {
         if self.norm_before {
-            self.final_layer_norm.forward(a)
+            self.final_layer_norm.value(a)
         } else {
             a
         }

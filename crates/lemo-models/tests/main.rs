@@ -1,6 +1,7 @@
 //! The models' tests against outside references (transformers, PyTorch autograd, llama.cpp,
 //! llama2.c), one module per subject. One test binary, so that the backends' generic code is
-//! compiled once; `loader_fuzz` installs its own global allocator and keeps a binary of its own.
+//! compiled once; `loader_fuzz` and `pass_memory` install their own global allocators and keep
+//! binaries of their own.
 
 mod chat;
 mod common;
