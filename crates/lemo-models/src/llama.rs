@@ -20,7 +20,7 @@ use lemo_kernels::{AttentionOptions, LemoBackend};
 use lemo_sparsity::informativeness::{self, BlockScoring};
 
 use crate::Result;
-use crate::block_pass::{BlockPass, untracked};
+use crate::block_pass::BlockPass;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::LlamaConfig;
 use crate::decoder::{Decoder, RowActivations, SparseBlock};
@@ -136,7 +136,6 @@ impl<B: LemoBackend> LlamaAttention<B> {
         scoring: Option<BlockScoring>,
         split: Option<&SequenceSplit>,
     ) -> BlockPass<B, AttentionProducts<B>> {
-        let x = untracked(x);
         let projections = [&self.q_proj, &self.k_proj, &self.v_proj];
         let [(q, q_product), (k, k_product), (v, v_product)] =
             projections.map(|p| p.pass(x.clone()));
@@ -251,7 +250,6 @@ impl<B: LemoBackend> LlamaMlp<B> {
     /// The block on every row of `x` outside the graph, with the token-block informativeness
     /// of `silu(gate) * up` when `scoring` is given.
     fn pass(&self, x: Tensor<B, 3>, scoring: Option<BlockScoring>) -> BlockPass<B, MlpProducts<B>> {
-        let x = untracked(x);
         let (gate, gate_product) = self.gate_proj.pass(x.clone());
         let (up, up_product) = self.up_proj.pass(x);
         let activations = swiglu(gate, up);

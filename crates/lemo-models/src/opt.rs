@@ -18,7 +18,7 @@ use lemo_kernels::{AttentionOptions, LemoBackend, attention::attention};
 use lemo_sparsity::informativeness::{self, BlockScoring};
 
 use crate::Result;
-use crate::block_pass::{BlockPass, untracked};
+use crate::block_pass::BlockPass;
 use crate::cache::{LayerCache, append_to_cache};
 use crate::config::OptConfig;
 use crate::decoder::{Decoder, RowActivations, SparseBlock};
@@ -93,7 +93,6 @@ impl<B: LemoBackend> OptAttention<B> {
         x: Tensor<B, 3>,
         scoring: Option<BlockScoring>,
     ) -> BlockPass<B, AttentionProducts<B>> {
-        let x = untracked(x);
         let (q, q_product) = self.q_proj.pass(x.clone());
         let (k, k_product) = self.k_proj.pass(x.clone());
         let (v, v_product) = self.v_proj.pass(x);
@@ -229,7 +228,6 @@ impl<B: LemoBackend> OptLayer<B> {
         x: Tensor<B, 3>,
         scoring: Option<BlockScoring>,
     ) -> BlockPass<B, MlpProducts<B>> {
-        let x = untracked(x);
         let (fc1, fc1_product) = self.fc1.pass(x);
         let activations = relu(fc1);
         let scores =
